@@ -1,0 +1,68 @@
+"""Prefill cost model: seconds to compute q new tokens on top of c cached ones.
+
+    cost(q, c) = a + b*q + d*q*c + e*q*q
+
+The four terms are the fixed launch cost, the per-token GEMM work, attention against the cached
+prefix and attention among the new tokens. ``deepinfer calibrate`` times real forward passes and
+fits the coefficients by least squares; the result is stored per platform and model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class CostModel:
+    a: float
+    b: float
+    d: float
+    e: float
+    platform: str = ""
+    model_fingerprint: str = ""
+
+    def cost(self, q: int, c: int) -> float:
+        return self.a + self.b * q + self.d * q * c + self.e * q * q
+
+    def max_tokens(self, c: int, budget_s: float, cap: int) -> int:
+        """Largest q <= cap with cost(q, c) <= budget_s (0 if even one token does not fit)."""
+        if cap <= 0 or self.cost(1, c) > budget_s:
+            return 0
+        if self.cost(cap, c) <= budget_s:
+            return cap
+        lo, hi = 1, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.cost(mid, c) <= budget_s else (lo, mid - 1)
+        return lo
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, float]], **meta) -> CostModel:
+        """Least-squares fit on (q, c, seconds) samples; coefficients clamped to be >= 0."""
+        import torch
+
+        X = torch.tensor([[1.0, q, q * c, q * q] for q, c, _ in samples], dtype=torch.float64)
+        y = torch.tensor([[t] for _, _, t in samples], dtype=torch.float64)
+        scale = X.abs().amax(0).clamp(min=1e-12)
+        coef = torch.linalg.lstsq(X / scale, y).solution[:, 0] / scale
+        a, b, d, e = (max(float(v), 0.0) for v in coef)
+        return cls(a, b, d, e, **meta)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> CostModel:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DEEPINFER_CACHE_DIR") or Path.home() / ".cache" / "deepinfer")
+
+
+def default_path(platform: str, model_fingerprint: str) -> Path:
+    return cache_dir() / "cost_models" / f"{platform}-{model_fingerprint}.json"

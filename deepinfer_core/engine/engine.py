@@ -1,0 +1,375 @@
+"""The engine: one model replica, its KV cache, scheduler and step loop.
+
+    step():  schedule -> prepare -> forward -> sample -> postprocess
+
+The phases are kept separate so that a platform with asynchronous execution can run
+``schedule(N+1)`` while ``forward(N)`` is still on the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_core import plugins
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.cost_model import CostModel, default_path
+from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
+from deepinfer_core.engine.sampler import Sampler
+from deepinfer_core.engine.sequence import Sequence, Status
+from deepinfer_core.engine.tokenizer import HFTokenizer
+from deepinfer_core.features import load_features, make_plugin_manager
+from deepinfer_core.kernels import Kernels
+from deepinfer_core.models.loader import load_model, load_model_config, resolve_model_dir
+from deepinfer_core.outputs import Logprob
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.scheduler import SchedulerBudget, SchedulerOutput
+from deepinfer_core.selection import select_platform
+
+logger = logging.getLogger("deepinfer.engine")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_time: float = 0.0  # wall time inside step()
+    forward_time: float = 0.0  # model forward + logits, synchronised
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def overhead_share(self) -> float:
+        return 0.0 if self.step_time == 0 else 1.0 - self.forward_time / self.step_time
+
+
+def model_fingerprint(model_dir, dtype: torch.dtype) -> str:
+    """Stable id of the weights: config, shard headers and a sample of each shard's data."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    h.update(str(dtype).encode())
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            h.update(f.read(n))
+            h.update(f.read(1 << 16))
+    return h.hexdigest()[:16]
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
+        self.platform = select_platform(cfg.accelerator)
+        backend = plugins.load("deepinfer.kernels", self.platform.kernel_backend, what="kernel backend")
+        reference = plugins.load("deepinfer.kernels", "reference", what="kernel backend")
+        self.kernels = Kernels(backend, reference)
+        self.device = self.platform.device(0)
+        self.pm = make_plugin_manager()
+        self.features = load_features(cfg, self.pm)
+
+        self.model_dir = resolve_model_dir(cfg.model)
+        self.model_config = load_model_config(self.model_dir)
+        mc = self.model_config
+        self.dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else self.platform.preferred_dtypes()[0]
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
+        self.fingerprint = model_fingerprint(self.model_dir, self.dtype)
+        self.model = self.build_model()
+
+        self.block_size = cfg.block_size
+        self.kv_caches = self._allocate_kv_cache()
+        self.blocks = BlockManager(self.kv_caches[0].shape[0], self.block_size, self.kv_caches,
+                                   cfg.enable_prefix_caching)
+        self.blocks.on_evict = self._on_evict
+        self.cost_model = self._load_cost_model()
+        budget = SchedulerBudget(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.compute_quota_limit,
+                                 self.max_model_len)
+        scheduler_cls = plugins.load("deepinfer.schedulers", cfg.scheduler, what="scheduler")
+        self.scheduler = scheduler_cls(budget, self.blocks, self.cost_model)
+        self.scheduler.is_ready = self._is_ready
+        self.scheduler.admit_prefix = self._admit_prefix
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, self.device)
+        self.sampler = Sampler(self.kernels, mc.vocab_size, self.device)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._next_id = 0
+        self.pm.hook.engine_started(engine=self)
+
+    # ---- construction -------------------------------------------------------------------
+    def build_model(self, expert_range=None):
+        return load_model(self.kernels, self.model_dir, self.model_config, self.dtype, self.device,
+                          self.max_model_len, expert_range)
+
+    def _allocate_kv_cache(self) -> list[torch.Tensor]:
+        mc, cfg = self.model_config, self.cfg
+        per_block = mc.num_hidden_layers * self.block_size * mc.kv_entry_dim * self.dtype.itemsize
+        wanted = cfg.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
+        if isinstance(cfg.kv_cache_memory, int):
+            num = cfg.kv_cache_memory // per_block
+        else:
+            free, _ = self.platform.memory_info()
+            share = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else self.platform.kv_cache_memory_fraction
+            num = min(int(free * share) // per_block, wanted)
+        min_blocks = math.ceil(self.max_model_len / self.block_size) if cfg.kv_cache_memory is None else 1
+        num = max(num, min_blocks)
+        if num < 2:
+            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory} holds {num} KV blocks of {per_block} bytes; "
+                             "at least 2 are needed")
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num, self.block_size, num * per_block / 2**20)
+        return [torch.zeros(num, self.block_size, mc.kv_entry_dim, dtype=self.dtype, device=self.device)
+                for _ in range(mc.num_hidden_layers)]
+
+    def _load_cost_model(self) -> CostModel | None:
+        path = self.cfg.cost_model or default_path(self.platform.name, self.fingerprint)
+        try:
+            return CostModel.load(path)
+        except FileNotFoundError:
+            if self.cfg.compute_quota_limit is not None:
+                logger.warning("compute_quota_limit is set but no cost model at %s; run `deepinfer calibrate` "
+                               "first. Prefill is limited by max_num_batched_tokens only.", path)
+            return None
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, prompt: str | dict | list, params: SamplingParams | dict | None,
+                    request_id: str | None = None) -> Sequence:
+        """Validate and queue a request. Bad input raises ValueError/TypeError naming the field."""
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate(self.model_config.vocab_size)
+        text, ids = self._prompt_ids(prompt)
+        seed = params.seq_seed if params.seq_seed is not None else secrets.randbits(63)
+        eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
+        seq = Sequence(request_id, text, ids, params, seed, eos)
+        self.pm.hook.request_added(engine=self, request=seq)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = None, prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise TypeError("prompt_token_ids must be a list of ints")
+        else:
+            raise TypeError(f"prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        V = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {V})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's maximum length is {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        return text, list(ids)
+
+    def abort(self, request_id: str, reason: str = "abort", error: BaseException | None = None) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, reason, error=error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- hooks the scheduler calls ------------------------------------------------------
+    def _is_ready(self, seq: Sequence) -> bool:
+        try:
+            ready = self.pm.hook.request_ready(engine=self, request=seq)
+        except Exception as exc:  # a feature failed this request alone
+            self._finish(seq, "error", error=exc, remove_from_scheduler=False)
+            return False
+        return ready is not False
+
+    def _admit_prefix(self, seq: Sequence) -> int:
+        if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        hashes = self.blocks.prefix_hashes(seq)
+        n_dev = self.blocks.acquire_cached(seq, hashes)
+        n_total = n_dev
+        ext = self.pm.hook.match_external_prefix(engine=self, request=seq, block_hashes=hashes,
+                                                 num_device_blocks=n_dev)
+        if ext and ext > n_dev and self.blocks.num_free >= ext - n_dev:
+            self.blocks.allocate(seq, ext * self.block_size)
+            new_ids = seq.block_table[n_dev:ext]
+            self.pm.hook.load_external_blocks(engine=self, request=seq, block_ids=new_ids,
+                                              block_hashes=hashes[n_dev:ext])
+            seq.block_hashes = []  # re-registered below, now that the blocks hold the data
+            seq.num_computed_tokens = ext * self.block_size
+            self.blocks.register_full_blocks(seq)
+            n_total = ext
+            seq.metrics.num_cached_tokens_by_tier["external"] = (ext - n_dev) * self.block_size
+        cached = n_total * self.block_size
+        if n_dev:
+            seq.metrics.num_cached_tokens_by_tier["device"] = n_dev * self.block_size
+        seq.metrics.num_cached_tokens = cached
+        return cached
+
+    def _on_evict(self, hashes: list[int], block_ids: list[int]) -> None:
+        self.pm.hook.blocks_evicted(engine=self, block_hashes=hashes, block_ids=block_ids)
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        finished = [s for s in self._seqs.values() if s.is_finished]
+        if not out:
+            self._drop(finished)
+            if self.scheduler.has_work() and not finished:
+                self._fail_stuck()
+            return finished
+        now = time.perf_counter()
+        for s in out.prefills:
+            self.stats.prefill_tokens += s.num_new_tokens
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = now
+        batch = self.runner.prepare(out)
+        tf = time.perf_counter()
+        tokens = self.pm.hook.execute_decode(engine=self, batch=batch)
+        if tokens is None:
+            logits = self.runner.forward(batch)
+            self.platform.synchronize()
+            self.stats.forward_time += time.perf_counter() - tf
+            self._postprocess(batch, out, logits)
+        finished += [s for s in self._seqs.values() if s.is_finished and s not in finished]
+        self._drop(finished)
+        self.stats.steps += 1
+        self.stats.preemptions += len(out.preempted)
+        self.stats.step_time += time.perf_counter() - t0
+        self.pm.hook.step_finished(engine=self, step_stats=self.stats)
+        return finished
+
+    def _postprocess(self, batch: StepBatch, out: SchedulerOutput, logits: torch.Tensor) -> None:
+        for seq, first, count, start in batch.prompt_lp:
+            self._record_prompt_logprobs(seq, first, count, logits[start : start + count])
+        sample_logits = logits[batch.sample_rows] if batch.sample_seqs else None
+        if sample_logits is not None:
+            self.pm.hook.process_logits(engine=self, batch=batch, logits=sample_logits)
+        for s in batch.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
+                s.seq.metrics.num_computed_prompt_tokens += s.num_new_tokens
+            self.blocks.register_full_blocks(s.seq)
+        if sample_logits is None:
+            return
+        result = self.sampler(sample_logits, batch.sample_seqs, [s.num_tokens for s in batch.sample_seqs])
+        self.append_tokens(batch.sample_seqs, [[t] for t in result.tokens], [[lp] for lp in result.logprobs],
+                           [[tp] for tp in result.top])
+        self.pm.hook.tokens_sampled(engine=self, batch=batch, token_ids=result.tokens)
+
+    def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]],
+                      tops: list[list] | None = None) -> None:
+        """Append accepted tokens to requests and finish those that stop (also used by speculation)."""
+        now = time.perf_counter()
+        for i, seq in enumerate(seqs):
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            for j, tok in enumerate(tokens[i]):
+                seq.token_ids.append(tok)
+                seq.sum_logprob += logprobs[i][j]
+                self.stats.decode_tokens += 1
+                if seq.params.logprobs is not None:
+                    entry = {tok: Logprob(logprobs[i][j])}
+                    for rank, (t, lp) in enumerate((tops[i][j] if tops else None) or [], start=1):
+                        entry.setdefault(t, Logprob(lp, rank=rank))
+                    seq.output_logprobs.append(entry)
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    self._finish(seq, *reason)
+                    break
+
+    def _stop_reason(self, seq: Sequence, tok: int):
+        p = seq.params
+        if tok in seq.eos_token_ids:
+            return "stop", None
+        if tok in p.stop_token_ids:
+            return "stop", tok
+        if p.stop:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            for s in p.stop:
+                if s in text:
+                    return "stop", s
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None, error: BaseException | None = None,
+                remove_from_scheduler: bool = True) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason, seq.stop_reason, seq.error = reason, stop_reason, error
+        seq.metrics.finished_time = time.perf_counter()
+        n = seq.num_output_tokens
+        if n:
+            seq.metrics.decode_ppl = math.exp(-seq.sum_logprob / n)
+        if remove_from_scheduler:
+            self.scheduler.finish(seq)
+        else:
+            self.blocks.release(seq)
+        self.pm.hook.request_finished(engine=self, request=seq)
+
+    def _drop(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            self._seqs.pop(seq.request_id, None)
+            if seq in getattr(self.scheduler, "waiting", ()):
+                self.scheduler.waiting.remove(seq)
+
+    def _fail_stuck(self) -> None:
+        """Nothing could be scheduled although requests wait: a request that can never fit fails
+        alone instead of hanging the engine."""
+        waiting = [s for s in self._seqs.values() if not s.is_finished and s.status == Status.WAITING]
+        ready = [s for s in waiting if self._is_ready(s)]
+        if ready and self.scheduler.num_running() == 0:
+            seq = ready[0]
+            need = -(-seq.num_tokens // self.block_size)
+            self._finish(seq, "error", error=RuntimeError(
+                f"request {seq.request_id} needs {need} KV blocks but the cache has {self.blocks.num_blocks}; "
+                "raise kv_cache_memory"))
+
+    def _record_prompt_logprobs(self, seq: Sequence, first: int, count: int, logits: torch.Tensor) -> None:
+        targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + count], device=logits.device)
+        lse = torch.logsumexp(logits, dim=-1)
+        own = (logits.gather(1, targets[:, None])[:, 0] - lse).tolist()
+        n = seq.params.prompt_logprobs
+        tops = None
+        if n:
+            vals, idx = logits.topk(n, dim=-1)
+            tops = (idx.tolist(), (vals - lse[:, None]).tolist())
+        for j, tok in enumerate(targets.tolist()):
+            entry = {tok: Logprob(own[j])}
+            if tops:
+                for rank, (t, lp) in enumerate(zip(tops[0][j], tops[1][j]), start=1):
+                    entry.setdefault(t, Logprob(lp, rank=rank))
+            seq.prompt_logprobs.append(entry)
+
+    # ---- metrics and shutdown -----------------------------------------------------------
+    def metrics(self) -> dict:
+        out = {
+            "steps": self.stats.steps, "prefill_tokens": self.stats.prefill_tokens,
+            "decode_tokens": self.stats.decode_tokens, "preemptions": self.stats.preemptions,
+            "overhead_share": self.stats.overhead_share, "kv_blocks_free": self.blocks.num_free,
+            "kv_blocks_total": self.blocks.num_blocks,
+        }
+        for extra in self.pm.hook.collect_metrics(engine=self):
+            out.update(extra or {})
+        return out
+
+    def shutdown(self) -> None:
+        self.pm.hook.engine_shutdown(engine=self)

@@ -1,0 +1,72 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from deepinfer_core.outputs import Logprob, RequestMetrics
+from deepinfer_core.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids, KV blocks and progress of one request.
+
+    ``num_computed_tokens`` tokens have KV in the cache. A step computes ``num_new_tokens`` more;
+    when that reaches ``num_tokens`` the step samples the next token.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, seed: int, eos_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of the full blocks computed so far
+        self.num_computed_tokens = 0
+        self.arrival_index = 0  # FCFS order, set by the scheduler
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: BaseException | None = None
+        self.output_logprobs: list[dict[int, Logprob]] = []
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None] if params.prompt_logprobs is not None else []
+        self.sum_logprob = 0.0
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.feature_state: dict = {}  # per-request state owned by feature plugins
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token still lacks KV (a prompt, or a resumed request being recomputed)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"{self.status.value})")

@@ -1,0 +1,86 @@
+"""The engine's extension points, as pluggy hook specifications.
+
+A feature plugin (``deepinfer.features`` entry point) is a :class:`deepinfer_core.features.Feature`
+subclass whose instance is registered with pluggy. It implements any of the hooks below by defining
+a method of the same name decorated with ``@hookimpl``; it may take fewer arguments than the spec.
+Hooks are called in the engine process (rank 0 driver) unless noted.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "deepinfer"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def engine_started(engine) -> None:
+    """The engine is built (model loaded, KV cache allocated). Attach draft models, stores, maps."""
+
+
+@hookspec
+def engine_shutdown(engine) -> None:
+    """The engine is closing: stop threads, flush files."""
+
+
+@hookspec
+def request_added(engine, request) -> None:
+    """A request passed core validation. Check feature-specific options, start async work
+    (e.g. grammar compilation). Raise ValueError to fail this request alone."""
+
+
+@hookspec(firstresult=True)
+def request_ready(engine, request) -> bool | None:
+    """May a waiting request be scheduled now? Return False to hold it (e.g. grammar still
+    compiling, KV blocks still being fetched). Raise to fail it alone."""
+
+
+@hookspec(firstresult=True)
+def match_external_prefix(engine, request, block_hashes, num_device_blocks) -> int | None:
+    """Number of leading full blocks (>= num_device_blocks) another KV tier can supply for the
+    request's hash chain. Metadata only; the tier then fetches them off the step loop."""
+
+
+@hookspec
+def load_external_blocks(engine, request, block_ids, block_hashes) -> None:
+    """Copy the fetched blocks for ``block_hashes`` into device blocks ``block_ids`` before the
+    request's first forward."""
+
+
+@hookspec
+def blocks_evicted(engine, block_hashes, block_ids) -> None:
+    """Full device blocks are about to be reused: a lower tier may copy them out first."""
+
+
+@hookspec(firstresult=True)
+def execute_decode(engine, batch) -> object | None:
+    """Take over the decode part of a step (speculative decoding). Return the step's sampled
+    tokens per request, or None to let the engine decode normally."""
+
+
+@hookspec
+def process_logits(engine, batch, logits) -> None:
+    """Edit next-token logits in place before sampling (e.g. grammar masks).
+    ``logits`` is [rows, vocab]; ``batch.logit_rows`` maps rows to requests."""
+
+
+@hookspec
+def tokens_sampled(engine, batch, token_ids) -> None:
+    """Tokens were appended to requests (advance grammar matchers, count accepts)."""
+
+
+@hookspec
+def step_finished(engine, step_stats) -> None:
+    """A step ended (a safe point to move expert weights or rebalance)."""
+
+
+@hookspec
+def request_finished(engine, request) -> None:
+    """A request finished or failed (offload its KV, free its matcher)."""
+
+
+@hookspec
+def collect_metrics(engine) -> dict | None:
+    """Return metrics to merge into ``engine.metrics()``."""

@@ -1,0 +1,149 @@
+"""The kernel interface: a registry of named ops.
+
+``kernels_cpu`` defines what every op means, in plain torch that runs on any device. A kernel
+backend (``deepinfer.kernels`` entry point) may override any subset; a missing op falls back to
+the reference, and the fallback is logged and listed by ``deepinfer plugins``.
+
+Backends name their ops lazily as ``"module:function"`` strings so that listing a backend never
+imports its heavy dependencies (TileLang, torch_npu, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger("deepinfer.kernels")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    signature: str
+    doc: str
+
+
+#: Every op the engine calls. Shapes: T tokens, B sequences, H heads, D head dim, E experts.
+OP_SPECS: tuple[OpSpec, ...] = (
+    OpSpec("linear", "(x[..., K], w[N, K], bias[N] | None) -> [..., N]", "y = x @ w.T + bias"),
+    OpSpec("rms_norm", "(x[T, C], w[C], eps) -> [T, C]", "RMSNorm computed in float32, cast back"),
+    OpSpec(
+        "add_rms_norm",
+        "(x[T, C], residual[T, C], w[C], eps) -> (normed[T, C], new_residual[T, C])",
+        "new_residual = x + residual; normed = rms_norm(new_residual)",
+    ),
+    OpSpec("silu_and_mul", "(x[T, 2I]) -> [T, I]", "silu(x[:, :I]) * x[:, I:]"),
+    OpSpec(
+        "rope",
+        "(x[T, N, D], positions[T], cos_sin[P, D]) -> [T, N, D]",
+        "rotate interleaved pairs (x[2i], x[2i+1]) by angle pos*freq_i; cos_sin = [cos | sin]",
+    ),
+    OpSpec(
+        "paged_kv_write",
+        "(cache[NB, BS, D], slot_mapping[T], kv[T, D]) -> None",
+        "cache.view(-1, D)[slot] = kv for every slot >= 0 (in place)",
+    ),
+    OpSpec(
+        "paged_kv_gather",
+        "(cache[NB, BS, D], block_tables[B, M], seq_lens[B]) -> [sum(seq_lens), D]",
+        "the first seq_lens[b] cached tokens of each sequence, concatenated",
+    ),
+    OpSpec(
+        "mla_decode",
+        "(q[T, H, D], cache[NB, BS, D], block_tables[B, M], cu_q_lens[B+1], seq_lens[B], scale, dv)"
+        " -> [T, H, dv]",
+        "absorbed MLA over the paged latent cache (h_kv = 1, K = cache, V = cache[..., :dv]); query j "
+        "of sequence b sits at position seq_lens[b] - q_len_b + j and sees keys 0..position",
+    ),
+    OpSpec(
+        "mla_prefill",
+        "(q[T, H, Dqk], k[S, H, Dqk], v[S, H, Dv], cu_q_lens[B+1], cu_k_lens[B+1], scale) -> [T, H, Dv]",
+        "expanded causal attention; each sequence's queries are the last q_len of its k_len keys",
+    ),
+    OpSpec(
+        "moe_route",
+        "(logits[T, E], bias[E] | None, top_k, scoring, n_group, topk_group, group_score, renormalize,"
+        " scale) -> (weights[T, k] f32, ids[T, k] i64)",
+        "DeepSeek gate: softmax|sigmoid scores, group-limited selection (group_score max|top2sum) on "
+        "scores+bias, weights from unbiased scores, optional renormalisation, times scale",
+    ),
+    OpSpec(
+        "fused_moe",
+        "(x[T, C], w13[E, 2I, C], w2[E, C, I], weights[T, k], ids[T, k]) -> [T, C]",
+        "sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) for e = ids[t, j]; ids outside "
+        "[0, E) are skipped (experts owned by another rank)",
+    ),
+    OpSpec(
+        "apply_penalties",
+        "(logits[B, V], prompt_mask[B, V], output_counts[B, V], repetition[B], presence[B], frequency[B])"
+        " -> [B, V]",
+        "vLLM-style repetition (on prompt and output tokens), presence and frequency penalties",
+    ),
+    OpSpec(
+        "sample",
+        "(logits[B, V] f32, temperature[B], top_k[B], top_p[B], min_p[B], seeds[B], offsets[B]) -> [B]",
+        "greedy where temperature == 0; else temperature, top-k, top-p, min-p, then a draw from a "
+        "counter-based RNG keyed by (seed, offset) so results do not depend on the batch",
+    ),
+)
+
+OP_NAMES: tuple[str, ...] = tuple(s.name for s in OP_SPECS)
+
+
+class KernelBackend:
+    """A set of op implementations. Subclass, set ``name``, ``core_api_version`` and ``ops``.
+
+    ``ops`` maps op names from :data:`OP_SPECS` to ``"module:function"`` import paths, imported
+    only when the op is first resolved.
+    """
+
+    name: str = ""
+    core_api_version: str = ""
+    ops: dict[str, str] = {}
+
+    @classmethod
+    def overrides(cls) -> list[str]:
+        """Names of the ops this backend implements itself."""
+        unknown = sorted(set(cls.ops) - set(OP_NAMES))
+        if unknown:
+            raise ValueError(f"kernel backend {cls.name!r} names unknown ops {unknown}; known: {OP_NAMES}")
+        return [n for n in OP_NAMES if n in cls.ops]
+
+
+def import_path(path: str) -> Callable:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class Kernels:
+    """Resolved ops for one platform: the backend's own where it has them, the reference elsewhere."""
+
+    def __init__(self, backend: type[KernelBackend], reference: type[KernelBackend]) -> None:
+        self.backend_name = backend.name
+        self.fallbacks: list[str] = []
+        self._fns: dict[str, Callable] = {}
+        for name in OP_NAMES:
+            if name in backend.ops:
+                self._fns[name] = import_path(backend.ops[name])
+            else:
+                self._fns[name] = import_path(reference.ops[name])
+                if backend is not reference:
+                    self.fallbacks.append(name)
+        if self.fallbacks:
+            logger.info(
+                "kernel backend %r has no %s; using the reference ops", backend.name, ", ".join(self.fallbacks)
+            )
+
+    def override(self, name: str, fn: Callable) -> None:
+        """Replace one op (used by features such as batch-invariant mode)."""
+        if name not in self._fns:
+            raise KeyError(f"unknown op {name!r}; known: {OP_NAMES}")
+        self._fns[name] = fn
+
+    def __getattr__(self, name: str) -> Callable:
+        try:
+            return self.__dict__["_fns"][name]
+        except KeyError:
+            raise AttributeError(f"no kernel op named {name!r}; known: {OP_NAMES}") from None

@@ -1,0 +1,80 @@
+"""The KV block store interface.
+
+A KV block is the cache of ``block_size`` consecutive tokens for every layer. Its key is the
+prefix-hash-chain value of the tokens up to and including the block (see
+``deepinfer_core.engine.hashing``), so equal keys mean equal KV. The engine's device cache and the
+persistent tiers (host memory, 3FS, ...) implement this interface; stores are plugins in the
+``deepinfer.kv_stores`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KVStoreStats:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    errors: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a block holds, recorded with every persistent block so a mismatch is a miss."""
+
+    model_fingerprint: str
+    num_layers: int
+    block_size: int
+    entry_dim: int  # values per token per layer (kv_lora_rank + qk_rope_head_dim)
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.block_size, self.entry_dim)
+
+
+class KVStore(ABC):
+    """A store of KV blocks keyed by content hash."""
+
+    core_api_version: str = ""
+
+    @abstractmethod
+    def contains(self, key: int) -> bool:
+        """Whether ``key`` is held (metadata only; no data is read)."""
+
+    def match_prefix(self, keys: Sequence[int]) -> int:
+        """How many leading keys of a hash chain are held (metadata only)."""
+        n = 0
+        for key in keys:
+            if not self.contains(key):
+                break
+            n += 1
+        return n
+
+    @abstractmethod
+    def put(self, key: int, block: torch.Tensor, **meta) -> bool:
+        """Store ``block`` ([layers, block_size, entry_dim]) under ``key``. False when not stored."""
+
+    @abstractmethod
+    def get(self, key: int) -> torch.Tensor | None:
+        """The block stored under ``key``, or None on a miss (including a corrupt record)."""
+
+    @abstractmethod
+    def evict(self, key: int) -> bool:
+        """Drop ``key``; True when it was held."""
+
+    def stats(self) -> KVStoreStats:
+        return KVStoreStats()
+
+    def close(self) -> None:
+        """Release files, threads and memory."""

@@ -1,0 +1,215 @@
+"""DeepSeek V2 / V2-Lite / V3 for inference: MLA attention over a paged latent cache, and MoE.
+
+Shapes: T tokens in the step, C hidden size, H heads, L kv_lora_rank, R qk_rope_head_dim,
+N qk_nope_head_dim, V v_head_dim, E local experts, I expert width.
+
+Every numerical op goes through ``self.k`` (the platform's resolved kernels), so a backend
+speeds the model up without touching this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from deepinfer_core.kernels import Kernels
+from deepinfer_core.models.config import ModelConfig
+from deepinfer_core.models.metadata import AttentionMetadata
+from deepinfer_core.models.rope import rope_cache
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, k: Kernels, dim: int, eps: float) -> None:
+        super().__init__()
+        self.k, self.eps, self.weight = k, eps, _param(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.rms_norm(x, self.weight, self.eps)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention. The cache holds [normed latent L | rotated rope key R] per token."""
+
+    def __init__(self, k: Kernels, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.k, self.cfg = k, cfg
+        H, C, L, R, N, V = (cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                            cfg.qk_nope_head_dim, cfg.v_head_dim)
+        self.H, self.L, self.R, self.N, self.V = H, L, R, N, V
+        if cfg.q_lora_rank is None:
+            self.q_proj = _param(H * (N + R), C)
+        else:
+            self.q_a_proj = _param(cfg.q_lora_rank, C)
+            self.q_a_layernorm = RMSNorm(k, cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = _param(H * (N + R), cfg.q_lora_rank)
+        self.kv_a_proj_with_mqa = _param(L + R, C)
+        self.kv_a_layernorm = RMSNorm(k, L, 1e-6)
+        self.kv_b_proj = _param(H * (N + V), L)
+        self.o_proj = _param(C, H * V)
+        self.scale = cfg.softmax_scale
+        self.w_uk: torch.Tensor | None = None  # [H, N, L], derived from kv_b_proj after loading
+        self.w_uv: torch.Tensor | None = None  # [H, V, L]
+
+    def post_load(self) -> None:
+        kv_b = self.kv_b_proj.view(self.H, self.N + self.V, self.L)
+        self.w_uk = kv_b[:, : self.N].contiguous()
+        self.w_uv = kv_b[:, self.N :].contiguous()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+        k, T = self.k, x.shape[0]
+        if self.cfg.q_lora_rank is None:
+            q = k.linear(x, self.q_proj)
+        else:
+            q = k.linear(self.q_a_layernorm(k.linear(x, self.q_a_proj)), self.q_b_proj)
+        q = q.view(T, self.H, self.N + self.R)
+        q_nope, q_pe = q.split([self.N, self.R], dim=-1)  # [T, H, N], [T, H, R]
+        q_pe = k.rope(q_pe, positions, cos_sin)
+
+        latent, k_pe = k.linear(x, self.kv_a_proj_with_mqa).split([self.L, self.R], dim=-1)
+        entry = torch.cat((self.kv_a_layernorm(latent), k.rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
+        k.paged_kv_write(cache, meta.slot_mapping, entry)  # entry: [T, L + R]
+
+        out = x.new_empty(T, self.H, self.V)
+        P = meta.num_prefill_tokens
+        if meta.prefill is not None:
+            out[:P] = self._prefill(q_nope[:P], q_pe[:P], entry[:P], meta, cache)
+        if meta.decode is not None:
+            out[P:] = self._decode(q_nope[P:], q_pe[P:], meta, cache)
+        return k.linear(out.view(T, self.H * self.V), self.o_proj)
+
+    def _prefill(self, q_nope, q_pe, entry, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """Expanded form: K/V for the whole context from kv_b_proj, causal attention per sequence."""
+        pm = meta.prefill
+        if pm.has_prefix:  # chunked prefill or a prefix hit: read the full context back
+            entry = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens)
+        S = entry.shape[0]
+        kv = self.k.linear(entry[:, : self.L], self.kv_b_proj).view(S, self.H, self.N + self.V)
+        k_nope, v = kv.split([self.N, self.V], dim=-1)
+        key = torch.cat((k_nope, entry[:, None, self.L :].expand(S, self.H, self.R)), dim=-1)
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        return self.k.mla_prefill(query, key, v.contiguous(), pm.cu_q_lens, pm.cu_k_lens, self.scale)
+
+    def _decode(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """Absorbed form: fold W_UK into q, attend over latents, then apply W_UV."""
+        dm = meta.decode
+        q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # [T, H, L]
+        q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, L + R]
+        o_lat = self.k.mla_decode(q_abs, cache, dm.block_tables, dm.cu_q_lens, dm.seq_lens, self.scale, self.L)
+        return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)  # [T, H, V]
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with gate and up fused: w13 = [gate; up]."""
+
+    def __init__(self, k: Kernels, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.k, self.w13, self.w2 = k, _param(2 * inter, hidden), _param(hidden, inter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.linear(self.k.silu_and_mul(self.k.linear(x, self.w13)), self.w2)
+
+
+RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class MoE(nn.Module):
+    """Routed experts (this rank holds experts [expert_start, expert_start + E)) plus shared experts."""
+
+    def __init__(self, k: Kernels, cfg: ModelConfig, layer_idx: int, expert_start: int = 0,
+                 num_local: int | None = None) -> None:
+        super().__init__()
+        self.k, self.cfg, self.layer_idx = k, cfg, layer_idx
+        E = cfg.n_routed_experts if num_local is None else num_local
+        self.expert_start, self.num_local = expert_start, E
+        C, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = _param(cfg.n_routed_experts, C)
+        self.e_score_correction_bias = _param(cfg.n_routed_experts) if cfg.topk_method == "noaux_tc" else None
+        self.w13 = _param(E, 2 * I, C)
+        self.w2 = _param(E, C, I)
+        self.shared = MLP(k, C, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        v3 = cfg.topk_method == "noaux_tc"
+        self.renormalize = cfg.norm_topk_prob and (v3 or cfg.num_experts_per_tok > 1)
+        # V2 scales only when it does not renormalise; V3 always scales.
+        self.scale = cfg.routed_scaling_factor if (v3 or not self.renormalize) else 1.0
+        grouped = cfg.topk_method in ("group_limited_greedy", "noaux_tc")
+        self.n_group = cfg.n_group if grouped else 1
+        self.group_score = "top2sum" if v3 else "max"
+        # Set by features: EPLB maps logical experts to replicas and counts loads; EP dispatches.
+        self.route_hook: RouteHook | None = None
+        self.expert_parallel = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logits = self.k.linear(x.float(), self.gate.float())  # router in float32, as the references
+        weights, ids = self.k.moe_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
+                                        cfg.scoring_func, self.n_group, cfg.topk_group, self.group_score,
+                                        self.renormalize, self.scale)
+        if self.route_hook is not None:
+            weights, ids = self.route_hook(self.layer_idx, weights, ids)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if self.expert_parallel is not None:
+            out = self.expert_parallel.run(self, x, weights, ids)
+        else:
+            out = self.k.fused_moe(x, self.w13, self.w2, weights.to(x.dtype), ids - self.expert_start)
+        return out if self.shared is None else out + self.shared(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, k: Kernels, cfg: ModelConfig, i: int, **moe_kw) -> None:
+        super().__init__()
+        self.k, self.eps = k, cfg.rms_norm_eps
+        self.input_layernorm = _param(cfg.hidden_size)
+        self.post_attention_layernorm = _param(cfg.hidden_size)
+        self.self_attn = MLA(k, cfg)
+        self.mlp = MoE(k, cfg, i, **moe_kw) if cfg.is_moe_layer(i) else MLP(k, cfg.hidden_size,
+                                                                            cfg.intermediate_size)
+
+    def forward(self, x, residual, positions, cos_sin, meta, cache):
+        if residual is None:
+            residual, x = x, self.k.rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            x, residual = self.k.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        x = self.self_attn(x, positions, cos_sin, meta, cache)
+        x, residual = self.k.add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(x), residual
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The whole model. ``forward`` returns final hidden states; ``logits`` projects chosen rows."""
+
+    def __init__(self, k: Kernels, cfg: ModelConfig, max_positions: int | None = None, **moe_kw) -> None:
+        super().__init__()
+        self.k, self.cfg = k, cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(k, cfg, i, **moe_kw) for i in range(cfg.num_hidden_layers))
+        self.norm = _param(cfg.hidden_size)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.register_buffer("cos_sin", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
+                             persistent=False)
+
+    def post_load(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.post_load()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed_tokens[input_ids]  # [T, C]
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, cache)
+        x, _ = self.k.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, C] -> [R, vocab] float32."""
+        return self.k.linear(hidden, self.lm_head).float()

@@ -1,0 +1,262 @@
+"""Load a DeepSeek checkpoint in HF format: config.json, safetensors (single or sharded with an
+index), FP8 block-scaled weights, and the tokenizer.
+
+Every expected tensor is named up front from the config, so a missing or wrongly shaped tensor is
+an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from deepinfer_core.models.config import ModelConfig
+from deepinfer_core.models.deepseek import DeepseekForCausalLM, MoE
+
+logger = logging.getLogger("deepinfer.loader")
+EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default_model"
+FP8_BLOCK = 128
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing files or tensors, or has a tensor of the wrong shape."""
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """``model`` if given, else $DEEPINFER_HF_MODEL_DIR, else the embedded default model."""
+    path = model or os.environ.get("DEEPINFER_HF_MODEL_DIR") or str(EMBEDDED_MODEL)
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise CheckpointError(f"model directory {str(p)!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"model directory {str(p)!r} has no config.json")
+    return p
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    with open(model_dir / "config.json") as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{model_dir / 'config.json'} is not valid JSON: {exc}") from exc
+    return ModelConfig.from_dict(raw)
+
+
+class SafetensorsReader:
+    """Tensor lookup by name across a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, model_dir: Path) -> None:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+            if missing:
+                raise CheckpointError(f"checkpoint {str(model_dir)!r} index names missing shard(s): {missing}")
+            self.files = {name: model_dir / f for name, f in weight_map.items()}
+        else:
+            shards = sorted(model_dir.glob("*.safetensors"))
+            if not shards:
+                raise CheckpointError(f"model directory {str(model_dir)!r} has no *.safetensors files")
+            self.files = {}
+            for shard in shards:
+                with safe_open(shard, "pt") as f:
+                    self.files.update({name: shard for name in f.keys()})
+        self._handles: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, "pt")
+        return self._handles[path].get_tensor(name)
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """DeepSeek FP8: e4m3 weight [N, K] times a float32 scale per block x block tile."""
+    n, k = w.shape
+    s = scale_inv.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+    return w.float() * s
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the checkpoint must hold for the main model, with its shape."""
+    C, H = cfg.hidden_size, cfg.num_attention_heads
+    qk, L, R = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, C), "model.norm.weight": (C,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, C)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (C,)
+        out[p + "post_attention_layernorm.weight"] = (C,)
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            out[a + "q_proj.weight"] = (H * qk, C)
+        else:
+            out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, C)
+            out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            out[a + "q_b_proj.weight"] = (H * qk, cfg.q_lora_rank)
+        out[a + "kv_a_proj_with_mqa.weight"] = (L + R, C)
+        out[a + "kv_a_layernorm.weight"] = (L,)
+        out[a + "kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), L)
+        out[a + "o_proj.weight"] = (C, H * cfg.v_head_dim)
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            I = cfg.moe_intermediate_size
+            out[m + "gate.weight"] = (cfg.n_routed_experts, C)
+            if cfg.topk_method == "noaux_tc":
+                out[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+            for e in range(cfg.n_routed_experts):
+                out.update(_mlp_names(f"{m}experts.{e}.", C, I))
+            if cfg.n_shared_experts:
+                out.update(_mlp_names(m + "shared_experts.", C, I * cfg.n_shared_experts))
+        else:
+            out.update(_mlp_names(m, C, cfg.intermediate_size))
+    return out
+
+
+def _mlp_names(prefix: str, C: int, I: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (I, C), prefix + "up_proj.weight": (I, C), prefix + "down_proj.weight": (C, I)}
+
+
+def _rope_rows_to_interleaved(w: torch.Tensor, heads: int, head_dim: int, rope_dim: int) -> torch.Tensor:
+    """Reorder the rope rows of a projection from half-split (x_i, x_{i+R/2}) pairs to interleaved
+    (x_2i, x_2i+1) pairs. Applied to q and k alike, attention scores are unchanged."""
+    w = w.view(heads, head_dim, -1).clone()
+    rope = w[:, head_dim - rope_dim :]
+    order = torch.arange(rope_dim).view(2, rope_dim // 2).t().reshape(-1)
+    w[:, head_dim - rope_dim :] = rope[:, order]
+    return w.view(heads * head_dim, -1)
+
+
+def iter_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, dtype: torch.dtype,
+                    expert_range: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every expected tensor: shape-checked, dequantised, cast to dtype."""
+    expected = expected_tensors(cfg)
+    available = reader.names()
+    missing = [n for n in expected if n not in available]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
+    lo, hi = expert_range or (0, cfg.n_routed_experts or 0)
+    for name, shape in expected.items():
+        if ".experts." in name and not lo <= int(name.split(".experts.")[1].split(".")[0]) < hi:
+            continue
+        t = reader.get(name)
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        if t.dtype == torch.float8_e4m3fn:
+            scale_name = name + "_scale_inv"
+            if scale_name not in available:
+                raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r}")
+            t = dequantize_fp8(t, reader.get(scale_name))
+        if not cfg.rope_interleave and name.endswith(("q_proj.weight", "q_b_proj.weight")):
+            t = _rope_rows_to_interleaved(t, cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_rope_head_dim)
+        elif not cfg.rope_interleave and name.endswith("kv_a_proj_with_mqa.weight"):
+            t = _rope_rows_to_interleaved(t, 1, t.shape[0], cfg.qk_rope_head_dim)
+        keep_fp32 = name.endswith(("gate.weight", "e_score_correction_bias")) and ".experts." not in name
+        yield name, t.to(torch.float32 if keep_fp32 else dtype)
+
+
+def assign_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model's fused parameters."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in tensors:
+        target, rows = _target(model, name)
+        with torch.no_grad():
+            p = params[target]
+            if rows is None:
+                p.data.copy_(t)
+            else:
+                index, half = rows
+                dst = p.data[index] if index is not None else p.data
+                if half is None:
+                    dst.copy_(t)
+                else:
+                    n = dst.shape[0] // 2
+                    dst[half * n : (half + 1) * n].copy_(t)
+    model.post_load()
+
+
+def _target(model: DeepseekForCausalLM, name: str):
+    """HF tensor name -> (our parameter name, (expert index | None, half | None) | None)."""
+    if name == "model.embed_tokens.weight":
+        return "embed_tokens", None
+    if name == "model.norm.weight":
+        return "norm", None
+    if name == "lm_head.weight":
+        return "lm_head", None
+    _, _, i, rest = name.split(".", 3)
+    p = f"layers.{i}."
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return p + rest.removesuffix(".weight"), None
+    if rest.startswith("self_attn."):
+        attn = rest.removeprefix("self_attn.")
+        if attn in ("q_a_layernorm.weight", "kv_a_layernorm.weight"):
+            return p + "self_attn." + attn, None
+        return p + "self_attn." + attn.removesuffix(".weight"), None
+    mlp = rest.removeprefix("mlp.")
+    if mlp == "gate.weight":
+        return p + "mlp.gate", None
+    if mlp == "gate.e_score_correction_bias":
+        return p + "mlp.e_score_correction_bias", None
+    proj = mlp.rsplit(".", 2)[-2]  # gate_proj | up_proj | down_proj
+    half = {"gate_proj": 0, "up_proj": 1, "down_proj": None}[proj]
+    param = "w2" if proj == "down_proj" else "w13"
+    if mlp.startswith("experts."):
+        moe = model.layers[int(i)].mlp
+        return f"{p}mlp.{param}", (int(mlp.split(".")[1]) - moe.expert_start, half)
+    if mlp.startswith("shared_experts."):
+        return f"{p}mlp.shared.{param}", (None, half)
+    return f"{p}mlp.{param}", (None, half)
+
+
+def random_init(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Fill every weight with seeded random values (benchmarks of shapes without a checkpoint)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.data.fill_(0.0 if name.endswith("e_score_correction_bias") else 1.0)
+        else:
+            cpu = torch.empty(p.shape, dtype=torch.float32)
+            chunk = cpu.view(-1)
+            for s in range(0, chunk.numel(), 1 << 26):
+                chunk[s : s + (1 << 26)].normal_(0, std, generator=g)
+            p.data.copy_(cpu)
+    model.post_load()
+
+
+def build_model(k, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                **moe_kw) -> DeepseekForCausalLM:
+    """An uninitialised model with weights in ``dtype`` on ``device`` (router weights in float32)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DeepseekForCausalLM(k, cfg, max_positions=max_positions, **moe_kw)
+    finally:
+        torch.set_default_dtype(previous)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.gate.data = m.gate.data.float()
+            if m.e_score_correction_bias is not None:
+                m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+    return model
+
+
+def load_model(k, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               max_positions: int, expert_range: tuple[int, int] | None = None) -> DeepseekForCausalLM:
+    moe_kw = {}
+    if expert_range is not None:
+        moe_kw = {"expert_start": expert_range[0], "num_local": expert_range[1] - expert_range[0]}
+    model = build_model(k, cfg, dtype, device, max_positions, **moe_kw)
+    assign_weights(model, iter_checkpoint(SafetensorsReader(model_dir), cfg, dtype, expert_range))
+    return model

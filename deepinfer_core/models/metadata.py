@@ -1,0 +1,37 @@
+"""Per-step batch layout handed to the model: which tokens are prefill chunks and which decode,
+where each token's KV goes, and each sequence's block table.
+
+Tokens are laid out prefill tokens first, then decode tokens. A "decode" sequence may have several
+query tokens (speculative verification); it always uses the absorbed MLA path over the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillMeta:
+    cu_q_lens: torch.Tensor  # [Bp+1] int64, new tokens per sequence
+    cu_k_lens: torch.Tensor  # [Bp+1] int64, cached prefix + new tokens
+    seq_lens: torch.Tensor  # [Bp] int64 (= k lens)
+    block_tables: torch.Tensor  # [Bp, M] int32
+    has_prefix: bool  # any sequence with an already-cached prefix (then K/V come from the cache)
+
+
+@dataclass
+class DecodeMeta:
+    cu_q_lens: torch.Tensor  # [Bd+1] int64
+    seq_lens: torch.Tensor  # [Bd] int64, context length including the new tokens
+    block_tables: torch.Tensor  # [Bd, M] int32
+    max_q_len: int = 1
+
+
+@dataclass
+class AttentionMetadata:
+    num_prefill_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64 flat cache slot per token (-1: do not write)
+    prefill: PrefillMeta | None
+    decode: DecodeMeta | None

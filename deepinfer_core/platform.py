@@ -1,0 +1,158 @@
+"""The device interface: everything the engine may ask of a backend.
+
+A backend plugin subclasses :class:`Platform` and registers it in the ``deepinfer.hardware``
+entry-point group. The engine never branches on a device name; it asks the platform.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Result of an availability probe: ``ok`` or a human-readable reason why not."""
+
+    ok: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls) -> Availability:
+        return cls(True, "")
+
+    @classmethod
+    def no(cls, reason: str) -> Availability:
+        return cls(False, reason)
+
+
+class Platform(ABC):
+    """One kind of device (cpu, nvidia, ascend, or a third party's).
+
+    Class attributes every backend sets:
+      name             short name used by ``DEEPINFER_ACCELERATOR`` and ``accelerator=``
+      device_type      torch device type string ("cpu", "cuda", "npu", ...)
+      dist_backend     torch.distributed backend ("gloo", "nccl", "hccl", ...)
+      kernel_backend   name in the ``deepinfer.kernels`` group that holds its fast ops
+      core_api_version the core API this plugin was written for
+    """
+
+    name: str = ""
+    device_type: str = "cpu"
+    dist_backend: str = "gloo"
+    kernel_backend: str = "reference"
+    core_api_version: str = ""
+    #: Order in which auto-detection probes this platform (lower first). Third parties pick >= 100.
+    probe_priority: int = 100
+    #: Share of the device memory left after loading weights that the KV cache takes by default.
+    kv_cache_memory_fraction: float = 0.9
+
+    # ---- availability -------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> Availability:
+        """Say whether this platform can run here and, if not, why. Must be cheap and not raise."""
+
+    # ---- devices ------------------------------------------------------------------------
+    @abstractmethod
+    def device_count(self) -> int:
+        """Number of devices of this kind visible to the process."""
+
+    def device(self, index: int = 0) -> torch.device:
+        """The torch device for local rank ``index``."""
+        return torch.device(self.device_type, index) if self.device_count() > 1 or index else torch.device(
+            self.device_type
+        )
+
+    def set_device(self, index: int) -> None:
+        """Make ``index`` the current device of this process (no-op where devices are implicit)."""
+
+    @abstractmethod
+    def memory_info(self, index: int = 0) -> tuple[int, int]:
+        """(free_bytes, total_bytes) of device ``index``."""
+
+    # ---- streams, events, sync ----------------------------------------------------------
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait for all work queued on the device."""
+
+    def stream(self, device: torch.device | None = None) -> Any:
+        """A new side stream, or None where the device has a single in-order queue."""
+        return None
+
+    def stream_context(self, stream: Any) -> AbstractContextManager:
+        """Context manager that makes ``stream`` current (a null context for ``None``)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def event(self, enable_timing: bool = False) -> Any:
+        """A device event with ``record()``, ``synchronize()`` and ``elapsed_time()``."""
+        return HostEvent()
+
+    # ---- graphs -------------------------------------------------------------------------
+    def supports_graph_capture(self) -> bool:
+        """Whether decode steps can be captured and replayed as device graphs."""
+        return False
+
+    def graph(self) -> Any:
+        """A graph object (torch.cuda.CUDAGraph-like) with ``replay()``; only if supported."""
+        raise NotImplementedError(f"platform {self.name!r} does not support graph capture")
+
+    def graph_capture(self, graph: Any, pool: Any = None) -> AbstractContextManager:
+        """Context manager capturing into ``graph``."""
+        raise NotImplementedError(f"platform {self.name!r} does not support graph capture")
+
+    # ---- numerics -----------------------------------------------------------------------
+    def preferred_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Dtypes in order of preference for weights and activations."""
+        return (torch.float32,)
+
+    def supports_fp8_gemm(self) -> bool:
+        """Whether block-scaled FP8 weights can be used without dequantizing at load."""
+        return False
+
+    def supports_pinned_memory(self) -> bool:
+        """Whether host tiers should pin their buffers for faster copies."""
+        return False
+
+    def supports_async_overlap(self) -> bool:
+        """Whether kernel launches return before the work is done, so the CPU may run ahead.
+
+        When True the engine overlaps ``schedule(N+1)`` with ``forward(N)``."""
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        """Facts shown by ``deepinfer plugins`` and logs."""
+        return {
+            "device_type": self.device_type,
+            "dist_backend": self.dist_backend,
+            "kernel_backend": self.kernel_backend,
+            "graph_capture": self.supports_graph_capture(),
+        }
+
+
+class HostEvent:
+    """Event for devices that execute synchronously: records wall time."""
+
+    def __init__(self) -> None:
+        self._t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        import time
+
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds from this event to ``end``."""
+        assert self._t is not None and end._t is not None, "record() both events first"
+        return (end._t - self._t) * 1000.0

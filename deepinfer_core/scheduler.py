@@ -1,0 +1,77 @@
+"""The scheduling-policy interface.
+
+A scheduler decides, every step, which requests run and how many new tokens each gets, under the
+step's token budget, its time budget and the KV memory the block manager has. Schedulers are
+plugins in the ``deepinfer.schedulers`` group; the engine owns the mechanism (block allocation,
+model execution), the scheduler only the policy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deepinfer_core.engine.block_manager import BlockManager
+    from deepinfer_core.engine.cost_model import CostModel
+    from deepinfer_core.engine.sequence import Sequence
+
+
+@dataclass
+class SchedulerBudget:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    compute_quota_limit: float | None = None  # seconds of prefill compute per step
+    max_model_len: int = 4096
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens whose KV this step computes (a prefill chunk, or 1 for decode)
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledSeq] = field(default_factory=list)  # laid out first
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.prefills) + sum(s.num_new_tokens for s in self.decodes)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+class Scheduler(ABC):
+    """Scheduling policy. Constructed by the engine with the budget, the block manager and the
+    (possibly None) prefill cost model."""
+
+    name: str = ""
+    core_api_version: str = ""
+
+    def __init__(self, budget: SchedulerBudget, blocks: BlockManager, cost_model: CostModel | None) -> None:
+        self.budget, self.blocks, self.cost_model = budget, blocks, cost_model
+
+    @abstractmethod
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work, allocating KV blocks through ``self.blocks``; preempt when short."""
+
+    @abstractmethod
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or failed request and release its blocks."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+
+    @abstractmethod
+    def num_running(self) -> int:
+        """Requests holding KV blocks now (used by the DP load balancer)."""

@@ -1,0 +1,465 @@
+"""Kernel-backend conformance: every op a backend overrides against the reference (``kernels_cpu``).
+
+For each overridden op this generates random but realistic inputs (paged caches with shuffled block
+tables and garbage in unused table columns, ragged decode queries, cached prefixes, remote experts,
+seeded sampling rows, ...), runs the backend's op on ``device`` and compares the result with the
+reference computed in float32 on the CPU from the same (already rounded) inputs:
+
+* floating outputs: ``|out - ref| <= rtol * (|ref| + rms(ref))`` with ``rtol`` from
+  :data:`TOLERANCES` (float32 1e-4, bfloat16 2e-2, float16 5e-3);
+* cache writes and gathers: bit-exact;
+* ``moe_route``: the same expert set per token (inputs are drawn with a clear margin between the
+  k-th and (k+1)-th choice, so this is well posed), weights within tolerance;
+* ``sample``: bit-exact token ids, greedy and seeded rows alike (the counter-based RNG in
+  ``kernels_cpu.rng`` gives every backend the same uniforms for a (seed, offset)), and a row's
+  token must not change when it is sampled alone.
+
+A mismatch raises AssertionError naming the op, the dtype, the case and the largest error.
+
+Input conventions (those of ``deepinfer_core.models.metadata``): ``block_tables`` int32,
+``seq_lens``/``cu_q_lens``/``cu_k_lens``/``slot_mapping``/``positions`` int64, ``moe_route`` and
+``sample``/``apply_penalties`` logits float32, ``fused_moe`` weights in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer_core.kernels import OP_NAMES, KernelBackend, import_path
+from deepinfer_core.version import check_api_version
+
+#: Relative tolerance per activation dtype.
+TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+#: Ops whose inputs have one dtype whatever the model's activation dtype (the engine calls them so).
+FIXED_DTYPE_OPS: dict[str, torch.dtype] = {
+    "moe_route": torch.float32,
+    "apply_penalties": torch.float32,
+    "sample": torch.float32,
+}
+
+
+@dataclass
+class Case:
+    label: str
+    args: tuple
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _reference_fn(op: str) -> Callable:
+    from kernels_cpu import ReferenceKernels
+
+    return import_path(ReferenceKernels.ops[op])
+
+
+# ---- input generation -----------------------------------------------------------------------
+def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _paged_layout(g: torch.Generator, seq_lens: Sequence[int], block_size: int, extra_cols: int = 2):
+    """Block tables with blocks handed out in shuffled order, unused columns full of valid but
+    unrelated block ids (a kernel must not read past seq_len), and spare blocks nobody owns."""
+    per_seq = [max(1, math.ceil(n / block_size)) for n in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    width = max(per_seq) + extra_cols
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.randint(0, num_blocks, (len(seq_lens), width), generator=g)
+    used = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    return tables.to(torch.int32), num_blocks
+
+
+def _cu(lens: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
+
+
+def _cases_linear(g, dtype, bs):
+    K, N = 64, 48
+    w = _randn(g, N, K, dtype=dtype, scale=K**-0.5)
+    return [
+        Case("2d+bias", (_randn(g, 7, K, dtype=dtype), w, _randn(g, N, dtype=dtype))),
+        Case("3d,no bias", (_randn(g, 2, 3, K, dtype=dtype), w, None)),
+    ]
+
+
+def _cases_rms_norm(g, dtype, bs):
+    C = 128
+    x = _randn(g, 9, C, dtype=dtype, scale=3.0)
+    x[0] = 0  # an all-zero row: eps keeps it finite
+    return [Case("basic", (x, (1 + _randn(g, C, scale=0.1)).to(dtype), 1e-6))]
+
+
+def _cases_add_rms_norm(g, dtype, bs):
+    C = 128
+    return [Case("basic", (_randn(g, 9, C, dtype=dtype), _randn(g, 9, C, dtype=dtype, scale=4.0),
+                           (1 + _randn(g, C, scale=0.1)).to(dtype), 1e-6))]
+
+
+def _cases_silu_and_mul(g, dtype, bs):
+    return [Case("basic", (_randn(g, 9, 2 * 96, dtype=dtype, scale=2.0),)),
+            Case("one token", (_randn(g, 1, 2 * 32, dtype=dtype, scale=2.0),))]
+
+
+def _rope_table(positions: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+def _cases_rope(g, dtype, bs):
+    D, P, T = 16, 64, 10
+    table = _rope_table(P, D)
+    pos = torch.randint(0, P, (T,), generator=g)
+    wide = _randn(g, T, 3, 8 + D, dtype=dtype)  # q = [nope | rope]: the model passes the rope slice
+    return [
+        Case("3 heads", (_randn(g, T, 3, D, dtype=dtype), pos, table)),
+        Case("1 head (k_pe)", (_randn(g, T, 1, D, dtype=dtype), pos, table)),
+        Case("strided slice", (wide[..., 8:], pos, table)),
+    ]
+
+
+def _cases_paged_kv_write(g, dtype, bs):
+    D, NB, T = 72, 10, 20
+    cases = []
+    for label, n_pad in (("all slots", 0), ("with -1 slots", 4)):
+        slots = torch.randperm(NB * bs, generator=g)[:T]
+        if n_pad:
+            slots[torch.randperm(T, generator=g)[:n_pad]] = -1
+        cases.append(Case(label, (_randn(g, NB, bs, D, dtype=dtype), slots, _randn(g, T, D, dtype=dtype))))
+    return cases
+
+
+def _cases_paged_kv_gather(g, dtype, bs):
+    D = 72
+    seq_lens = [1, bs, bs + 1, 2 * bs + bs // 2 + 1]
+    tables, NB = _paged_layout(g, seq_lens, bs)
+    return [Case("ragged", (_randn(g, NB, bs, D, dtype=dtype), tables, torch.tensor(seq_lens)))]
+
+
+def _cases_mla_decode(g, dtype, bs):
+    H, L, R = 4, 64, 8
+    D = L + R
+    cases = []
+    for label, q_lens, seq_lens in (
+        ("q_len 1", [1, 1, 1, 1], [1, bs, bs + 1, 2 * bs + 5]),
+        ("ragged q_len", [1, 3, 2, 1], [4, 3, 2 * bs + 1, bs + 2]),
+    ):
+        tables, NB = _paged_layout(g, seq_lens, bs)
+        T = sum(q_lens)
+        cases.append(Case(label, (
+            _randn(g, T, H, D, dtype=dtype), _randn(g, NB, bs, D, dtype=dtype), tables, _cu(q_lens),
+            torch.tensor(seq_lens), D**-0.5, L,
+        )))
+    return cases
+
+
+def _cases_mla_prefill(g, dtype, bs):
+    H, Dqk, Dv = 4, 24, 16
+    cases = []
+    for label, q_lens, k_lens in (
+        ("no prefix", [5, 1, 7], [5, 1, 7]),
+        ("cached prefix", [5, 3, 7], [5, 3 + bs, 2 * bs + 4]),
+    ):
+        T, S = sum(q_lens), sum(k_lens)
+        cases.append(Case(label, (
+            _randn(g, T, H, Dqk, dtype=dtype), _randn(g, S, H, Dqk, dtype=dtype),
+            _randn(g, S, H, Dv, dtype=dtype), _cu(q_lens), _cu(k_lens), Dqk**-0.5,
+        )))
+    return cases
+
+
+def _route_margin(logits, bias, top_k, scoring, n_group, topk_group, group_score) -> torch.Tensor:
+    """Per token, the smallest gap (relative to the largest score) at a selection boundary."""
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    T, E = choice.shape
+    margin = torch.full((T,), float("inf"))
+    if n_group > 1 and topk_group < n_group:
+        grouped = choice.view(T, n_group, E // n_group)
+        gscore = grouped.amax(-1) if group_score == "max" else grouped.topk(2, dim=-1).values.sum(-1)
+        s = gscore.sort(-1, descending=True).values
+        margin = torch.minimum(margin, s[:, topk_group - 1] - s[:, topk_group])
+        top = gscore.topk(topk_group, -1).indices
+        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, top, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    s = choice.sort(-1, descending=True).values
+    if top_k < s.shape[1] and bool(torch.isfinite(s[:, top_k]).all()):
+        margin = torch.minimum(margin, s[:, top_k - 1] - s[:, top_k])
+    return margin / scores.abs().amax(-1).clamp_min(1e-12)
+
+
+def _cases_moe_route(g, dtype, bs):
+    T = 16
+    variants = [
+        # label, E, top_k, scoring, bias?, n_group, topk_group, group_score, renormalize, scale
+        ("softmax greedy", 16, 4, "softmax", False, 1, 1, "max", False, 1.0),
+        ("softmax greedy renorm", 16, 4, "softmax", False, 1, 1, "max", True, 1.0),
+        ("softmax group max", 16, 4, "softmax", False, 4, 2, "max", False, 16.0),
+        ("sigmoid bias top2sum", 32, 8, "sigmoid", True, 8, 4, "top2sum", True, 2.5),
+        ("sigmoid bias no groups", 16, 4, "sigmoid", True, 1, 1, "top2sum", True, 1.5),
+    ]
+    cases = []
+    for label, E, k, scoring, has_bias, ng, tg, gs, renorm, scale in variants:
+        bias = _randn(g, E, scale=0.05) if has_bias else None
+        rows: list[torch.Tensor] = []
+        for _ in range(20):  # keep tokens whose selection is unambiguous (no near-ties)
+            cand = _randn(g, 4 * T, E, scale=2.0)
+            ok = _route_margin(cand, bias, k, scoring, ng, tg, gs) >= 1e-3
+            rows.extend(cand[ok])
+            if len(rows) >= T:
+                break
+        logits = torch.stack(rows[:T]).to(dtype)
+        cases.append(Case(label, (logits, bias, k, scoring, ng, tg, gs, renorm, scale)))
+    return cases
+
+
+def _cases_fused_moe(g, dtype, bs):
+    T, C, I, E, k = 9, 32, 24, 6, 3
+    ids = torch.randint(-2, E + 3, (T, k), generator=g)  # < 0 or >= E: experts on other ranks
+    ids[ids == 4] = 3  # expert 4 gets no token
+    ids[2] = torch.tensor([-1, E, E + 2])  # a token whose experts are all remote
+    ids[5] = torch.tensor([0, 1, 2])
+    weights = torch.rand(T, k, generator=g).to(dtype)
+    return [Case("with remote experts", (
+        _randn(g, T, C, dtype=dtype), _randn(g, E, 2 * I, C, dtype=dtype, scale=C**-0.5),
+        _randn(g, E, C, I, dtype=dtype, scale=I**-0.5), weights, ids,
+    ))]
+
+
+def _cases_apply_penalties(g, dtype, bs):
+    B, V = 4, 50
+    counts = torch.randint(0, 3, (B, V), generator=g) * (torch.rand(B, V, generator=g) < 0.3)
+    return [Case("mixed", (
+        _randn(g, B, V, dtype=dtype, scale=3.0), torch.rand(B, V, generator=g) < 0.2, counts.to(torch.int32),
+        torch.tensor([1.0, 1.2, 0.9, 2.0]), torch.tensor([0.0, 0.5, -0.3, 1.0]),
+        torch.tensor([0.0, 0.2, 0.1, -0.5]),
+    ))]
+
+
+def _sampling_rows():
+    # temperature, top_k, top_p, min_p, seed, offset
+    return [
+        (0.0, 0, 1.0, 0.0, 1, 0), (0.0, 5, 0.5, 0.1, 2, 7), (0.0, 0, 1.0, 0.0, 3, 0),
+        (0.0, 1, 1.0, 0.0, 4, 1),
+        (1.0, 0, 1.0, 0.0, 11, 0), (0.7, 5, 1.0, 0.0, 12, 3), (1.3, 0, 0.8, 0.0, 13, 9),
+        (1.0, 0, 1.0, 0.1, 14, 2), (0.5, 10, 0.9, 0.05, 15, 100), (1.0, 1, 1.0, 0.0, 16, 4),
+        (1.0, 1000, 1.0, 0.0, 17, 5), (1e-3, 0, 1.0, 0.0, 18, 6),
+        (1.0, 0, 1.0, 0.0, (1 << 40) + 5, 0), (1.0, 0, 1.0, 0.0, (1 << 40) + 5, 1),
+        (1.0, 0, 1.0, 0.0, 2**62 + 12345, 1 << 33), (0.9, 8, 0.95, 0.02, 0, 123456),
+    ]
+
+
+def _sampling_args(rows, logits):
+    t, k, p, m, s, o = zip(*rows, strict=True)
+    return (logits, torch.tensor(t), torch.tensor(k, dtype=torch.int64), torch.tensor(p), torch.tensor(m),
+            torch.tensor(s, dtype=torch.int64), torch.tensor(o, dtype=torch.int64))
+
+
+def _cases_sample(g, dtype, bs):
+    rows = _sampling_rows()
+    B, V = len(rows), 64
+    logits = _randn(g, B, V, scale=2.0)
+    logits[13] = logits[12]  # same row, next offset
+    greedy = [r for r in rows if r[0] == 0.0]
+    return [
+        Case("mixed greedy and seeded", _sampling_args(rows, logits)),
+        Case("all greedy", _sampling_args(greedy, logits[: len(greedy)])),
+        Case("all seeded", _sampling_args(rows[len(greedy):], logits[len(greedy):])),
+    ]
+
+
+_CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
+    "linear": _cases_linear,
+    "rms_norm": _cases_rms_norm,
+    "add_rms_norm": _cases_add_rms_norm,
+    "silu_and_mul": _cases_silu_and_mul,
+    "rope": _cases_rope,
+    "paged_kv_write": _cases_paged_kv_write,
+    "paged_kv_gather": _cases_paged_kv_gather,
+    "mla_decode": _cases_mla_decode,
+    "mla_prefill": _cases_mla_prefill,
+    "moe_route": _cases_moe_route,
+    "fused_moe": _cases_fused_moe,
+    "apply_penalties": _cases_apply_penalties,
+    "sample": _cases_sample,
+}
+assert set(_CASES) == set(OP_NAMES), "every op in OP_SPECS needs conformance cases"
+
+_EXACT_OPS = {"paged_kv_write", "paged_kv_gather"}
+
+
+# ---- running and comparing ------------------------------------------------------------------
+def _map(args: Iterable[Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple:
+    return tuple(fn(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    return t.clone().float() if t.is_floating_point() else t.clone()
+
+
+def _call(op: str, fn: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
+    """Run ``fn`` and return its outputs as a tuple (the updated cache for the in-place write)."""
+    out = fn(*args)
+    if op == "paged_kv_write":
+        return (args[0],)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _fail(where: str, detail: str) -> None:
+    raise AssertionError(f"{where} differs from the reference: {detail}")
+
+
+def _compare(where: str, out: torch.Tensor, ref: torch.Tensor, expected_dtype: torch.dtype, rtol: float, *,
+             exact: bool) -> None:
+    if not isinstance(out, torch.Tensor):
+        _fail(where, f"returned {type(out).__name__}, expected a tensor")
+    out = out.detach().cpu()
+    if tuple(out.shape) != tuple(ref.shape):
+        _fail(where, f"shape {tuple(out.shape)}, reference {tuple(ref.shape)}")
+    if expected_dtype.is_floating_point and out.dtype != expected_dtype:
+        _fail(where, f"dtype {_dtype_name(out.dtype)}, reference {_dtype_name(expected_dtype)}")
+    if not expected_dtype.is_floating_point and out.dtype.is_floating_point:
+        _fail(where, f"dtype {_dtype_name(out.dtype)}, expected an integer dtype")
+    if exact or not ref.is_floating_point():
+        ref_c = ref.to(out.dtype) if ref.is_floating_point() else ref
+        if not torch.equal(out.to(ref_c.dtype), ref_c):
+            bad = (out.to(ref_c.dtype) != ref_c).nonzero()
+            idx = tuple(bad[0].tolist())
+            err = (out.double() - ref.double()).abs().max().item()
+            _fail(where, f"not bit-exact: {len(bad)} element(s) differ, first at {idx} ({out[idx].item()} vs "
+                  f"{ref[idx].item()}); max error {err:.3e}")
+        return
+    o, r = out.double(), ref.double()
+    if not bool(torch.isfinite(o).all()):
+        idx = tuple((~torch.isfinite(o)).nonzero()[0].tolist())
+        _fail(where, f"non-finite output at {idx} ({o[idx].item()}); reference {r[idx].item()}")
+    err = (o - r).abs()
+    scale = r.pow(2).mean().sqrt().item() if r.numel() else 0.0
+    bound = rtol * (r.abs() + max(scale, 1e-12))
+    if r.numel() and bool((err > bound).any()):
+        ratio = err / bound
+        idx = tuple(int(i) for i in torch.unravel_index(ratio.argmax(), ratio.shape))
+        _fail(where, f"max error {err.max().item():.3e} (at {idx}: {o[idx].item():.6g} vs "
+              f"{r[idx].item():.6g}), {ratio.max().item():.2f}x the tolerance rtol={rtol:g} * "
+              f"(|ref| + rms(ref) {scale:.3g})")
+
+
+def _check_moe_route(where, out, ref, rtol):
+    weights, ids = (t.detach().cpu() for t in out)
+    ref_w, ref_ids = ref
+    if tuple(ids.shape) != tuple(ref_ids.shape) or tuple(weights.shape) != tuple(ref_w.shape):
+        _fail(where, f"shapes {tuple(weights.shape)}/{tuple(ids.shape)}, reference {tuple(ref_w.shape)}/"
+              f"{tuple(ref_ids.shape)}")
+    if weights.dtype != torch.float32 or ids.dtype != torch.int64:
+        _fail(where, f"dtypes {_dtype_name(weights.dtype)}/{_dtype_name(ids.dtype)}, expected float32/int64")
+    ids_s, order = ids.sort(-1)
+    ref_s, ref_order = ref_ids.sort(-1)
+    if not torch.equal(ids_s, ref_s):
+        t = int((ids_s != ref_s).any(-1).nonzero()[0])
+        _fail(where, f"token {t} routed to experts {ids_s[t].tolist()}, reference {ref_s[t].tolist()}")
+    _compare(where + " weights", weights.gather(1, order), ref_w.gather(1, ref_order), torch.float32, rtol,
+             exact=False)
+
+
+def _check_sample(where, backend_fn, args, out, ref, device):
+    tokens = out.detach().cpu().long()
+    if tuple(tokens.shape) != tuple(ref.shape) or tokens.dtype.is_floating_point:
+        _fail(where, f"returned shape {tuple(out.shape)} dtype {_dtype_name(out.dtype)}, reference "
+              f"{tuple(ref.shape)} int64")
+    greedy = args[1] <= 0
+    wrong = (tokens != ref).nonzero().flatten().tolist()
+    if wrong:
+        b = wrong[0]
+        kind = "greedy" if bool(greedy[b]) else f"seeded (seed={int(args[5][b])}, offset={int(args[6][b])})"
+        _fail(where, f"{len(wrong)} of {ref.shape[0]} rows sampled other tokens (rows {wrong}); first: "
+              f"{kind} row {b} sampled {int(tokens[b])}, reference {int(ref[b])}")
+    # batch independence: each row alone gives the same token as in the batch
+    for b in range(ref.shape[0]):
+        alone = backend_fn(*_map(args, lambda t, b=b: t[b : b + 1].to(device)))
+        token = int(alone.detach().cpu().reshape(-1)[0])
+        if token != int(tokens[b]):
+            _fail(where, f"row {b} sampled alone gives {token}, in the batch {int(tokens[b])}")
+
+
+def kernel_conformance_cases(
+    backend_cls: type[KernelBackend], dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES
+) -> list[tuple[str, torch.dtype]]:
+    """(op, dtype) pairs to check for ``backend_cls``: its overridden ops at each dtype (ops with a
+    fixed input dtype, see :data:`FIXED_DTYPE_OPS`, once). Use with ``pytest.mark.parametrize``."""
+    cases: list[tuple[str, torch.dtype]] = []
+    for op in backend_cls.overrides():
+        if op in FIXED_DTYPE_OPS:
+            cases.append((op, FIXED_DTYPE_OPS[op]))
+        else:
+            cases.extend((op, dt) for dt in dtypes)
+    return cases
+
+
+def check_op(
+    backend_cls: type[KernelBackend],
+    op: str,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    *,
+    seed: int = 0,
+    block_size: int = 16,
+) -> None:
+    """Check one op of ``backend_cls`` at ``dtype`` on ``device``; AssertionError on a mismatch."""
+    if op not in _CASES:
+        raise ValueError(f"unknown op {op!r}; known: {OP_NAMES}")
+    if op not in backend_cls.ops:
+        raise ValueError(f"kernel backend {backend_cls.name!r} does not override {op!r}")
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerance for dtype {dtype}; known: {[_dtype_name(d) for d in TOLERANCES]}")
+    device = torch.device(device)
+    backend_fn = import_path(backend_cls.ops[op])
+    reference = _reference_fn(op)
+    rtol = TOLERANCES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    for case in _CASES[op](g, dtype, block_size):
+        where = (f"kernel op {op!r} of backend {backend_cls.name!r} "
+                 f"[dtype {_dtype_name(dtype)}, case {case.label!r}]")
+        shaped = _call(op, reference, _map(case.args, torch.Tensor.clone))  # output dtypes at this dtype
+        truth = _call(op, reference, _map(case.args, _upcast))
+        dev_args = _map(case.args, lambda t: t.clone().to(device))
+        try:
+            out = _call(op, backend_fn, dev_args)
+        except Exception as exc:
+            raise AssertionError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+        if len(out) != len(truth):
+            _fail(where, f"returned {len(out)} output(s), reference {len(truth)}")
+        if op == "moe_route":
+            _check_moe_route(where, out, truth, rtol)
+        elif op == "sample":
+            _check_sample(where, backend_fn, case.args, out[0], truth[0], device)
+        else:
+            for i, (o, r, s) in enumerate(zip(out, truth, shaped, strict=True)):
+                name = where if len(out) == 1 else f"{where} output {i}"
+                _compare(name, o, r, s.dtype, rtol, exact=op in _EXACT_OPS)
+
+
+def check_kernel_backend(
+    backend_cls: type[KernelBackend],
+    device: str | torch.device = "cpu",
+    dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
+    *,
+    seed: int = 0,
+    block_size: int = 16,
+) -> list[tuple[str, torch.dtype]]:
+    """Check every op ``backend_cls`` overrides; returns the (op, dtype) pairs checked."""
+    check_api_version(backend_cls, f"kernel backend {backend_cls.name!r}")
+    cases = kernel_conformance_cases(backend_cls, dtypes)
+    for op, dtype in cases:
+        check_op(backend_cls, op, dtype, device, seed=seed, block_size=block_size)
+    return cases

@@ -1,0 +1,1 @@
+"""In-tree accelerator plugins, registered in the ``deepinfer.hardware`` entry-point group."""

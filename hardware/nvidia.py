@@ -1,0 +1,76 @@
+"""The NVIDIA platform: CUDA devices, NCCL, streams and events, CUDA graphs, TileLang kernels."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from deepinfer_core.platform import Availability, Platform
+
+
+class NvidiaPlatform(Platform):
+    name = "nvidia"
+    device_type = "cuda"
+    dist_backend = "nccl"
+    kernel_backend = "cuda"
+    core_api_version = "1.0"
+    probe_priority = 10
+
+    @classmethod
+    def probe(cls) -> Availability:
+        if torch.version.cuda is None:
+            return Availability.no(f"this torch build ({torch.__version__}) has no CUDA support")
+        try:
+            n = torch.cuda.device_count()
+        except Exception as exc:  # driver problems surface here
+            return Availability.no(f"CUDA driver error: {exc}")
+        if n == 0:
+            return Availability.no("no CUDA device is visible (torch.cuda.device_count() == 0)")
+        return Availability.yes()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device("cuda", index)
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+    def memory_info(self, index: int = 0) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(index)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        torch.cuda.synchronize(device)
+
+    def stream(self, device: torch.device | None = None) -> Any:
+        return torch.cuda.Stream(device)
+
+    def stream_context(self, stream: Any) -> AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def event(self, enable_timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def supports_graph_capture(self) -> bool:
+        return True
+
+    def graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def graph_capture(self, graph: Any, pool: Any = None) -> AbstractContextManager:
+        return torch.cuda.graph(graph, pool=pool)
+
+    def preferred_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.bfloat16, torch.float16, torch.float32)
+
+    def supports_fp8_gemm(self) -> bool:
+        return False  # block-scaled FP8 GEMM kernels are not in kernels_cuda yet: dequantize at load
+
+    def supports_pinned_memory(self) -> bool:
+        return True
+
+    def supports_async_overlap(self) -> bool:
+        return True
