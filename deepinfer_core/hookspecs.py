@@ -26,6 +26,12 @@ def engine_shutdown(engine) -> None:
 
 
 @hookspec
+def request_options() -> list[str] | None:
+    """Names of the feature-owned SamplingParams fields this feature handles (e.g. ``so_args``).
+    A request setting such a field when no enabled feature claims it is rejected."""
+
+
+@hookspec
 def request_added(engine, request) -> None:
     """A request passed core validation. Check feature-specific options, start async work
     (e.g. grammar compilation). Raise ValueError to fail this request alone."""

@@ -34,6 +34,7 @@ from deepinfer_core.scheduler import SchedulerBudget, SchedulerOutput
 from deepinfer_core.selection import select_platform
 
 logger = logging.getLogger("deepinfer.engine")
+FEATURE_OPTIONS = ("so_args",)  # SamplingParams fields that only a feature plugin can honour
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -102,6 +103,11 @@ class LLMEngine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._next_id = 0
+        self.claimed_options = {o for opts in self.pm.hook.request_options() for o in (opts or [])}
+        if cfg.kv_store:
+            from deepinfer_core.engine.kv_tiers import TieredKVCache
+
+            self.pm.register(TieredKVCache(self, dict(cfg.kv_store)), name="kv_tiers")
         self.pm.hook.engine_started(engine=self)
 
     # ---- construction -------------------------------------------------------------------
@@ -150,6 +156,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
+        for option in FEATURE_OPTIONS:
+            if getattr(params, option) is not None and option not in self.claimed_options:
+                raise ValueError(f"SamplingParams.{option} is set but no enabled feature handles it "
+                                 f"(enable the feature that provides {option!r}, e.g. features=[...])")
         text, ids = self._prompt_ids(prompt)
         seed = params.seq_seed if params.seq_seed is not None else secrets.randbits(63)
         eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
