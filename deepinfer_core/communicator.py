@@ -46,6 +46,9 @@ class Communicator(ABC):
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 deprecates the *_tensor spellings (a FutureWarning on every call); older torch lacks *_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TorchDistCommunicator(Communicator):
@@ -67,18 +70,20 @@ class TorchDistCommunicator(Communicator):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        _all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] % self.world_size:
-            raise ValueError(f"reduce_scatter: dim 0 ({x.shape[0]}) must divide by world size {self.world_size}")
+            raise ValueError(
+                f"reduce_scatter: dim 0 ({x.shape[0]}) must divide by world size {self.world_size}"
+            )
         if self.backend == "gloo":  # gloo has no reduce_scatter: reduce, then slice our chunk
             x = x.clone()
             dist.all_reduce(x, group=self.group)
             return x.chunk(self.world_size)[self.rank].clone()
         out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        _reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
     def all_to_all(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:

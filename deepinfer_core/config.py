@@ -47,6 +47,8 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on where the platform supports overlap
     batch_invariant: bool = False
     log_level: str = "WARNING"
+    worker_timeout_s: float = 120.0  # dp/ep > 1: a rank silent this long in a step is declared hung
+    load_format: str = "auto"  # auto: read the safetensors; random: seeded random weights (benchmarks)
     feature_config: dict = field(default_factory=dict)  # {feature name: its TOML table}
 
     def section(self, name: str) -> dict:
@@ -61,7 +63,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "compute_quota_limit": (int, float, type(None)), "cost_model": (str, type(None)), "scheduler": (str,),
     "features": (list,), "kv_store": (dict, type(None)), "seed": (int,), "dp": (int,), "ep": (int,),
     "enforce_eager": (bool,), "async_scheduling": (bool, type(None)), "batch_invariant": (bool,),
-    "log_level": (str,),
+    "log_level": (str,), "worker_timeout_s": (int, float), "load_format": (str,),
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Environment variables read elsewhere (features, tools); known so that typos can be flagged.
@@ -156,6 +158,8 @@ def compose(config: str | dict | None = None, env: dict | None = None, **kwargs:
 
 
 def _validate(cfg: EngineConfig) -> None:
+    if cfg.load_format not in ("auto", "random"):
+        raise ConfigError(f"config key 'load_format' must be 'auto' or 'random', got {cfg.load_format!r}")
     if cfg.dtype not in _DTYPES:
         raise ConfigError(f"config key 'dtype' must be one of {_DTYPES}, got {cfg.dtype!r}")
     for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "dp", "ep"):
@@ -163,5 +167,7 @@ def _validate(cfg: EngineConfig) -> None:
             raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(cfg, key)}")
     if not all(isinstance(f, str) for f in cfg.features):
         raise ConfigError(f"config key 'features' must be a list of feature names, got {cfg.features!r}")
+    if cfg.worker_timeout_s <= 0:
+        raise ConfigError(f"config key 'worker_timeout_s' must be positive, got {cfg.worker_timeout_s}")
     if cfg.kv_cache_memory is not None and cfg.kv_cache_memory <= 0:
         raise ConfigError(f"config key 'kv_cache_memory' must be positive, got {cfg.kv_cache_memory}")

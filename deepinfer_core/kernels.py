@@ -28,6 +28,8 @@ class OpSpec:
 #: Every op the engine calls. Shapes: T tokens, B sequences, H heads, D head dim, E experts.
 OP_SPECS: tuple[OpSpec, ...] = (
     OpSpec("linear", "(x[..., K], w[N, K], bias[N] | None) -> [..., N]", "y = x @ w.T + bias"),
+    OpSpec("head_linear", "(x[T, H, K], w[H, N, K]) -> [T, H, N]",
+           "one linear per head: y[t, h] = w[h] @ x[t, h] (MLA's absorbed W_UK / W_UV projections)"),
     OpSpec("rms_norm", "(x[T, C], w[C], eps) -> [T, C]", "RMSNorm computed in float32, cast back"),
     OpSpec(
         "add_rms_norm",

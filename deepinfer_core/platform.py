@@ -38,6 +38,8 @@ class Platform(ABC):
       device_type      torch device type string ("cpu", "cuda", "npu", ...)
       dist_backend     torch.distributed backend ("gloo", "nccl", "hccl", ...)
       kernel_backend   name in the ``deepinfer.kernels`` group that holds its fast ops
+      batch_invariant_kernel_backend  the ``deepinfer.kernels`` backend whose ops replace the others
+                       when ``batch_invariant`` is on (per-token results independent of the batch)
       core_api_version the core API this plugin was written for
     """
 
@@ -45,6 +47,7 @@ class Platform(ABC):
     device_type: str = "cpu"
     dist_backend: str = "gloo"
     kernel_backend: str = "reference"
+    batch_invariant_kernel_backend: str = "batch_invariant"
     core_api_version: str = ""
     #: Order in which auto-detection probes this platform (lower first). Third parties pick >= 100.
     probe_priority: int = 100

@@ -14,6 +14,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x, w, bias)
 
 
+def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("thk,hnk->thn", x, w)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -230,7 +234,7 @@ def sample(
     ranks = torch.arange(V, device=logits.device)[None, :]
     k = torch.where((top_k <= 0) | (top_k > V), torch.full_like(top_k, V), top_k)
     drop = ranks >= k[:, None]
-    probs = sorted_logits.softmax(-1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)  # top-p sees the top-k distribution
     # top-p: keep the smallest prefix whose mass reaches p (the first token always stays)
     drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
     # min-p: drop tokens below min_p times the top probability

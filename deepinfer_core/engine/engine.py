@@ -26,8 +26,8 @@ from deepinfer_core.engine.sampler import Sampler
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.features import load_features, make_plugin_manager
-from deepinfer_core.kernels import Kernels
-from deepinfer_core.models.loader import load_model, load_model_config, resolve_model_dir
+from deepinfer_core.kernels import Kernels, import_path
+from deepinfer_core.models.loader import build_model, load_model, load_model_config, random_init, resolve_model_dir
 from deepinfer_core.outputs import Logprob
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import SchedulerBudget, SchedulerOutput
@@ -66,6 +66,9 @@ def model_fingerprint(model_dir, dtype: torch.dtype) -> str:
 
 
 class LLMEngine:
+    #: Local device index of this engine; a DP/EP rank engine sets its own before ``__init__``.
+    device_index: int = 0
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
@@ -73,7 +76,12 @@ class LLMEngine:
         backend = plugins.load("deepinfer.kernels", self.platform.kernel_backend, what="kernel backend")
         reference = plugins.load("deepinfer.kernels", "reference", what="kernel backend")
         self.kernels = Kernels(backend, reference)
-        self.device = self.platform.device(0)
+        if cfg.batch_invariant:  # per-token results independent of the batch (kernels_cpu.batch_invariant)
+            invariant = plugins.load("deepinfer.kernels", self.platform.batch_invariant_kernel_backend,
+                                     what="batch-invariant kernel backend")
+            for op in invariant.overrides():
+                self.kernels.override(op, import_path(invariant.ops[op]))
+        self.device = self.platform.device(self.device_index)
         self.pm = make_plugin_manager()
         self.features = load_features(cfg, self.pm)
 
@@ -98,7 +106,8 @@ class LLMEngine:
         self.scheduler = scheduler_cls(budget, self.blocks, self.cost_model)
         self.scheduler.is_ready = self._is_ready
         self.scheduler.admit_prefix = self._admit_prefix
-        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, self.device,
+                                  batch_invariant=cfg.batch_invariant)
         self.sampler = Sampler(self.kernels, mc.vocab_size, self.device)
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
@@ -112,6 +121,13 @@ class LLMEngine:
 
     # ---- construction -------------------------------------------------------------------
     def build_model(self, expert_range=None):
+        if self.cfg.load_format == "random":
+            moe_kw = {} if expert_range is None else {"expert_start": expert_range[0],
+                                                       "num_local": expert_range[1] - expert_range[0]}
+            model = build_model(self.kernels, self.model_config, self.dtype, self.device, self.max_model_len,
+                                **moe_kw)
+            random_init(model, seed=self.cfg.seed)
+            return model
         return load_model(self.kernels, self.model_dir, self.model_config, self.dtype, self.device,
                           self.max_model_len, expert_range)
 
@@ -122,7 +138,7 @@ class LLMEngine:
         if isinstance(cfg.kv_cache_memory, int):
             num = cfg.kv_cache_memory // per_block
         else:
-            free, _ = self.platform.memory_info()
+            free, _ = self.platform.memory_info(self.device_index)
             share = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else self.platform.kv_cache_memory_fraction
             num = min(int(free * share) // per_block, wanted)
         min_blocks = math.ceil(self.max_model_len / self.block_size) if cfg.kv_cache_memory is None else 1
@@ -210,6 +226,8 @@ class LLMEngine:
         if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0
         hashes = self.blocks.prefix_hashes(seq)
+        tiers = seq.metrics.num_cached_tokens_by_tier
+        tiers.clear()  # re-admitted after a preemption: count this admission only
         n_dev = self.blocks.acquire_cached(seq, hashes)
         n_total = n_dev
         ext = self.pm.hook.match_external_prefix(engine=self, request=seq, block_hashes=hashes,
@@ -223,7 +241,8 @@ class LLMEngine:
             seq.num_computed_tokens = ext * self.block_size
             self.blocks.register_full_blocks(seq)
             n_total = ext
-            seq.metrics.num_cached_tokens_by_tier["external"] = (ext - n_dev) * self.block_size
+            if not tiers:  # load_external_blocks may have split them by tier (host, persistent)
+                tiers["external"] = (ext - n_dev) * self.block_size
         cached = n_total * self.block_size
         if n_dev:
             seq.metrics.num_cached_tokens_by_tier["device"] = n_dev * self.block_size
@@ -297,7 +316,7 @@ class LLMEngine:
                 if seq.params.logprobs is not None:
                     entry = {tok: Logprob(logprobs[i][j])}
                     for rank, (t, lp) in enumerate((tops[i][j] if tops else None) or [], start=1):
-                        entry.setdefault(t, Logprob(lp, rank=rank))
+                        entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
                     seq.output_logprobs.append(entry)
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
@@ -343,11 +362,15 @@ class LLMEngine:
 
     def _fail_stuck(self) -> None:
         """Nothing could be scheduled although requests wait: a request that can never fit fails
-        alone instead of hanging the engine."""
+        alone instead of hanging the engine. It must be found so in two idle steps in a row: an
+        asynchronous request_ready (a KV fetch finishing) may have only just let it go."""
         waiting = [s for s in self._seqs.values() if not s.is_finished and s.status == Status.WAITING]
         ready = [s for s in waiting if self._is_ready(s)]
         if ready and self.scheduler.num_running() == 0:
             seq = ready[0]
+            if getattr(self, "_stuck", None) != (seq.request_id, self.stats.steps):
+                self._stuck = (seq.request_id, self.stats.steps)  # no step ran since: retry once
+                return
             need = -(-seq.num_tokens // self.block_size)
             self._finish(seq, "error", error=RuntimeError(
                 f"request {seq.request_id} needs {need} KV blocks but the cache has {self.blocks.num_blocks}; "
@@ -366,7 +389,7 @@ class LLMEngine:
             entry = {tok: Logprob(own[j])}
             if tops:
                 for rank, (t, lp) in enumerate(zip(tops[0][j], tops[1][j]), start=1):
-                    entry.setdefault(t, Logprob(lp, rank=rank))
+                    entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
             seq.prompt_logprobs.append(entry)
 
     # ---- metrics and shutdown -----------------------------------------------------------

@@ -44,8 +44,12 @@ def _cumsum(lens: list[int], device) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device) -> None:
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
+                 batch_invariant: bool = False) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        #: Batch-invariant mode: prefill chunks go through the decode (absorbed MLA) path too, so a
+        #: token's result does not depend on how its prompt was chunked.
+        self.batch_invariant = batch_invariant
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         bs, dev = self.block_size, self.device
@@ -77,26 +81,29 @@ class ModelRunner:
                 logit_rows.append(row0 + n - 1)
 
         prefill = decode = None
-        if out.prefills:
-            seqs = [s.seq for s in out.prefills]
-            q_lens = [s.num_new_tokens for s in out.prefills]
-            k_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in out.prefills]
+        prefills, decodes = out.prefills, out.decodes
+        if self.batch_invariant:  # same token layout; every sequence in the decode metadata
+            prefills, decodes = [], out.prefills + out.decodes
+        if prefills:
+            seqs = [s.seq for s in prefills]
+            q_lens = [s.num_new_tokens for s in prefills]
+            k_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills]
             prefill = PrefillMeta(
                 cu_q_lens=_cumsum(q_lens, dev), cu_k_lens=_cumsum(k_lens, dev),
                 seq_lens=torch.tensor(k_lens, dtype=torch.long, device=dev),
                 block_tables=_block_table_tensor(seqs, dev),
-                has_prefix=any(s.seq.num_computed_tokens > 0 for s in out.prefills),
+                has_prefix=any(s.seq.num_computed_tokens > 0 for s in prefills),
             )
-        if out.decodes:
-            seqs = [s.seq for s in out.decodes]
-            q_lens = [s.num_new_tokens for s in out.decodes]
+        if decodes:
+            seqs = [s.seq for s in decodes]
+            q_lens = [s.num_new_tokens for s in decodes]
             decode = DecodeMeta(
                 cu_q_lens=_cumsum(q_lens, dev),
-                seq_lens=torch.tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in out.decodes],
+                seq_lens=torch.tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in decodes],
                                       dtype=torch.long, device=dev),
                 block_tables=_block_table_tensor(seqs, dev), max_q_len=max(q_lens),
             )
-        num_prefill_tokens = sum(s.num_new_tokens for s in out.prefills)
+        num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
         meta = AttentionMetadata(num_prefill_tokens, torch.tensor(slots, dtype=torch.long, device=dev),
                                  prefill, decode)
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),

@@ -53,12 +53,12 @@ class MLA(nn.Module):
         self.kv_b_proj = _param(H * (N + V), L)
         self.o_proj = _param(C, H * V)
         self.scale = cfg.softmax_scale
-        self.w_uk: torch.Tensor | None = None  # [H, N, L], derived from kv_b_proj after loading
+        self.w_uk: torch.Tensor | None = None  # [H, L, N] (W_UK transposed), derived from kv_b_proj
         self.w_uv: torch.Tensor | None = None  # [H, V, L]
 
     def post_load(self) -> None:
         kv_b = self.kv_b_proj.view(self.H, self.N + self.V, self.L)
-        self.w_uk = kv_b[:, : self.N].contiguous()
+        self.w_uk = kv_b[:, : self.N].transpose(1, 2).contiguous()
         self.w_uv = kv_b[:, self.N :].contiguous()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -99,10 +99,10 @@ class MLA(nn.Module):
     def _decode(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
         """Absorbed form: fold W_UK into q, attend over latents, then apply W_UV."""
         dm = meta.decode
-        q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # [T, H, L]
+        q_lat = self.k.head_linear(q_nope, self.w_uk)  # [T, H, L]
         q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, L + R]
         o_lat = self.k.mla_decode(q_abs, cache, dm.block_tables, dm.cu_q_lens, dm.seq_lens, self.scale, self.L)
-        return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)  # [T, H, V]
+        return self.k.head_linear(o_lat, self.w_uv)  # [T, H, V]
 
 
 class MLP(nn.Module):

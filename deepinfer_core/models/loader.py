@@ -220,17 +220,16 @@ def _target(model: DeepseekForCausalLM, name: str):
 
 
 def random_init(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """Fill every weight with seeded random values (benchmarks of shapes without a checkpoint)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Fill every weight with seeded random values, on the weights' device (benchmarks of shapes
+    without a checkpoint)."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if p.dim() == 1:
             p.data.fill_(0.0 if name.endswith("e_score_correction_bias") else 1.0)
-        else:
-            cpu = torch.empty(p.shape, dtype=torch.float32)
-            chunk = cpu.view(-1)
-            for s in range(0, chunk.numel(), 1 << 26):
-                chunk[s : s + (1 << 26)].normal_(0, std, generator=g)
-            p.data.copy_(cpu)
+            continue
+        if p.device not in generators:
+            generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.data.normal_(0, std, generator=generators[p.device])
     model.post_load()
 
 

@@ -9,8 +9,11 @@ on its own. A failure on any rank becomes an AssertionError carrying that rank's
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -107,17 +110,30 @@ def _default_factory() -> Communicator:
 
 
 def _worker(rank: int, world_size: int, backend: str, port: int, factory: Callable[[], Communicator] | None,
-            device_type: str, timeout_s: float) -> None:
-    device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type, rank)
-    if device_type != "cpu":
-        getattr(torch, device_type).set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+            device_type: str, timeout_s: float, report_dir: str) -> None:
+    try:
+        device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type, rank)
+        if device_type != "cpu":
+            getattr(torch, device_type).set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    except BaseException:
+        _report(report_dir, rank)
+        raise
     try:
         comm = (factory or _default_factory)()
         run_checks(comm, rank, world_size, device)
+    except BaseException:
+        # Record the traceback before tearing the group down: the peers may abort once we leave.
+        _report(report_dir, rank)
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _report(report_dir: str, rank: int) -> None:
+    with open(os.path.join(report_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(traceback.format_exc())
 
 
 def check_communicator(
@@ -136,25 +152,44 @@ def check_communicator(
     """
     if world_size < 2:
         raise ValueError("check_communicator needs world_size >= 2")
-    port = free_port()
-    ctx = mp.start_processes(
-        _worker, args=(world_size, backend, port, factory, device_type, timeout_s), nprocs=world_size,
-        join=False, start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout_s + 30
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"communicator check ({backend}, {world_size} ranks) timed out after "
-                                     f"{timeout_s + 30:.0f}s")
-    except mp.ProcessRaisedException as exc:
-        raise AssertionError(f"communicator check ({backend}, {world_size} ranks) failed on rank "
-                             f"{exc.error_index}:\n{exc}") from None
-    except mp.ProcessExitedException as exc:
-        raise AssertionError(f"communicator check ({backend}, {world_size} ranks): rank {exc.error_index} "
-                             f"exited with code {exc.exit_code}") from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+    what = f"communicator check ({backend}, {world_size} ranks)"
+    with tempfile.TemporaryDirectory(prefix="deepinfer-comm-") as report_dir:
+        ctx = mp.start_processes(
+            _worker, args=(world_size, backend, free_port(), factory, device_type, timeout_s, report_dir),
+            nprocs=world_size, join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s + 30
+        failure: BaseException | None = None
+        try:
+            while not ctx.join(timeout=0.5, grace_period=2.0):
+                if time.monotonic() > deadline:
+                    failure = TimeoutError(f"timed out after {timeout_s + 30:.0f}s")
+                    break
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            failure = exc
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+        if failure is None:
+            return
+        # Report the rank that failed first: its peers' errors (or aborts) usually follow from it.
+        reports = []
+        for rank in range(world_size):
+            path = os.path.join(report_dir, f"rank{rank}.txt")
+            if os.path.exists(path):
+                with open(path) as f:
+                    reports.append((os.stat(path).st_mtime_ns, rank, f.read()))
+        if reports:
+            reports.sort()
+            _, rank, text = reports[0]
+            others = "".join(
+                f"\n(rank {r} failed afterwards: {t.strip().splitlines()[-1]})" for _, r, t in reports[1:]
+            )
+            raise AssertionError(f"{what} failed on rank {rank}:\n{text}{others}") from None
+        if isinstance(failure, mp.ProcessExitedException):
+            raise AssertionError(
+                f"{what}: rank {failure.error_index} exited with code {failure.exit_code}"
+            ) from None
+        raise AssertionError(f"{what} failed: {failure}") from None

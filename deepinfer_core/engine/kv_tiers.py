@@ -1,0 +1,480 @@
+"""Tiered KV cache: device blocks -> host memory -> a persistent store plugin (3FS, ...).
+
+Registered by the engine when ``[kv_store]`` is configured::
+
+    [kv_store]
+    backend = "3fs"                  # a name in the deepinfer.kv_stores entry-point group
+    path = "/mnt/3fs/deepinfer-kv"    # ...and the rest of the table goes to that store
+    host_capacity_bytes = "4GiB"      # the host-memory tier (the ``host`` store plugin)
+    offload_on_finish = true          # also write a request's blocks when it ends
+
+Data moves down when full device blocks are about to be reused (``blocks_evicted``: copied to host
+memory, and queued for the persistent store) and, with ``offload_on_finish``, when a request ends.
+Persistent writes run on a writer thread; a full queue drops blocks (counted), never blocks a step.
+
+Data moves up in two stages. ``request_ready`` looks the request's prefix hash chain up in the
+tiers (metadata only) and, when the persistent store holds blocks beyond what device and host
+memory hold, starts fetching them into host memory on a background thread; the request waits
+(``request_ready`` returns False) until they are resident. ``match_external_prefix`` then reports
+the leading blocks host memory holds, and ``load_external_blocks`` copies them into the request's
+device blocks, layer by layer, as non-blocking copies on a side stream where the platform has one.
+``RequestMetrics.num_cached_tokens_by_tier`` says which tier each reused token came from.
+
+Every failure below the device tier (a missing, corrupt or unreadable record, a full or read-only
+store) is a miss: the request recomputes those tokens.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import logging
+import queue
+import re
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_core import plugins
+from deepinfer_core.config import ConfigError
+from deepinfer_core.engine.hashing import chain
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.kv_store import KVLayout, KVStore, KVStoreStats
+
+logger = logging.getLogger("deepinfer.kv_tiers")
+
+STATE_KEY = "kv_tiers"
+#: Keys of the [kv_store] table read by the tiers; every other key goes to the backend store.
+TIER_KEYS = {
+    "backend": None, "host_capacity_bytes": "2GiB", "offload_on_finish": False, "max_pending_writes": 4096,
+    "fetch_threads": 2, "flush_timeout": 30.0,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(value, what: str) -> int:
+    """Bytes from an int or a string like "4GiB" (1024-based), "500MB" (1000-based)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if m is None or (m.group(3) and not m.group(2)):
+        raise ConfigError(f"[kv_store] {what}: expected bytes (int >= 0) or a size like '4GiB', "
+                          f"got {value!r}")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * (1000 if m.group(4) and not m.group(3) else 1024) ** power)
+
+
+class _BoundedSet:
+    """A set that forgets its oldest members beyond ``limit`` (thread-safe enough under the GIL)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self._d = limit, OrderedDict()
+
+    def add(self, key) -> None:
+        self._d[key] = None
+        self._d.move_to_end(key)
+        while len(self._d) > self.limit:
+            self._d.popitem(last=False)
+
+    def __contains__(self, key) -> bool:
+        return key in self._d
+
+
+@dataclass
+class _RequestState:
+    planned: bool = False  # the fetch for this request was decided (started or not needed)
+    jobs: list = field(default_factory=list)  # fetch futures it waits for
+    held: dict = field(default_factory=dict)  # key -> host tensor fetched for it (kept until loaded)
+    pending: tuple | None = None  # (keys, tensors, tiers) matched, awaiting load_external_blocks
+
+
+@dataclass
+class _Counters:
+    fetch_jobs: int = 0
+    fetch_blocks: int = 0
+    fetch_bytes: int = 0
+    fetch_seconds: float = 0.0
+    offload_host: int = 0
+    offload_queued: int = 0
+    offload_written: int = 0
+    offload_failed: int = 0
+    offload_dropped: int = 0
+    loaded_blocks: int = 0
+
+
+class TieredKVCache:
+    """The host-memory and persistent tiers below the engine's device cache (a pluggy plugin)."""
+
+    core_api_version = "1.0"
+
+    def __init__(self, engine, section: dict) -> None:
+        cfg = {**TIER_KEYS, **section}
+        backend = cfg.pop("backend")
+        if not isinstance(backend, str) or not backend:
+            names = ", ".join(plugins.installed_names("deepinfer.kv_stores")) or "none"
+            raise ConfigError(f"[kv_store] needs backend = '<store name>' (installed: {names}), "
+                              f"got {backend!r}")
+        host_capacity = parse_size(cfg.pop("host_capacity_bytes"), "host_capacity_bytes")
+        self.offload_on_finish = cfg.pop("offload_on_finish")
+        if not isinstance(self.offload_on_finish, bool):
+            raise ConfigError("[kv_store] offload_on_finish must be true or false, "
+                              f"got {self.offload_on_finish!r}")
+        max_pending = cfg.pop("max_pending_writes")
+        fetch_threads = cfg.pop("fetch_threads")
+        for name, v in (("max_pending_writes", max_pending), ("fetch_threads", fetch_threads)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"[kv_store] {name} must be an int >= 1, got {v!r}")
+        self.flush_timeout = cfg.pop("flush_timeout")
+        if isinstance(self.flush_timeout, bool) or not isinstance(self.flush_timeout, (int, float)):
+            raise ConfigError(f"[kv_store] flush_timeout must be seconds, got {self.flush_timeout!r}")
+
+        mc = engine.model_config
+        self.block_size = engine.block_size
+        self.layout = KVLayout(engine.fingerprint, mc.num_hidden_layers, engine.block_size, mc.kv_entry_dim,
+                               engine.dtype)
+        self.platform = engine.platform
+        self.pinned = bool(engine.platform.supports_pinned_memory())
+        host_cls = plugins.load("deepinfer.kv_stores", "host", what="KV store")
+        self.host: KVStore = host_cls(capacity_bytes=host_capacity, pin_memory=self.pinned)
+        store_cls = plugins.load("deepinfer.kv_stores", backend, what="KV store")
+        kwargs = dict(cfg, layout=self.layout)
+        if self.pinned and "pin_memory" in inspect.signature(store_cls).parameters:
+            kwargs.setdefault("pin_memory", True)
+        try:
+            self.store: KVStore = store_cls(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"[kv_store] backend {backend!r} rejected its settings: {exc}") from exc
+        self.backend = backend
+        get_many = getattr(self.store, "get_many", None)
+        self._get_many = get_many
+        self._get_many_ttl = get_many is not None and "ttl_class" in inspect.signature(get_many).parameters
+        self._ttl_of = getattr(self.store, "ttl_seconds", None)
+
+        self._lock = threading.Lock()
+        self._inflight: dict[int, Future] = {}
+        self._queued: set[int] = set()
+        self._known = _BoundedSet(1 << 18)  # keys known to be in the persistent store
+        self._class_of: OrderedDict[int, str | None] = OrderedDict()
+        self._class_limit = max(1 << 16, 4 * engine.blocks.num_blocks)
+        self.counters = _Counters()
+        self._tier_tokens = {"device": 0, "host": 0, "persistent": 0}
+        self._rates: dict[str, tuple[float, int, int]] = {}
+        self._stream = engine.platform.stream(engine.device) if self.pinned else None
+        self._fetch_pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="kv-fetch")
+        self._writes: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-offload", daemon=True)
+        self._writer.start()
+        self._closed = False
+        self._atexit = functools.partial(_flush_at_exit, weakref.ref(self))
+        atexit.register(self._atexit)
+        logger.info("KV tiers: host %.1f MiB%s, persistent %r; block %s %s", host_capacity / 2**20,
+                    " pinned" if self.pinned else "", backend, self.layout.block_shape, self.layout.dtype)
+
+    # ---- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _eligible(engine, request) -> bool:
+        return engine.cfg.enable_prefix_caching and request.params.prompt_logprobs is None
+
+    @staticmethod
+    def _state(request) -> _RequestState:
+        st = request.feature_state.get(STATE_KEY)
+        if st is None:
+            st = request.feature_state[STATE_KEY] = _RequestState()
+        return st
+
+    def _valid(self, block) -> bool:
+        return (isinstance(block, torch.Tensor) and tuple(block.shape) == self.layout.block_shape
+                and block.dtype == self.layout.dtype)
+
+    def _note_class(self, hashes: list[int], cls: str | None) -> None:
+        """Remember the traffic class of blocks (the longest-lived class wins) for later offloads."""
+        for h in hashes:
+            prev = self._class_of.get(h, False)
+            if prev is False or (self._ttl_of is not None and prev != cls and _longer(self._ttl_of(cls),
+                                                                                       self._ttl_of(prev))):
+                self._class_of[h] = cls
+            self._class_of.move_to_end(h)
+        while len(self._class_of) > self._class_limit:
+            self._class_of.popitem(last=False)
+
+    def _to_host(self, block: torch.Tensor) -> torch.Tensor:
+        return block if block.device.type == "cpu" else block.to("cpu")
+
+    # ---- fetching (persistent -> host) --------------------------------------------------
+    @hookimpl
+    def request_ready(self, engine, request):
+        if request.block_table or request.num_computed_tokens or not self._eligible(engine, request):
+            return None
+        st = self._state(request)
+        if st.jobs:
+            if not all(f.done() for f in st.jobs):
+                if engine.scheduler.num_running() == 0:  # the step loop is idle: let the fetch run
+                    wait_futures(st.jobs, timeout=0.005)
+                if not all(f.done() for f in st.jobs):
+                    return False
+            for f in st.jobs:
+                try:
+                    st.held.update(f.result())
+                except Exception as exc:  # a failed fetch is a miss
+                    logger.warning("KV fetch failed: %s", exc)
+            st.jobs = []
+            return None
+        if st.planned:
+            return None
+        st.planned = True
+        hashes = engine.blocks.prefix_hashes(request)
+        self._note_class(hashes, request.params.traffic_class)
+        n = 0
+        for h in hashes:  # resident in device or host memory already
+            if not (engine.blocks.contains(h) or self.host.contains(h)):
+                break
+            n += 1
+        with self._lock:
+            inflight = dict(self._inflight)
+        want = []
+        for h in hashes[n:]:
+            if h not in inflight and not self.store.contains(h):
+                break
+            want.append(h)
+        if not want:
+            return None
+        new = [h for h in want if h not in inflight]
+        jobs = {id(f): f for f in (inflight[h] for h in want if h in inflight)}
+        if new:
+            fut = self._start_fetch(new, request.params.traffic_class)
+            jobs[id(fut)] = fut
+        st.jobs = list(jobs.values())
+        return False
+
+    def _start_fetch(self, keys: list[int], cls: str | None) -> Future:
+        with self._lock:  # registered before the job can finish and unregister its keys
+            fut = self._fetch_pool.submit(self._fetch, keys, cls)
+            for k in keys:
+                self._inflight[k] = fut
+            self.counters.fetch_jobs += 1
+        return fut
+
+    def _fetch(self, keys: list[int], cls: str | None) -> dict[int, torch.Tensor]:
+        t0 = time.perf_counter()
+        got: dict[int, torch.Tensor] = {}
+        try:
+            if self._get_many is not None:
+                blocks = self._get_many(keys, ttl_class=cls) if self._get_many_ttl else self._get_many(keys)
+            else:
+                blocks = [self.store.get(k) for k in keys]
+            for k, block in zip(keys, blocks):
+                if not self._valid(block):
+                    break  # the chain stops at the first block the store could not supply
+                self.host.put(k, block)
+                self._known.add(k)
+                got[k] = block
+        except Exception as exc:  # a store failure is a miss, never a crash
+            logger.warning("KV fetch of %d blocks from %r failed: %s", len(keys), self.backend, exc)
+        finally:
+            with self._lock:
+                fut = self._inflight.get(keys[0])
+                for k in keys:
+                    if self._inflight.get(k) is fut:
+                        del self._inflight[k]
+                self.counters.fetch_blocks += len(got)
+                self.counters.fetch_bytes += sum(b.numel() * b.element_size() for b in got.values())
+                self.counters.fetch_seconds += time.perf_counter() - t0
+        return got
+
+    # ---- admission (host -> device) -----------------------------------------------------
+    @hookimpl
+    def match_external_prefix(self, engine, request, block_hashes, num_device_blocks):
+        st = self._state(request)
+        st.pending = None
+        keys, tensors, tiers = [], [], []
+        for h in block_hashes[num_device_blocks:]:
+            block, tier = st.held.get(h), "persistent"
+            if block is None:
+                block, tier = self.host.get(h), "host"
+            if not self._valid(block):
+                break
+            keys.append(h)
+            tensors.append(block)
+            tiers.append(tier)
+        if not keys:
+            return None
+        st.pending = (keys, tensors, tiers)
+        return num_device_blocks + len(keys)
+
+    @hookimpl
+    def load_external_blocks(self, engine, request, block_ids, block_hashes):
+        st = self._state(request)
+        keys, tensors, tiers = st.pending or ([], [], [])
+        st.pending = None
+        if list(block_hashes) != keys[: len(block_hashes)] or len(block_ids) != len(block_hashes):
+            raise RuntimeError("kv_tiers: load_external_blocks does not match the prefix it matched")
+        with self.platform.stream_context(self._stream):
+            for layer, cache in enumerate(engine.kv_caches):
+                for b, block in zip(block_ids, tensors):
+                    cache[b].copy_(block[layer], non_blocking=True)
+        if self._stream is not None:
+            done = self.platform.event()
+            done.record(self._stream)
+            wait = getattr(done, "wait", None)
+            wait() if wait is not None else done.synchronize()  # the forward's stream waits for the copies
+        by_tier = request.metrics.num_cached_tokens_by_tier
+        for tier in tiers[: len(block_ids)]:
+            by_tier[tier] = by_tier.get(tier, 0) + self.block_size
+            self._tier_tokens[tier] += self.block_size
+        self.counters.loaded_blocks += len(block_ids)
+        st.held.clear()
+
+    # ---- offloading (device -> host -> persistent) --------------------------------------
+    @hookimpl
+    def blocks_evicted(self, engine, block_hashes, block_ids):
+        for h, b in zip(block_hashes, block_ids):
+            to_host = not self.host.contains(h)
+            to_store = h not in self._known and h not in self._queued
+            if not (to_host or to_store):
+                continue
+            block = self._to_host(torch.stack([cache[b] for cache in engine.kv_caches]))
+            if to_host and self.host.put(h, block):
+                self.counters.offload_host += 1
+            if to_store:
+                self._enqueue(h, block)
+
+    @hookimpl
+    def request_finished(self, engine, request):
+        request.feature_state.pop(STATE_KEY, None)
+        if not self._eligible(engine, request):
+            return
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if full == 0:
+            return
+        hashes = chain(request.token_ids, self.block_size, full)
+        self._note_class(hashes, request.params.traffic_class)
+        if not self.offload_on_finish:
+            return
+        for h in hashes:
+            if h in self._known or h in self._queued:
+                continue
+            block = engine.blocks.get(h)  # a copy of the device block, if it is still there
+            if block is None:
+                break
+            self._enqueue(h, self._to_host(block))
+
+    def _enqueue(self, key: int, block: torch.Tensor) -> None:
+        with self._lock:
+            if key in self._queued:
+                return
+            self._queued.add(key)
+        try:
+            self._writes.put_nowait((key, block, self._class_of.get(key)))
+            self.counters.offload_queued += 1
+        except queue.Full:
+            with self._lock:
+                self._queued.discard(key)
+            self.counters.offload_dropped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            try:
+                if item is None:
+                    return
+                key, block, cls = item
+                if self.store.contains(key) or self.store.put(key, block, ttl_class=cls):
+                    self._known.add(key)
+                    self.counters.offload_written += 1
+                else:
+                    self.counters.offload_failed += 1
+            except Exception as exc:  # never let a store failure kill the writer
+                self.counters.offload_failed += 1
+                logger.warning("KV offload to %r failed: %s", self.backend, exc)
+            finally:
+                if item is not None:
+                    with self._lock:
+                        self._queued.discard(item[0])
+                self._writes.task_done()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued persistent writes are done; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._writes.all_tasks_done:
+            while self._writes.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._writes.all_tasks_done.wait(left)
+        return True
+
+    # ---- metrics and shutdown -----------------------------------------------------------
+    def _store_metrics(self, name: str, s: KVStoreStats) -> dict:
+        now = time.monotonic()
+        t, r, w = self._rates.get(name, (now, s.read_bytes, s.write_bytes))
+        dt = now - t
+        self._rates[name] = (now, s.read_bytes, s.write_bytes)
+        lookups = s.hits + s.misses
+        out = {
+            "hits": s.hits, "misses": s.misses, "hit_rate": s.hits / lookups if lookups else 0.0,
+            "puts": s.puts, "evictions": s.evictions, "errors": s.errors, "read_bytes": s.read_bytes,
+            "write_bytes": s.write_bytes,
+            "read_bytes_per_s": (s.read_bytes - r) / dt if dt > 0 else 0.0,
+            "write_bytes_per_s": (s.write_bytes - w) / dt if dt > 0 else 0.0,
+        }
+        out.update(s.extra)
+        out.setdefault("gc_runs", 0)
+        return out
+
+    @hookimpl
+    def collect_metrics(self, engine):
+        c = self.counters
+        return {"kv_tiers": {
+            "host": self._store_metrics("host", self.host.stats()),
+            "persistent": {"backend": self.backend, **self._store_metrics("persistent", self.store.stats())},
+            "fetch": {"jobs": c.fetch_jobs, "blocks": c.fetch_blocks, "bytes": c.fetch_bytes,
+                      "seconds": c.fetch_seconds, "in_flight": len(self._inflight),
+                      "bytes_per_s": c.fetch_bytes / c.fetch_seconds if c.fetch_seconds else 0.0},
+            "offload": {"to_host": c.offload_host, "queued": c.offload_queued, "written": c.offload_written,
+                        "failed": c.offload_failed, "dropped": c.offload_dropped,
+                        "pending": self._writes.unfinished_tasks},
+            "loaded_blocks": c.loaded_blocks,
+            "cached_tokens": dict(self._tier_tokens),
+        }}
+
+    @hookimpl
+    def engine_shutdown(self, engine):
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        if not self.flush(self.flush_timeout):
+            logger.warning("KV tiers: %d persistent writes still pending at shutdown were dropped",
+                           self._writes.unfinished_tasks)
+            while True:  # make room for the stop marker
+                try:
+                    self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                self._writes.task_done()
+        self._writes.put(None)
+        self._writer.join(timeout=5)
+        self._fetch_pool.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+        self.host.close()
+
+
+def _longer(a: float, b: float) -> bool:
+    """Whether TTL ``a`` outlives ``b`` (0 means no expiry)."""
+    return a != b and (a == 0 or (b != 0 and a > b))
+
+
+def _flush_at_exit(ref) -> None:
+    tiers = ref()
+    if tiers is not None and not tiers._closed:
+        tiers.close()

@@ -1,0 +1,564 @@
+"""The driver of a data-parallel attention + expert-parallel MoE job.
+
+``LLM(dp=N, ep=N)`` builds a :class:`ParallelEngine`. It offers the interface ``LLM`` uses from an
+``LLMEngine`` (``add_request``, ``step``, ``has_unfinished``, ``tokenizer``, ``metrics``,
+``shutdown``) and runs the model on N ranks:
+
+* one machine: the driver spawns one worker process per rank (``python -m
+  deepinfer_core.parallel.worker``, talking to the driver over a private pipe) and the ranks form a
+  ``torch.distributed`` group with the platform's backend (gloo on cpu, nccl, hccl, ...);
+* several machines: the same script under ``torchrun``. Every process calls ``LLM(...)``; rank 0
+  becomes the driver (and runs its own rank in-process), the other ranks serve it over TCP and
+  exit their process when it shuts down (see README.md in this package).
+
+Each rank owns the requests the driver's :class:`DPLoadBalancer` gives it (fewest unfinished
+requests, then lowest KV usage) and their KV cache. All ranks step in lock step: the driver sends
+every step to every rank and waits for all answers, at most ``worker_timeout_s``. A rank that dies,
+hangs or fails is named in a :class:`WorkerFailure`; the unfinished requests then finish with
+``finish_reason == "error"`` and that error, every worker is killed, and later calls raise it.
+Shutdown, a driver exception, Ctrl-C and the driver's exit all end every worker process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import multiprocessing.connection as mpc
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from deepinfer_core.config import ConfigError, EngineConfig
+from deepinfer_core.engine.engine import FEATURE_OPTIONS, LLMEngine
+from deepinfer_core.engine.sequence import Sequence, Status
+from deepinfer_core.engine.tokenizer import HFTokenizer
+from deepinfer_core.features import load_features, make_plugin_manager
+from deepinfer_core.models.config import ModelConfig
+from deepinfer_core.models.loader import load_model_config, resolve_model_dir
+from deepinfer_core.parallel.expert_parallel import moe_lb_from_pairs
+from deepinfer_core.platform import Platform
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.selection import select_platform
+
+logger = logging.getLogger("deepinfer.parallel")
+STARTUP_TIMEOUT_MIN_S = 300.0  # model loading may take longer than a step
+
+
+class WorkerFailure(RuntimeError):
+    """A rank died, hung or failed; ``ranks`` names the culprits."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+    def __reduce__(self):
+        return (WorkerFailure, (str(self), self.ranks))
+
+
+# ---- configuration checks ------------------------------------------------------------------------
+def torchrun_env(env=None) -> dict | None:
+    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR of a torchrun launch, or None."""
+    env = os.environ if env is None else env
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    world = int(env["WORLD_SIZE"])
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    return {"rank": int(env["RANK"]), "world_size": world, "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "local_world_size": local_world, "master_addr": env.get("MASTER_ADDR", "127.0.0.1"),
+            "num_nodes": world // local_world if local_world and world % local_world == 0 else 1}
+
+
+def check_parallel_config(cfg: EngineConfig, mc: ModelConfig, platform: Platform, local_world_size: int,
+                          launched_world_size: int | None = None) -> None:
+    """ConfigError for a dp/ep combination this engine cannot run."""
+    if cfg.dp != cfg.ep:
+        raise ConfigError(f"dp={cfg.dp} with ep={cfg.ep} is not supported: data-parallel attention runs one "
+                          "attention replica per expert-parallel rank, so dp must equal ep")
+    W = cfg.ep
+    E = mc.n_routed_experts
+    if not E:
+        raise ConfigError(f"dp=ep={W} needs a MoE model, but {cfg.model or 'the model'} has no routed "
+                          "experts")
+    if W > E:
+        raise ConfigError(f"ep={W} is more ranks than the model's n_routed_experts={E}; every rank needs at "
+                          "least one expert")
+    if E % W:
+        raise ConfigError(f"ep={W} does not divide the model's n_routed_experts={E}; choose an ep that "
+                          f"divides {E}")
+    if launched_world_size is not None and launched_world_size != W:
+        raise ConfigError(f"launched with WORLD_SIZE={launched_world_size} processes but dp=ep={W}; run one "
+                          "process per rank (torchrun --nproc-per-node x --nnodes = ep)")
+    if platform.device_type != "cpu":
+        have = platform.device_count()
+        if local_world_size > have:
+            raise ConfigError(f"{local_world_size} ranks on this machine need {local_world_size} "
+                              f"{platform.name} devices, but {have} are visible")
+
+
+# ---- load balancing ------------------------------------------------------------------------------
+class DPLoadBalancer:
+    """Picks the rank for a new request: fewest unfinished requests, then lowest KV-cache usage,
+    then lowest rank."""
+
+    def __init__(self, world_size: int) -> None:
+        self.unfinished = [0] * world_size
+        self.running = [0] * world_size
+        self.kv_usage = [0.0] * world_size
+        self.assigned_total = [0] * world_size
+
+    def pick(self) -> int:
+        r = min(range(len(self.unfinished)), key=lambda i: (self.unfinished[i], self.kv_usage[i], i))
+        self.unfinished[r] += 1
+        self.assigned_total[r] += 1
+        return r
+
+    def finished(self, rank: int) -> None:
+        self.unfinished[rank] -= 1
+
+    def report(self, rank: int, num_running: int, kv_usage: float) -> None:
+        self.running[rank], self.kv_usage[rank] = num_running, kv_usage
+
+
+# ---- channels to ranks ---------------------------------------------------------------------------
+class _Remote:
+    """A rank in another process (a local child, or a torchrun peer over TCP)."""
+
+    def __init__(self, rank: int, conn, proc: subprocess.Popen | None = None, pid: int | None = None) -> None:
+        self.rank, self.conn, self.proc = rank, conn, proc
+        self.pid = proc.pid if proc is not None else pid
+
+    def exit_status(self) -> str | None:
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        code = self.proc.returncode
+        if code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+
+class _InProcess:
+    """Rank 0 under torchrun: its worker runs in the driver's process."""
+
+    def __init__(self, rank: int, worker) -> None:
+        self.rank, self.worker, self.pid, self.proc = rank, worker, os.getpid(), None
+
+    def exit_status(self) -> str | None:
+        return None
+
+
+def _reap(procs: list[subprocess.Popen], grace_s: float = 0.0) -> None:
+    """Make sure every worker process is gone: wait ``grace_s``, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        if p.poll() is None and grace_s > 0:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+class ParallelEngine:
+    """Driver of ``dp`` = ``ep`` ranks; see the module docstring."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
+        self.platform = select_platform(cfg.accelerator)
+        self.model_dir = resolve_model_dir(cfg.model)
+        self.model_config = mc = load_model_config(self.model_dir)
+        tr = torchrun_env()
+        self.world_size = cfg.ep
+        local_world = tr["local_world_size"] if tr else self.world_size
+        check_parallel_config(cfg, mc, self.platform, local_world, tr["world_size"] if tr else None)
+        pm = make_plugin_manager()
+        load_features(cfg, pm)  # unknown features and bad sections fail here, before any process starts
+        self.claimed_options = {o for opts in pm.hook.request_options() for o in (opts or [])}
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
+        self.balancer = DPLoadBalancer(self.world_size)
+        self._seqs: dict[str, Sequence] = {}
+        self._owner: dict[str, int] = {}
+        self._pending_add: list[list] = [[] for _ in range(self.world_size)]
+        self._pending_abort: list[list[str]] = [[] for _ in range(self.world_size)]
+        self._failed_seqs: list[Sequence] = []
+        self._failure: WorkerFailure | None = None
+        self._closed = False
+        self._next_id = 0
+        self.steps = 0
+        self._procs: list[subprocess.Popen] = []
+        self._chans: list = []
+        self._rebase = [False] * self.world_size  # ranks on another host: their clocks differ
+        self.worker_info: list[dict] = []
+        self._finalizer = weakref.finalize(self, _reap, self._procs)  # also at interpreter exit
+        try:
+            if tr is None:
+                self._start_local()
+            else:
+                self._start_torchrun(tr)
+        except BaseException:
+            self._kill_all()
+            raise
+
+    # ---- start-up --------------------------------------------------------------------------
+    def _init_payload(self, init_method: str | None) -> dict:
+        return {"cfg": self.cfg, "init_method": init_method, "timeout_s": float(self.cfg.worker_timeout_s)}
+
+    def _start_local(self) -> None:
+        W = self.world_size
+        env = dict(os.environ)
+        # the workers import (and find plugins) exactly as the driver does, installed or not
+        paths = [os.path.abspath(p or ".") for p in sys.path if os.path.exists(p or ".")]
+        paths.append(str(Path(__file__).resolve().parents[2]))
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        conns = []
+        for r in range(W):
+            ours, theirs = mpc.Pipe(duplex=True)
+            boot = {"rank": r, "world_size": W, "local_rank": r, "local_world_size": W, "num_nodes": 1,
+                    "fd": theirs.fileno(), "ppid": os.getpid()}
+            proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.parallel.worker"],
+                                    stdin=subprocess.PIPE, env=env, pass_fds=(theirs.fileno(),))
+            self._procs.append(proc)
+            theirs.close()
+            proc.stdin.write((json.dumps(boot) + "\n").encode())
+            proc.stdin.close()
+            conns.append(ours)
+        self._chans = [_Remote(r, conns[r], self._procs[r]) for r in range(W)]
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        self._start_ranks([("init", self._init_payload(init))] * W)
+
+    def _start_torchrun(self, tr: dict) -> None:
+        import torch.distributed as dist
+
+        from deepinfer_core.parallel.worker import RankWorker, serve
+
+        rank, W = tr["rank"], tr["world_size"]
+        self.platform.set_device(tr["local_rank"])
+        timeout = datetime.timedelta(seconds=float(self.cfg.worker_timeout_s))
+        if not dist.is_initialized():
+            dist.init_process_group(self.platform.dist_backend, init_method="env://", timeout=timeout)
+        worker = RankWorker(rank, W, tr["local_rank"], tr["local_world_size"], tr["num_nodes"])
+        if rank != 0:
+            info = [None, None, None]
+            dist.broadcast_object_list(info, src=0)
+            addr, port, key = info
+            addr = os.environ.get("DEEPINFER_DRIVER_ADDR", addr)
+            conn = mpc.Client((addr, port), authkey=bytes.fromhex(key))
+            conn.send(("hello", rank, os.getpid()))
+            graceful = serve(conn, worker)
+            conn.close()
+            if not graceful:
+                os._exit(1)  # peers may be stuck in collectives; do not wait for them
+            raise SystemExit(0)  # this process served rank 0; the rest of the script is rank 0's
+
+        key = secrets.token_bytes(32)
+        bind = os.environ.get("DEEPINFER_DRIVER_BIND", "0.0.0.0")
+        listener = mpc.Listener((bind, int(os.environ.get("DEEPINFER_DRIVER_PORT", "0"))), authkey=key)
+        dist.broadcast_object_list([tr["master_addr"], listener.address[1], key.hex()], src=0)
+        accepted: queue.Queue = queue.Queue()
+
+        def accept() -> None:
+            for _ in range(W - 1):
+                try:
+                    c = listener.accept()
+                    accepted.put((c, c.recv()))
+                except Exception as exc:  # a bad client; reported by the wait below
+                    accepted.put((None, exc))
+                    return
+
+        threading.Thread(target=accept, daemon=True, name="deepinfer-accept").start()
+        chans: list = [_InProcess(0, worker)] + [None] * (W - 1)
+        deadline = time.monotonic() + max(STARTUP_TIMEOUT_MIN_S, self.cfg.worker_timeout_s)
+        for _ in range(W - 1):
+            try:
+                conn, hello = accepted.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = [r for r in range(1, W) if chans[r] is None]
+                raise WorkerFailure(f"rank(s) {missing} did not connect to the driver", missing) from None
+            if conn is None:
+                raise WorkerFailure(f"a rank failed to connect to the driver: {hello}", [])
+            _, r, pid = hello
+            chans[r] = _Remote(r, conn, pid=pid)
+            self._rebase[r] = True
+        listener.close()
+        self._chans = chans
+        self._start_ranks([("init", self._init_payload(None))] * W)
+
+    def _start_ranks(self, msgs: list) -> None:
+        timeout = max(STARTUP_TIMEOUT_MIN_S, self.cfg.worker_timeout_s)
+        replies = self._roundtrip(msgs, timeout, startup=True)
+        self.worker_info = replies
+        for ch, info in zip(self._chans, replies):
+            ch.pid = info["pid"]
+
+    # ---- the exchange with every rank ------------------------------------------------------
+    def _roundtrip(self, msgs: list, timeout: float, startup: bool = False) -> list:
+        """Send ``msgs[r]`` to rank r and return every rank's answer. A rank that dies, stays silent
+        ``timeout`` seconds or answers with an error fails the whole engine (WorkerFailure)."""
+        if self._failure is not None:
+            raise self._failure
+        W = self.world_size
+        replies: list = [None] * W
+        errors: dict[int, str] = {}
+        rank_exc: dict[int, BaseException] = {}
+        deadline = time.monotonic() + timeout
+        completed = False
+        try:
+            for ch in self._chans:
+                if isinstance(ch, _Remote):
+                    try:
+                        ch.conn.send(msgs[ch.rank])
+                    except OSError as exc:
+                        errors[ch.rank] = f"connection lost ({exc})"
+            for ch in self._chans:
+                if isinstance(ch, _InProcess):
+                    replies[ch.rank] = ch.worker.handle(msgs[ch.rank])
+            pending = {ch.rank for ch in self._chans if isinstance(ch, _Remote) and ch.rank not in errors}
+            by_conn = {self._chans[r].conn: r for r in pending}
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for r in pending:
+                        errors[r] = f"no answer within worker_timeout_s={timeout:g}s (hung)"
+                    break
+                for conn in mpc.wait([self._chans[r].conn for r in pending], timeout=min(left, 0.5)):
+                    r = by_conn[conn]
+                    pending.discard(r)
+                    try:
+                        replies[r] = conn.recv()
+                    except (EOFError, OSError):
+                        errors[r] = "died" + self._death_note(r)
+                for r in list(pending):
+                    status = self._chans[r].exit_status()
+                    if status is not None and not self._chans[r].conn.poll():
+                        pending.discard(r)
+                        errors[r] = f"died ({status})"
+            completed = True
+        finally:
+            if not completed:  # interrupted (Ctrl-C) or an exception mid-exchange: ranks are out of step
+                self._fail({}, "the driver was interrupted during a step")
+        for r, rep in enumerate(replies):
+            if rep is not None and rep[0] == "error":
+                rank_exc[r] = rep[1]
+                errors[r] = f"raised {type(rep[1]).__name__}: {rep[1]}\n{rep[2]}"
+        if errors:
+            user_errors = all(isinstance(e, (ConfigError, ValueError)) for e in rank_exc.values())
+            if startup and rank_exc and user_errors:
+                r, exc = min(rank_exc.items())
+                self._fail(errors)
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(raised on rank {r} of the parallel engine)")
+                raise exc  # e.g. a feature's ConfigError: the same error a one-rank engine raises
+            raise self._fail(errors)
+        return [rep[1] for rep in replies]
+
+    def _death_note(self, r: int) -> str:
+        ch = self._chans[r]
+        if ch.proc is None:
+            return " (connection closed)"
+        try:
+            ch.proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return " (connection closed)"
+        return f" ({ch.exit_status()})"
+
+    def _fail(self, errors: dict[int, str], note: str = "") -> WorkerFailure:
+        """Record the failure, kill every worker, fail every unfinished request."""
+        if self._failure is not None:
+            return self._failure
+        time.sleep(0.2)  # a peer's death often reaches the other ranks first: let exit codes settle
+        for ch in self._chans:
+            status = ch.exit_status()
+            if status is not None and not str(errors.get(ch.rank, "")).startswith("died"):
+                errors[ch.rank] = f"died ({status})"
+        dead = sorted(r for r, e in errors.items() if e.startswith(("died", "no answer", "connection")))
+        culprits = dead or sorted(errors)
+        parts = []
+        for r in culprits + [r for r in sorted(errors) if r not in culprits]:
+            pid = self._chans[r].pid if r < len(self._chans) and self._chans[r] is not None else "?"
+            parts.append(f"rank {r} (pid {pid}) {errors[r]}")
+        head = f"deepinfer parallel engine failed: {'; '.join(parts) or note}"
+        if note and parts:
+            head += f" ({note})"
+        self._failure = WorkerFailure(head.rstrip(), culprits)
+        logger.error("%s", self._failure)
+        self._kill_all()
+        for seq in self._seqs.values():
+            seq.status = Status.FINISHED
+            seq.finish_reason, seq.error = "error", self._failure
+            seq.metrics.finished_time = time.perf_counter()
+            self._failed_seqs.append(seq)
+        self._seqs.clear()
+        return self._failure
+
+    def _kill_all(self, grace_s: float = 0.0) -> None:
+        _reap(self._procs, grace_s)
+        for ch in self._chans:
+            if isinstance(ch, _Remote):
+                try:
+                    ch.conn.close()
+                except OSError:
+                    pass
+
+    # ---- the LLMEngine interface -----------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | dict | None,
+                    request_id: str | None = None) -> Sequence:
+        """Validate a request and give it to a rank (sent with the next step). Returns its handle,
+        a :class:`Sequence` the driver updates from the rank's results."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise RuntimeError("the parallel engine is shut down")
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate(self.model_config.vocab_size)
+        for option in FEATURE_OPTIONS:
+            if getattr(params, option) is not None and option not in self.claimed_options:
+                raise ValueError(f"SamplingParams.{option} is set but no enabled feature handles it "
+                                 f"(enable the feature that provides {option!r}, e.g. features=[...])")
+        text, ids = LLMEngine._prompt_ids(self, prompt)  # needs only tokenizer, model_config, max_model_len
+        seed = params.seq_seed if params.seq_seed is not None else secrets.randbits(63)
+        sent = dataclasses.replace(params, seq_seed=seed)  # the rank samples with the driver's seed
+        eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
+        seq = Sequence(request_id, text, ids, params, seed, eos)
+        rank = self.balancer.pick()
+        self._seqs[request_id] = seq
+        self._owner[request_id] = rank
+        self._pending_add[rank].append((request_id, ids, sent))
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        if request_id in self._seqs:
+            self._pending_abort[self._owner[request_id]].append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._failed_seqs)
+
+    def step(self) -> list[Sequence]:
+        """One lock-step step on every rank; returns the requests that finished in it."""
+        if self._failure is not None or self._closed:
+            out, self._failed_seqs = self._failed_seqs, []
+            return out
+        if not self._seqs:
+            return []
+        msgs = [("step", {"add": self._pending_add[r], "abort": self._pending_abort[r]})
+                for r in range(self.world_size)]
+        self._pending_add = [[] for _ in range(self.world_size)]
+        self._pending_abort = [[] for _ in range(self.world_size)]
+        try:
+            results = self._roundtrip(msgs, float(self.cfg.worker_timeout_s))
+        except WorkerFailure:
+            out, self._failed_seqs = self._failed_seqs, []
+            return out
+        self.steps += 1
+        finished = []
+        for r, res in enumerate(results):
+            self.balancer.report(r, res["num_running"], res["kv_usage"])
+            for rid, up in res["updates"].items():
+                seq = self._seqs.get(rid)
+                if seq is None:
+                    continue
+                self._apply(seq, up, r)
+                if up["finished"]:
+                    finished.append(seq)
+                    del self._seqs[rid]
+                    self._owner.pop(rid, None)
+                    self.balancer.finished(r)
+        return finished
+
+    def _apply(self, seq: Sequence, up: dict, rank: int) -> None:
+        seq.token_ids.extend(up["tokens"])
+        seq.output_logprobs.extend(up["out_lp"])
+        seq.prompt_logprobs.extend(up["prompt_lp"])
+        seq.sum_logprob = up["sum_logprob"]
+        m = up["metrics"]
+        if m is not None:
+            arrival = seq.metrics.arrival_time
+            if self._rebase[rank]:  # another host's clock: keep the intervals, rebase on our arrival
+                shift = arrival - m.arrival_time
+                for name in ("first_scheduled_time", "first_token_time", "finished_time"):
+                    if getattr(m, name) is not None:
+                        setattr(m, name, getattr(m, name) + shift)
+            m.arrival_time = arrival
+            seq.metrics = m
+        if seq.status == Status.WAITING and (up["tokens"] or seq.metrics.first_scheduled_time is not None):
+            seq.status = Status.RUNNING
+        if up["finished"]:
+            seq.status = Status.FINISHED
+            seq.finish_reason, seq.stop_reason = up["finish_reason"], up["stop_reason"]
+            seq.error = up["error"]
+            if seq.metrics.finished_time is None:
+                seq.metrics.finished_time = time.perf_counter()
+
+    def metrics(self) -> dict:
+        """Summed counters over ranks, rank 0's view of global ones (moe_lb), and ``ranks``."""
+        if self._failure is not None:
+            return {"failed": str(self._failure), "steps": self.steps}
+        per_rank = self._roundtrip([("metrics",)] * self.world_size, float(self.cfg.worker_timeout_s))
+        out = dict(per_rank[0])
+        for key in ("prefill_tokens", "decode_tokens", "preemptions", "kv_blocks_free", "kv_blocks_total",
+                    "dummy_steps"):
+            out[key] = sum(m.get(key, 0) for m in per_rank)
+        out["overhead_share"] = sum(m.get("overhead_share", 0.0) for m in per_rank) / len(per_rank)
+        out["steps"] = self.steps
+        out["dp"], out["ep"] = self.cfg.dp, self.cfg.ep
+        out["dp_requests_per_rank"] = list(self.balancer.assigned_total)
+        out.pop("rank", None)
+        pairs = out.pop("ep_rank_pairs", {})
+        if "moe_lb" not in out and pairs:  # no feature measured it (EPLB does, since its last rebalance)
+            out["moe_lb"], out["moe_lb_per_layer"] = moe_lb_from_pairs(pairs)
+        out["ranks"] = [{k: v for k, v in m.items() if k != "ep_rank_pairs"} for m in per_rank]
+        return out
+
+    def worker_pids(self) -> list[int]:
+        return [ch.pid for ch in self._chans]
+
+    def shutdown(self) -> None:
+        """Stop every rank (gracefully when healthy) and make sure no worker process is left."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._failure is None and self._chans:
+            try:
+                timeout = min(30.0, float(self.cfg.worker_timeout_s))
+                self._roundtrip([("shutdown",)] * self.world_size, timeout)
+            except WorkerFailure:
+                pass
+        self._kill_all(grace_s=5.0)
+        self._finalizer.detach()

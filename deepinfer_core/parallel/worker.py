@@ -1,0 +1,257 @@
+"""One data-parallel / expert-parallel rank: its own engine (requests, KV cache, scheduler, the
+attention weights and this rank's experts), driven step by step by the driver
+(:mod:`deepinfer_core.parallel.launcher`).
+
+Every driver step reaches every rank, and every rank runs exactly one model forward in it: a rank
+without scheduled work runs a forward over zero tokens, so that the MoE collectives of all ranks
+stay in lock step. Ranks also all call ``step_finished`` once per step (the point where EPLB may
+move expert weights, itself a collective).
+
+Messages from the driver (tuples, first item the kind) and replies:
+  ("init", payload)   -> ("ready", info)      build the process group (unless up) and the engine
+  ("step", work)      -> ("ok", result)       add/abort requests, run one step, report progress
+  ("metrics",)        -> ("ok", dict)
+  ("shutdown",)       -> ("ok", None)         then the serving loop ends
+Any failure replies ("error", exception, traceback text).
+
+``python -m deepinfer_core.parallel.worker`` is the entry point of a locally spawned rank; it reads
+its bootstrap (rank, the fd of its pipe to the driver) from stdin.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepinfer_core.communicator import TorchDistCommunicator
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.engine import LLMEngine
+from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.models.deepseek import MoE
+from deepinfer_core.models.metadata import AttentionMetadata
+from deepinfer_core.parallel.expert_parallel import ExpertParallel
+from deepinfer_core.selection import select_platform
+
+logger = logging.getLogger("deepinfer.parallel.worker")
+
+
+class RankEngine(LLMEngine):
+    """An :class:`LLMEngine` that holds only its rank's experts and runs MoE layers expert-parallel."""
+
+    def __init__(self, cfg: EngineConfig, comm, local_rank: int = 0, num_nodes: int = 1) -> None:
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.device_index = local_rank
+        self.num_nodes = num_nodes
+        self.expert_parallel: ExpertParallel | None = None
+        self.dummy_steps = 0
+        super().__init__(cfg)
+
+    def build_model(self, expert_range=None):
+        E = self.model_config.n_routed_experts
+        per = E // self.world_size
+        model = super().build_model((self.rank * per, (self.rank + 1) * per))
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.expert_parallel = ExpertParallel(self.comm, E, moes, self.device)
+        return model
+
+    def step(self) -> list[Sequence]:
+        calls = self.expert_parallel.calls
+        finished = super().step()
+        if self.expert_parallel.calls == calls:  # nothing ran here: keep the collectives in step
+            self.dummy_forward()
+            self.pm.hook.step_finished(engine=self, step_stats=self.stats)
+        return finished
+
+    @torch.inference_mode()
+    def dummy_forward(self) -> None:
+        """A forward over zero tokens: no attention work, but every MoE collective."""
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        self.model(empty, empty, AttentionMetadata(0, empty, None, None), self.kv_caches)
+        self.dummy_steps += 1
+
+    def metrics(self) -> dict:
+        out = super().metrics()
+        layers, pairs = self.expert_parallel.rank_pairs_matrix()
+        out["rank"] = self.rank
+        out["dummy_steps"] = self.dummy_steps
+        out["ep_rank_pairs"] = {int(i): row.tolist() for i, row in zip(layers, pairs)}
+        return out
+
+
+def portable(exc: BaseException | None) -> BaseException | None:
+    """``exc`` if it pickles, else a RuntimeError carrying its type and message."""
+    if exc is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class RankWorker:
+    """Handles the driver's messages for one rank (in its own process, or in the driver's process
+    for rank 0 under torchrun)."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int = 0, local_world_size: int = 1,
+                 num_nodes: int = 1) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.local_rank, self.local_world_size, self.num_nodes = local_rank, local_world_size, num_nodes
+        self.engine: RankEngine | None = None
+        self._reported: dict[str, tuple[int, int, int]] = {}
+        self._owns_group = False
+
+    # ---- messages ------------------------------------------------------------------------
+    def handle(self, msg: tuple) -> tuple:
+        kind = msg[0]
+        try:
+            if kind == "init":
+                return ("ready", self.init(msg[1]))
+            if kind == "step":
+                return ("ok", self.step(msg[1]))
+            if kind == "metrics":
+                return ("ok", self.engine.metrics())
+            if kind == "shutdown":
+                self.close()
+                return ("ok", None)
+            raise ValueError(f"unknown message {kind!r}")
+        except BaseException as exc:  # reported to the driver, which decides
+            logger.error("rank %d: %s failed: %s", self.rank, kind, exc)
+            return ("error", portable(exc), traceback.format_exc())
+
+    def init(self, p: dict) -> dict:
+        cfg: EngineConfig = p["cfg"]
+        platform = select_platform(cfg.accelerator)
+        platform.set_device(self.local_rank)
+        if platform.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # ranks share the host's cores; oversubscribed OpenMP threads spin and crawl
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // self.local_world_size))
+        if not dist.is_initialized():
+            dist.init_process_group(platform.dist_backend, init_method=p["init_method"], rank=self.rank,
+                                    world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=p["timeout_s"]))
+            self._owns_group = True
+        comm = TorchDistCommunicator()
+        self.engine = RankEngine(cfg, comm, self.local_rank, self.num_nodes)
+        return {"pid": os.getpid(), "kv_blocks": self.engine.blocks.num_blocks,
+                "slots_per_rank": {i: self.engine.expert_parallel.slots_per_rank(i)
+                                   for i in self.engine.expert_parallel.moes}}
+
+    def step(self, work: dict) -> dict:
+        eng = self.engine
+        failed: dict[str, BaseException] = {}
+        for rid, ids, params in work.get("add", ()):
+            try:
+                seq = eng.add_request({"prompt_token_ids": ids}, params, request_id=rid)
+            except (ValueError, TypeError) as exc:
+                failed[rid] = exc
+                continue
+            self._reported[rid] = (seq.num_tokens, len(seq.output_logprobs), len(seq.prompt_logprobs))
+        for rid in work.get("abort", ()):
+            eng.abort(rid)
+        finished = eng.step()
+        updates = self._updates(finished)
+        for rid, exc in failed.items():
+            updates[rid] = {"tokens": [], "out_lp": [], "prompt_lp": [], "metrics": None, "sum_logprob": 0.0,
+                            "finished": True, "finish_reason": "error", "stop_reason": None,
+                            "error": portable(exc)}
+        sched = eng.scheduler
+        return {"updates": updates, "num_running": sched.num_running(),
+                "num_waiting": len(getattr(sched, "waiting", ())),
+                "kv_usage": 1.0 - eng.blocks.num_free / max(1, eng.blocks.num_blocks)}
+
+    def _updates(self, finished: list[Sequence]) -> dict[str, dict]:
+        seqs = {s.request_id: s for s in self.engine._seqs.values()}
+        seqs.update((s.request_id, s) for s in finished)
+        out = {}
+        for rid, s in seqs.items():
+            if rid not in self._reported:
+                continue
+            n_tok, n_olp, n_plp = self._reported[rid]
+            if not (s.is_finished or s.num_tokens > n_tok or len(s.output_logprobs) > n_olp
+                    or len(s.prompt_logprobs) > n_plp):
+                continue
+            up: dict[str, Any] = {"tokens": s.token_ids[n_tok:], "out_lp": s.output_logprobs[n_olp:],
+                                  "prompt_lp": s.prompt_logprobs[n_plp:], "metrics": s.metrics,
+                                  "sum_logprob": s.sum_logprob, "finished": s.is_finished}
+            if s.is_finished:
+                up.update(finish_reason=s.finish_reason, stop_reason=s.stop_reason, error=portable(s.error))
+                del self._reported[rid]
+            else:
+                self._reported[rid] = (s.num_tokens, len(s.output_logprobs), len(s.prompt_logprobs))
+            out[rid] = up
+        return out
+
+    def close(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def serve(conn, worker: RankWorker) -> bool:
+    """Answer the driver's messages until it says shutdown (True) or goes away (False)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            logger.warning("rank %d: the driver went away; exiting", worker.rank)
+            return False
+        reply = worker.handle(msg)
+        try:
+            conn.send(reply)
+        except (OSError, pickle.PicklingError) as exc:
+            logger.error("rank %d: cannot answer the driver: %s", worker.rank, exc)
+            return False
+        if msg[0] == "shutdown":
+            return True
+
+
+def die_with_parent(expected_ppid: int) -> None:
+    """Linux: get SIGKILL when the driver exits, however it exits (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the driver's pipe closing still ends the serving loop
+        pass
+    if os.getppid() != expected_ppid:  # the driver died before prctl took effect
+        os._exit(1)
+
+
+def main() -> None:
+    boot = json.loads(sys.stdin.readline())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the driver, which shuts us down
+    die_with_parent(boot["ppid"])
+    rank = boot["rank"]
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"[deepinfer rank {rank}] %(levelname)s %(name)s: %(message)s")
+    from multiprocessing.connection import Connection
+
+    conn = Connection(boot["fd"])
+    worker = RankWorker(rank, boot["world_size"], boot["local_rank"], boot["local_world_size"],
+                        boot["num_nodes"])
+    graceful = serve(conn, worker)
+    conn.close()
+    # Without the driver, peers may be stuck in collectives: leave at once, skipping clean-up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if graceful else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Generate from a DeepSeek checkpoint (default: the embedded tiny model trained on Python sources).
+
+    python examples/offline_inference.py
+    python examples/offline_inference.py --model /path/to/DeepSeek-V2-Lite --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from deepinfer_core import LLM, SamplingParams
+
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\n\n\ndef list_python_files(root):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i, line in enumerate(",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF-format checkpoint dir (default: embedded model)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--accelerator", default=None)
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="per-request seq_seed")
+    p.add_argument("--features", default="", help="comma-separated feature plugins to enable")
+    p.add_argument("--config", default=None, help="TOML config file")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def build_llm(args: argparse.Namespace, **extra) -> LLM:
+    features = [f for f in args.features.split(",") if f]
+    kw = dict(extra)
+    if features:
+        kw["features"] = features
+    if args.dp != 1 or args.ep != 1:
+        kw.update(dp=args.dp, ep=args.ep)
+    return LLM(model=args.model, dtype=args.dtype, accelerator=args.accelerator, config=args.config, **kw)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    llm = build_llm(args)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seq_seed=args.seed)
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
+        m = out.metrics
+        print("=" * 72)
+        if out.error is not None:
+            print(f"request failed: {out.error}")
+            continue
+        print(out.prompt + out.outputs[0].text)
+        extra = "".join(f" {k}={v:.3f}" for k, v in sorted(m.extra.items()) if isinstance(v, float))
+        ppl = f"{m.decode_ppl:.2f}" if m.decode_ppl is not None else "n/a"
+        print(f"-- finish={out.outputs[0].finish_reason} tokens={len(out.outputs[0].token_ids)} "
+              f"decode_ppl={ppl} ttft={m.time_to_first_token * 1000:.1f}ms{extra}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

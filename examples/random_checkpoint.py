@@ -1,0 +1,67 @@
+"""Write a random DeepSeek checkpoint in HF format (config.json + safetensors + tokenizer) for
+benchmarks and tests, using the loader's own list of expected tensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from deepinfer_core.models.config import ModelConfig
+from deepinfer_core.models.loader import EMBEDDED_MODEL, expected_tensors
+
+SHAPES = {
+    # the engine issue's CPU benchmark shape
+    "v3-tiny": dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=256, num_hidden_layers=4,
+                    num_attention_heads=8, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                    n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=192,
+                    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, vocab_size=4096),
+    "v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+                    intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                    num_attention_heads=16, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                    first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400, topk_method="greedy",
+                    n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
+    "v3-slice": dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
+                     num_attention_heads=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+                     n_group=8, topk_group=4, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
+                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+                     routed_scaling_factor=2.5),
+}
+BASE = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", topk_method="noaux_tc",
+            scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=1.0, max_position_embeddings=16384,
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+            num_key_value_heads=None, torch_dtype="float32")
+
+
+def shape_config(shape: str) -> dict:
+    cfg = {**BASE, **SHAPES[shape]}
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    return cfg
+
+
+def make_random_checkpoint(out: Path, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
+                           std: float = 0.05) -> Path:
+    """Write ``config`` and seeded random weights to ``out``; copy the embedded tokenizer when its
+    vocabulary fits."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = ModelConfig.from_dict(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_tensors(cfg).items():
+        if len(shape) == 1:
+            t = torch.zeros(shape) if name.endswith("e_score_correction_bias") else torch.ones(shape)
+        else:
+            t = torch.randn(shape, generator=g) * std
+        tensors[name] = t.to(dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tok = EMBEDDED_MODEL / "tokenizer.json"
+    if tok.is_file() and json.loads(tok.read_text())["model"].get("vocab") is not None:
+        if len(json.loads(tok.read_text())["model"]["vocab"]) <= cfg.vocab_size:
+            shutil.copy(tok, out / "tokenizer.json")
+            shutil.copy(EMBEDDED_MODEL / "tokenizer_config.json", out / "tokenizer_config.json")
+    return out

@@ -1,0 +1,73 @@
+"""Shared TileLang plumbing: lazy import, the compile target, and a per-shape kernel cache.
+
+Nothing here imports TileLang at module import time; ``tilelang`` is imported the first time a kernel
+is built. Kernels are compiled once per static configuration (dtype, head counts, tile sizes, ...);
+token counts, block counts and batch sizes are dynamic (``T.dynamic``), so a serving process compiles
+each kernel a handful of times, not once per batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: Overrides the compile target's arch (e.g. ``sm_90a``); by default it comes from the device.
+ARCH_ENV = "DEEPINFER_CUDA_ARCH"
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    return _DTYPES[dtype]
+
+
+def tilelang():
+    import tilelang as _tl  # noqa: PLC0415  (lazy: importing TileLang costs about a second)
+
+    return _tl
+
+
+def language():
+    import tilelang.language as T  # noqa: PLC0415
+
+    return T
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int = 0) -> str:
+    """``sm_90a`` on Hopper (wgmma and TMA need the arch-specific target), else ``sm_XY``."""
+    env = os.environ.get(ARCH_ENV)
+    if env:
+        return env
+    major, minor = torch.cuda.get_device_capability(index)
+    arch = f"sm_{major}{minor}"
+    return arch + "a" if major in (9, 10, 12) else arch
+
+
+def target(arch: str | None = None) -> dict[str, str]:
+    return {"kind": "cuda", "arch": arch or device_arch()}
+
+
+def compile_kernel(func: Any, arch: str | None = None, out_idx: list[int] | None = None) -> Any:
+    """Compile a ``T.prim_func`` for CUDA (works without a GPU: nvcc is enough)."""
+    return tilelang().compile(func, out_idx=out_idx, target=target(arch))
+
+
+def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
+    """Memoise ``builder(**config)`` -> compiled kernel for the current device's arch."""
+
+    @functools.lru_cache(maxsize=None)
+    def get(*args: Any) -> Any:
+        return compile_kernel(builder(*args))
+
+    get.builder = builder  # type: ignore[attr-defined]
+    return get
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int = 0) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,0 +1,89 @@
+"""RMSNorm and fused residual-add + RMSNorm in TileLang: one CTA per token row, the row held in
+registers (float32), one block reduction."""
+
+import torch
+
+from kernels_cuda import _tl
+
+
+def _threads(C: int) -> int:
+    """A power of two (the block reduction needs one), ideally with 16-byte vectors per thread."""
+    for vec in (8, 4, 2, 1):
+        for t in (1024, 512, 256, 128, 64, 32):
+            if C % (t * vec) == 0 and C // (t * vec) <= 8:
+                return t
+    return 32
+
+
+def build_rms_norm(C: int, dtype: str, fused_add: bool):
+    T = _tl.language()
+    N = T.dynamic("N")
+    threads = _threads(C)
+
+    @T.prim_func
+    def rms_norm_kernel(
+        X: T.Tensor((N, C), dtype),
+        Res: T.Tensor((N, C), dtype),
+        W: T.Tensor((C,), dtype),
+        Y: T.Tensor((N, C), dtype),
+        ResOut: T.Tensor((N, C), dtype),
+        eps: T.float32,
+    ):
+        with T.Kernel(N, threads=threads) as row:
+            x = T.alloc_fragment((1, C), "float32")
+            sq = T.alloc_fragment((1, C), "float32")
+            ss = T.alloc_fragment((1,), "float32")
+            if fused_add:
+                xr = T.alloc_fragment((1, C), dtype)
+                for i, j in T.Parallel(1, C):
+                    # the residual sum is rounded to the activation dtype first, as in the reference
+                    xr[i, j] = T.cast(T.cast(X[row, j], "float32") + T.cast(Res[row, j], "float32"), dtype)
+                T.copy(xr, ResOut[row:row + 1, :])
+                for i, j in T.Parallel(1, C):
+                    x[i, j] = T.cast(xr[i, j], "float32")
+            else:
+                T.copy(X[row:row + 1, :], x)
+            for i, j in T.Parallel(1, C):
+                sq[i, j] = x[i, j] * x[i, j]
+            T.reduce_sum(sq, ss, dim=1)
+            for i in T.Parallel(1):
+                ss[i] = T.rsqrt(ss[i] / C + eps)
+            for i, j in T.Parallel(1, C):
+                x[i, j] = T.cast(W[j], "float32") * (x[i, j] * ss[i])
+            T.copy(x, Y[row:row + 1, :])
+
+    return rms_norm_kernel
+
+
+_kernel = _tl.kernel_cache(build_rms_norm)
+
+
+def _run(x, residual, w, eps, fused):
+    shape = x.shape
+    C = shape[-1]
+    x2 = x.reshape(-1, C).contiguous()
+    y = torch.empty_like(x2)
+    if fused:
+        r2 = residual.reshape(-1, C).to(x.dtype).contiguous()
+        r_out = torch.empty_like(x2)
+    else:
+        r2 = r_out = x2  # unused by the kernel
+    if x2.shape[0]:
+        _kernel(C, _tl.tl_dtype(x.dtype), fused)(x2, r2, w.to(x.dtype).contiguous(), y, r_out, float(eps))
+    return y.view(shape), (r_out.view(shape) if fused else None)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return _run(x, None, w, eps, False)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+    y, r = _run(x, residual, w, eps, True)
+    return y, r
+
+
+def representative_kernels():
+    return [
+        ("rms_norm C7168", lambda: build_rms_norm(7168, "bfloat16", False)),
+        ("add_rms_norm C2048", lambda: build_rms_norm(2048, "bfloat16", True)),
+    ]

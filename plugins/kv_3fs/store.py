@@ -1,0 +1,782 @@
+"""``3fs``: a persistent KV block store on a file system (a local directory or a 3FS mount).
+
+Each full KV block is one self-describing file (see :mod:`plugins.kv_3fs.record`)::
+
+    <path>/v1/<model fingerprint>/<first two hex digits of the key>/<key as 16 hex digits>.kvb
+
+Writes go to a unique temporary file in the same directory, then ``os.replace`` it over the final
+name, so readers see a whole record or none and concurrent writers of one key (same content, as
+equal keys mean equal KV) cannot interleave. Reads check the header (magic, format version,
+model, layout) and the payload checksum; any mismatch, truncation or IO error is a miss, counted
+in ``stats().extra["corrupt"]``, and the bad file is removed so it is written again later.
+
+An in-memory index (key -> size, created, last access, TTL) answers ``contains``/``match_prefix``
+without reading data. It is saved to ``index.v1`` on close and rebuilt at start from that snapshot
+plus a scan of the shard directories changed since (all of them when there is no snapshot). Keys
+written by other processes later are found with one ``stat`` on a lookup miss (negatively cached
+for ``negative_cache`` seconds). Last access is kept as the record file's mtime (touched at most
+every ``touch_interval``), so it survives restarts and is seen by other processes.
+
+Retention: every record carries its traffic class and TTL; a record not accessed for its TTL is
+gone. When usage would pass ``high_watermark * capacity_bytes`` the least recently used records
+are removed down to ``low_watermark * capacity_bytes``.
+
+Failures never raise out of ``put``/``get``: a full or read-only directory makes ``put`` return
+False (counted in ``write_failures``); the engine then just recomputes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepinfer_core.config import ConfigError
+from deepinfer_core.kv_store import KVLayout, KVStore, KVStoreStats
+from plugins.kv_3fs import record
+from plugins.kv_3fs.record import HEADER_SIZE, RecordError
+
+logger = logging.getLogger("deepinfer.kv_store.3fs")
+
+DEFAULT_TTL = {"agent": "3d", "chatbot": "7d"}
+SUFFIX = ".kvb"
+INDEX_NAME = "index.v1"
+_INDEX_MAGIC = b"DIKVIDX\x00"
+_INDEX_HEAD = struct.Struct("<8sIQdI")  # magic, version, count, saved at, CRC32 of the body
+_INDEX_DTYPE = np.dtype([("key", "<u8"), ("size", "<u8"), ("created", "<f8"), ("atime", "<f8"),
+                         ("ttl", "<f8")])
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_duration(value, what: str) -> float:
+    """Seconds from 3600, 3600.0, "3600s", "30m", "72h", "3d" or "1w"; ConfigError otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        raise ConfigError(f"[kv_store] {what}: cannot parse the duration {value!r}; "
+                          "use seconds or a string like '3600s', '30m', '72h', '3d', '1w'")
+    if seconds < 0:
+        raise ConfigError(f"[kv_store] {what} must not be negative, got {value!r}")
+    return seconds
+
+
+def parse_size(value, what: str) -> int:
+    """Bytes from an int or a string like "512MiB", "64GB", "1.5GiB"; ConfigError otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"[kv_store] {what} must be >= 0, got {value}")
+        return value
+    if isinstance(value, str) and (m := _SIZE.match(value)):
+        number, prefix, binary, b = m.groups()
+        power = " kmgt".index(prefix.lower() or " ")
+        # KiB/MiB/K/M are powers of 1024, KB/MB powers of 1000, B or nothing bytes
+        base = 1000 if b and not binary else 1024
+        if binary and not power:
+            raise ConfigError(f"[kv_store] {what}: cannot parse the size {value!r}")
+        return int(float(number) * base**power)
+    raise ConfigError(f"[kv_store] {what}: cannot parse the size {value!r}; "
+                      "use bytes or e.g. '512MiB', '64GiB'")
+
+
+@dataclass
+class _Entry:
+    size: int  # file bytes, header included
+    created: float
+    atime: float  # last access (unix time)
+    ttl: float  # seconds after the last access; 0 = no expiry
+
+    def expired(self, now: float) -> bool:
+        return self.ttl > 0 and now - self.atime > self.ttl
+
+
+def _longer(a: float, b: float) -> float:
+    """The longer of two TTLs, where 0 means no expiry."""
+    return 0.0 if a == 0 or b == 0 else max(a, b)
+
+
+def _default_path() -> str:
+    base = os.environ.get("DEEPINFER_CACHE_DIR")
+    return os.path.join(base, "kv") if base else os.path.join("~", ".cache", "deepinfer", "kv")
+
+
+class ThreeFSStore(KVStore):
+    """KV blocks as files under ``path`` (see the module docstring). Thread-safe."""
+
+    core_api_version = "1.0"
+
+    def __init__(self, path: str | None = None, layout: KVLayout | None = None, capacity_bytes="64GiB",
+                 high_watermark: float = 0.9, low_watermark: float = 0.7, ttl: dict | None = None,
+                 default_class: str = "chatbot", usrbio: str = "auto", io_threads: int = 4,
+                 gc_interval="60s", checksum: str = "auto", fsync: bool = False, pin_memory: bool = False,
+                 touch_interval="60s", negative_cache="2s", usrbio_buffer="64MiB", **unknown) -> None:
+        if unknown:
+            raise ConfigError(f"[kv_store] unknown key(s) {sorted(unknown)} for backend '3fs'; known keys: "
+                              "path, capacity_bytes, high_watermark, low_watermark, ttl, default_class, "
+                              "usrbio, io_threads, gc_interval, checksum, fsync, touch_interval, "
+                              "negative_cache, usrbio_buffer")
+        self.layout = layout
+        self.capacity_bytes = parse_size(capacity_bytes, "capacity_bytes") or None
+        for name, v in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ConfigError(f"[kv_store] {name} must be a number in [0, 1], got {v!r}")
+        if high_watermark < low_watermark:
+            raise ConfigError(f"[kv_store] high_watermark ({high_watermark}) must not be below low_watermark "
+                              f"({low_watermark})")
+        if high_watermark == 0:
+            raise ConfigError("[kv_store] high_watermark must be > 0")
+        self.high_watermark, self.low_watermark = float(high_watermark), float(low_watermark)
+        if ttl is not None and not isinstance(ttl, dict):
+            raise ConfigError(f"[kv_store] ttl must be a table of traffic class = duration, got {ttl!r}")
+        self.ttl = {cls: parse_duration(v, f"ttl.{cls}") for cls, v in {**DEFAULT_TTL, **(ttl or {})}.items()}
+        for cls in self.ttl:
+            if not isinstance(cls, str) or not cls or len(cls.encode()) > 16 or not cls.isascii():
+                raise ConfigError(f"[kv_store] traffic class names are 1-16 ASCII characters, got {cls!r}")
+        if default_class not in self.ttl:
+            raise ConfigError(f"[kv_store] default_class {default_class!r} has no ttl; "
+                              f"classes: {sorted(self.ttl)}")
+        self.default_class = default_class
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ConfigError(f"[kv_store] io_threads must be an int >= 1, got {io_threads!r}")
+        self.io_threads = io_threads
+        self.gc_interval = parse_duration(gc_interval, "gc_interval")
+        self.touch_interval = parse_duration(touch_interval, "touch_interval")
+        self.negative_cache = parse_duration(negative_cache, "negative_cache")
+        if checksum == "auto":
+            self.checksum_algo = record.default_checksum()
+        elif checksum in ("crc32", "xxh3"):
+            self.checksum_algo = record.CRC32 if checksum == "crc32" else record.XXH3
+            if self.checksum_algo not in record.available_checksums():
+                raise ConfigError("[kv_store] checksum = 'xxh3' needs the 'xxhash' package "
+                                  "(pip install xxhash)")
+        else:
+            raise ConfigError(f"[kv_store] checksum must be 'auto', 'crc32' or 'xxh3', got {checksum!r}")
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"[kv_store] fsync must be true or false, got {fsync!r}")
+        self.fsync = fsync
+        self.pin_memory = bool(pin_memory) and _can_pin()
+
+        raw_path = _default_path() if path is None else path
+        if not isinstance(raw_path, (str, os.PathLike)) or not str(raw_path):
+            raise ConfigError(f"[kv_store] path must be a directory path, got {path!r}")
+        self.path = Path(raw_path).expanduser()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"[kv_store] path {str(self.path)!r} does not exist and cannot be created: "
+                              f"{exc.strerror or exc}") from exc
+        if not self.path.is_dir():
+            raise ConfigError(f"[kv_store] path {str(self.path)!r} is not a directory")
+        self.fingerprint = layout.model_fingerprint if layout is not None else ""
+        self.root = str(self.path / f"v{record.FORMAT_VERSION}" / (self.fingerprint or "any"))
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:  # e.g. a read-only shared store: serve what is there, write nothing
+            logger.warning("KV store %s is not writable (%s); it will only be read", self.root, exc)
+
+        self._lock = threading.Lock()
+        self._gc_lock = threading.Lock()
+        self._index: dict[int, _Entry] = {}
+        self._usage = 0
+        self._absent: dict[int, float] = {}
+        self._shards: set[str] = set()
+        self._stats = KVStoreStats()
+        self._corrupt: dict[str, int] = {}
+        self._write_failures: dict[str, int] = {}
+        self._gc_runs = self._expired = 0
+        self._read_time = self._write_time = 0.0
+        self._unknown_classes: set[str] = set()
+        self._last_sweep = time.time()
+        self._last_index_save = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+        self.usrbio = False
+        self._reader = None
+        self._setup_usrbio(usrbio, parse_size(usrbio_buffer, "usrbio_buffer"))
+        self._load_index()
+
+    # ---- setup --------------------------------------------------------------------------
+    def _setup_usrbio(self, mode, buffer_bytes: int) -> None:
+        if mode not in ("auto", "on", "off"):
+            raise ConfigError(f"[kv_store] usrbio must be 'auto', 'on' or 'off', got {mode!r}")
+        if mode == "off":
+            return
+        from plugins.kv_3fs import usrbio
+
+        try:
+            binding = usrbio.load_binding()
+        except usrbio.UsrbioUnavailable as exc:
+            if mode == "on":
+                raise ConfigError(f"[kv_store] usrbio = 'on' but {exc}") from exc
+            return
+        mount = usrbio.mount_point(str(self.path), binding)
+        if mount is None:
+            if mode == "on":
+                raise ConfigError(f"[kv_store] usrbio = 'on' but path {str(self.path)!r} is not on a "
+                                  "3FS mount")
+            return
+        try:
+            self._reader = usrbio.UsrbioReader(binding, mount, buffer_bytes)
+        except Exception as exc:
+            if mode == "on":
+                raise ConfigError(f"[kv_store] usrbio = 'on' but setting up USRBIO on {mount} failed: "
+                                  f"{exc}") from exc
+            logger.warning("KV store: USRBIO setup on %s failed (%s); using POSIX reads", mount, exc)
+            return
+        self.usrbio = True
+        logger.info("KV store %s: USRBIO reads through the 3FS mount %s", self.root, mount)
+
+    # ---- paths --------------------------------------------------------------------------
+    def _path(self, key: int) -> str:
+        name = f"{key:016x}"
+        return os.path.join(self.root, name[:2], name + SUFFIX)
+
+    def ttl_seconds(self, traffic_class: str | None) -> float:
+        """Retention of a traffic class (the default class's for None or an unknown class)."""
+        if traffic_class is None:
+            return self.ttl[self.default_class]
+        ttl = self.ttl.get(traffic_class)
+        if ttl is None:
+            if traffic_class not in self._unknown_classes:
+                self._unknown_classes.add(traffic_class)
+                logger.warning("KV store: unknown traffic class %r; using the default class %r (known: %s)",
+                               traffic_class, self.default_class, ", ".join(sorted(self.ttl)))
+            return self.ttl[self.default_class]
+        return ttl
+
+    # ---- KVStore ------------------------------------------------------------------------
+    def contains(self, key: int) -> bool:
+        now = time.time()
+        with self._lock:
+            e = self._index.get(key)
+            if e is not None:
+                if not e.expired(now):
+                    return True
+                self._drop_locked(key)
+                self._expired += 1
+                stale = True
+            else:
+                seen = self._absent.get(key)
+                if seen is not None and now - seen < self.negative_cache:
+                    return False
+                stale = False
+        path = self._path(key)
+        if stale:
+            _unlink(path)
+            return False
+        try:
+            st = os.stat(path)  # written by another process since the index was built?
+        except OSError:
+            with self._lock:
+                if len(self._absent) > 1 << 16:
+                    self._absent.clear()
+                self._absent[key] = now
+            return False
+        entry = _Entry(st.st_size, st.st_mtime, st.st_mtime, self.ttl[self.default_class])
+        if st.st_size < HEADER_SIZE or entry.expired(now):
+            return False
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = entry
+                self._usage += entry.size
+        return True
+
+    def put(self, key: int, block: torch.Tensor, ttl_class: str | None = None, **meta) -> bool:
+        if self.layout is not None and (tuple(block.shape) != self.layout.block_shape
+                                        or block.dtype != self.layout.dtype):
+            self._count_write_failure("wrong_layout")
+            return False
+        try:
+            record.dtype_name(block.dtype)
+        except ValueError:
+            self._count_write_failure("unsupported_dtype")
+            return False
+        nbytes = block.numel() * block.element_size()
+        size = HEADER_SIZE + nbytes
+        if not 1 <= block.dim() <= 3 or (self.capacity_bytes is not None and size > self.capacity_bytes):
+            return False
+        ttl = self.ttl_seconds(ttl_class)
+        cls = ttl_class if ttl_class in self.ttl else self.default_class
+        now = time.time()
+        with self._lock:
+            e = self._index.get(key)
+            if e is not None and not e.expired(now):
+                e.atime, e.ttl = now, _longer(e.ttl, ttl)
+                self._stats.puts += 1
+                return True
+        self._make_room(size)
+        block = block.detach()
+        if block.device.type != "cpu":
+            block = block.cpu()
+        block = block.contiguous()
+        t0 = time.perf_counter()
+        if not self._write(key, block, cls, ttl, now):
+            return False
+        with self._lock:
+            old = self._index.get(key)
+            self._usage += size - (old.size if old else 0)
+            self._index[key] = _Entry(size, now, now, ttl)
+            self._absent.pop(key, None)
+            self._stats.puts += 1
+            self._stats.write_bytes += size
+            self._write_time += time.perf_counter() - t0
+        return True
+
+    def get(self, key: int, ttl_class: str | None = None) -> torch.Tensor | None:
+        return self._read(key, ttl_class)
+
+    def get_many(self, keys: list[int], ttl_class: str | None = None) -> list[torch.Tensor | None]:
+        """Read several blocks at once: batched through USRBIO, else on ``io_threads`` threads."""
+        if not keys:
+            return []
+        if self._reader is not None:
+            return self._read_usrbio(list(keys), ttl_class)
+        if self.io_threads == 1 or len(keys) == 1:
+            return [self._read(k, ttl_class) for k in keys]
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kv-3fs-io")
+        # contiguous chunks per thread: each thread reads its files in order
+        n = min(self.io_threads, len(keys))
+        step = -(-len(keys) // n)
+        chunks = [keys[i : i + step] for i in range(0, len(keys), step)]
+        out: list[torch.Tensor | None] = []
+        for part in self._pool.map(lambda ks: [self._read(k, ttl_class) for k in ks], chunks):
+            out.extend(part)
+        return out
+
+    def evict(self, key: int) -> bool:
+        with self._lock:
+            held = self._drop_locked(key)
+        removed = _unlink(self._path(key))
+        return held or removed
+
+    def stats(self) -> KVStoreStats:
+        with self._lock:
+            s = self._stats
+            return KVStoreStats(
+                hits=s.hits, misses=s.misses, puts=s.puts, evictions=s.evictions, read_bytes=s.read_bytes,
+                write_bytes=s.write_bytes, errors=s.errors + sum(self._write_failures.values()),
+                extra={
+                    "usage_bytes": self._usage, "capacity_bytes": self.capacity_bytes,
+                    "blocks": len(self._index),
+                    "high_watermark": self.high_watermark, "low_watermark": self.low_watermark,
+                    "gc_runs": self._gc_runs, "expired": self._expired, "corrupt": dict(self._corrupt),
+                    "write_failures": dict(self._write_failures), "read_time_s": self._read_time,
+                    "write_time_s": self._write_time, "usrbio": self.usrbio, "path": self.root,
+                    "checksum": "xxh3" if self.checksum_algo == record.XXH3 else "crc32",
+                },
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.save_index()
+        if self._reader is not None:
+            self._reader.close()
+
+    # ---- retention ----------------------------------------------------------------------
+    @property
+    def usage_bytes(self) -> int:
+        with self._lock:
+            return self._usage
+
+    def _make_room(self, incoming: int) -> None:
+        now = time.time()
+        cap = self.capacity_bytes
+        over = cap is not None and self._usage + incoming > self.high_watermark * cap
+        if not over and now - self._last_sweep < self.gc_interval:
+            return
+        with self._gc_lock:
+            over = cap is not None and self._usage + incoming > self.high_watermark * cap
+            if over:
+                self.gc(target=min(self.low_watermark * cap, self.high_watermark * cap - incoming))
+            elif now - self._last_sweep >= self.gc_interval:
+                self.gc()
+
+    def gc(self, target: float | None = None) -> int:
+        """Remove expired records, then least recently used ones until usage <= ``target`` bytes.
+        Returns how many records were removed."""
+        now = time.time()
+        victims: list[int] = []
+        with self._lock:
+            for key in [k for k, e in self._index.items() if e.expired(now)]:
+                self._drop_locked(key)
+                victims.append(key)
+            self._expired += len(victims)
+            if target is not None and self._usage > target:
+                for key, _ in sorted(self._index.items(), key=lambda kv: kv[1].atime):
+                    if self._usage <= target:
+                        break
+                    self._drop_locked(key)
+                    victims.append(key)
+                    self._stats.evictions += 1
+            self._gc_runs += 1
+            self._last_sweep = now
+        for key in victims:
+            _unlink(self._path(key))
+        if victims and now - self._last_index_save > 60:
+            self.save_index()
+        return len(victims)
+
+    def _drop_locked(self, key: int) -> bool:
+        e = self._index.pop(key, None)
+        if e is None:
+            return False
+        self._usage -= e.size
+        return True
+
+    # ---- writing ------------------------------------------------------------------------
+    def _write(self, key: int, block: torch.Tensor, cls: str, ttl: float, now: float) -> bool:
+        payload = record.payload_view(block)
+        digest = record.checksum(self.checksum_algo, payload)
+        header = record.pack_header(key, block, digest, self.checksum_algo, self.fingerprint, now, ttl, cls)
+        final = self._path(key)
+        shard = os.path.dirname(final)
+        tmp = f"{final}.{os.getpid()}.{threading.get_ident():x}.{secrets.token_hex(4)}.tmp"
+        try:
+            if shard not in self._shards:
+                os.makedirs(shard, exist_ok=True)
+                self._shards.add(shard)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, [header, payload])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            return True
+        except OSError as exc:
+            _unlink(tmp)
+            self._count_write_failure(_errname(exc), exc)
+            return False
+
+    def _count_write_failure(self, reason: str, exc: BaseException | None = None) -> None:
+        with self._lock:
+            n = self._write_failures.get(reason, 0) + 1
+            self._write_failures[reason] = n
+        if n == 1 or n % 1000 == 0:
+            logger.warning("KV store %s: write failed (%s, %d so far): %s; requests recompute instead",
+                           self.root, reason, n, exc)
+
+    # ---- reading ------------------------------------------------------------------------
+    def _check(self, hdr: record.Header, key: int, file_size: int | None) -> None:
+        if hdr.key != key:
+            raise RecordError("corrupt", f"record holds key {hdr.key:#x}, expected {key:#x}")
+        if hdr.fingerprint != self.fingerprint:
+            raise RecordError("wrong_model",
+                              f"record of model {hdr.fingerprint!r}, expected {self.fingerprint!r}")
+        lay = self.layout
+        if lay is not None and (hdr.shape != lay.block_shape or hdr.dtype != lay.dtype):
+            raise RecordError("wrong_layout",
+                              f"record is {hdr.dtype} {hdr.shape}, expected {lay.dtype} {lay.block_shape}")
+        if file_size is not None and file_size != hdr.file_size:
+            raise RecordError("truncated", f"file has {file_size} bytes, header says {hdr.file_size}")
+
+    def _miss(self, key: int, path: str, reason: str | None, detail: object = None) -> None:
+        """Count a miss; a bad record is removed (and logged)."""
+        with self._lock:
+            self._stats.misses += 1
+            self._drop_locked(key)
+            if reason is not None:
+                n = self._corrupt.get(reason, 0) + 1
+                self._corrupt[reason] = n
+        if reason is None:
+            return
+        if reason not in ("io_error", "unsupported_checksum"):
+            _unlink(path)
+        if n == 1 or n % 1000 == 0:
+            logger.warning("KV store: %s is unusable (%s: %s; %d so far); treated as a miss", path, reason,
+                           detail, n)
+
+    def _hit(self, key: int, hdr: record.Header, path: str, mtime: float, ttl_class: str | None,
+             seconds: float) -> None:
+        now = time.time()
+        ttl = _longer(hdr.ttl_seconds, self.ttl_seconds(ttl_class)) if ttl_class else hdr.ttl_seconds
+        with self._lock:
+            e = self._index.get(key)
+            if e is None:
+                self._index[key] = e = _Entry(hdr.file_size, hdr.created, now, ttl)
+                self._usage += hdr.file_size
+            e.atime, e.ttl = now, _longer(e.ttl, ttl)
+            self._stats.hits += 1
+            self._stats.read_bytes += hdr.file_size
+            self._read_time += seconds
+        if now - mtime > self.touch_interval:
+            try:
+                os.utime(path)  # last access survives restarts and is seen by other processes
+            except OSError:
+                pass
+
+    def _take_expired(self, key: int, path: str) -> bool:
+        """True (and the record is removed, counted as a miss) when ``key`` outlived its TTL."""
+        with self._lock:
+            e = self._index.get(key)
+            if e is None or not e.expired(time.time()):
+                return False
+            self._expired += 1
+        self._miss(key, path, None)
+        _unlink(path)
+        return True
+
+    def _read(self, key: int, ttl_class: str | None = None) -> torch.Tensor | None:
+        path = self._path(key)
+        if self._take_expired(key, path):
+            return None
+        t0 = time.perf_counter()
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._miss(key, path, None)
+            return None
+        except OSError as exc:
+            self._miss(key, path, "io_error", exc)
+            return None
+        try:
+            st = os.fstat(fd)
+            hdr = record.unpack_header(os.pread(fd, HEADER_SIZE, 0))
+            self._check(hdr, key, st.st_size)
+            out = torch.empty(hdr.shape, dtype=hdr.dtype, pin_memory=self.pin_memory)
+            view = record.payload_view(out)
+            done = 0
+            while done < hdr.payload_len:
+                n = os.preadv(fd, [view[done:]], HEADER_SIZE + done)
+                if n <= 0:
+                    raise RecordError("truncated", f"file ended after {HEADER_SIZE + done} bytes")
+                done += n
+            if record.checksum(hdr.checksum_algo, view) != hdr.checksum:
+                raise RecordError("corrupt", "payload checksum mismatch")
+        except RecordError as exc:
+            self._miss(key, path, exc.reason, exc)
+            return None
+        except OSError as exc:
+            self._miss(key, path, "io_error", exc)
+            return None
+        finally:
+            os.close(fd)
+        self._hit(key, hdr, path, st.st_mtime, ttl_class, time.perf_counter() - t0)
+        return out
+
+    def _read_usrbio(self, keys: list[int], ttl_class: str | None) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        items, where = [], []
+        for i, key in enumerate(keys):
+            path = self._path(key)
+            if self._take_expired(key, path):
+                continue
+            with self._lock:
+                e = self._index.get(key)
+            size = e.size if e is not None else None
+            if size is None:
+                try:
+                    size = os.stat(path).st_size
+                except OSError:
+                    self._miss(key, path, None)
+                    continue
+            items.append((path, size))
+            where.append(i)
+        t0 = time.perf_counter()
+
+        def consume(j: int, data) -> None:
+            key, path = keys[where[j]], items[j][0]
+            if isinstance(data, BaseException):
+                self._miss(key, path, None if isinstance(data, FileNotFoundError) else "io_error", data)
+                return
+            try:
+                hdr = record.unpack_header(data[:HEADER_SIZE])
+                self._check(hdr, key, len(data))
+                t = torch.empty(hdr.shape, dtype=hdr.dtype, pin_memory=self.pin_memory)
+                view = record.payload_view(t)
+                view[:] = data[HEADER_SIZE:]
+                if record.checksum(hdr.checksum_algo, view) != hdr.checksum:
+                    raise RecordError("corrupt", "payload checksum mismatch")
+            except RecordError as exc:
+                self._miss(key, path, exc.reason, exc)
+                return
+            self._hit(key, hdr, path, 0.0, ttl_class, 0.0)
+            out[where[j]] = t
+
+        self._reader.read_files(items, consume)
+        with self._lock:
+            self._read_time += time.perf_counter() - t0
+        return out
+
+    # ---- the index ----------------------------------------------------------------------
+    def save_index(self) -> bool:
+        """Write the index snapshot (atomically); False when it cannot be written."""
+        with self._lock:
+            arr = np.empty(len(self._index), dtype=_INDEX_DTYPE)
+            for i, (k, e) in enumerate(self._index.items()):
+                arr[i] = (k, e.size, e.created, e.atime, e.ttl)
+        body = arr.tobytes()
+        now = time.time()
+        head = _INDEX_HEAD.pack(_INDEX_MAGIC, 1, len(arr), now, zlib.crc32(body) & 0xFFFFFFFF)
+        final = os.path.join(self.root, INDEX_NAME)
+        tmp = f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, [head, body])
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as exc:
+            _unlink(tmp)
+            self._count_write_failure("index_" + _errname(exc), exc)
+            return False
+        self._last_index_save = now
+        return True
+
+    def _read_snapshot(self) -> tuple[dict[int, _Entry], float] | None:
+        try:
+            with open(os.path.join(self.root, INDEX_NAME), "rb") as f:
+                raw = f.read()
+        except OSError:
+            return None
+        if len(raw) < _INDEX_HEAD.size:
+            return None
+        magic, version, count, saved, crc = _INDEX_HEAD.unpack_from(raw)
+        body = raw[_INDEX_HEAD.size :]
+        if (magic != _INDEX_MAGIC or version != 1 or len(body) != count * _INDEX_DTYPE.itemsize
+                or zlib.crc32(body) & 0xFFFFFFFF != crc):
+            logger.warning("KV store: index snapshot in %s is unusable; rescanning the directory", self.root)
+            return None
+        arr = np.frombuffer(body, dtype=_INDEX_DTYPE)
+        entries = {int(k): _Entry(int(size), float(created), float(atime), float(ttl))
+                   for k, size, created, atime, ttl in arr.tolist()}
+        return entries, saved
+
+    def _load_index(self) -> None:
+        t0 = time.perf_counter()
+        snap = self._read_snapshot()
+        entries, saved = snap if snap is not None else ({}, None)
+        by_shard: dict[str, list[int]] = {}
+        for key in entries:
+            by_shard.setdefault(f"{key:016x}"[:2], []).append(key)
+        try:
+            shards = [d for d in os.scandir(self.root) if d.is_dir() and len(d.name) == 2]
+        except OSError:
+            shards = []
+        scanned = 0
+        for d in shards:
+            self._shards.add(d.path)
+            try:
+                changed = saved is None or d.stat().st_mtime >= saved - 2.0
+            except OSError:
+                continue
+            if changed:
+                scanned += 1
+                self._rescan(d.path, entries, by_shard.get(d.name, []))
+        on_disk = {d.name for d in shards}
+        for name, keys in by_shard.items():
+            if name not in on_disk:
+                for key in keys:
+                    entries.pop(key, None)
+        with self._lock:
+            self._index = entries
+            self._usage = sum(e.size for e in entries.values())
+        removed = self.gc()
+        logger.info("KV store %s: %d blocks, %.1f MiB (snapshot %s, %d shard dirs scanned, %d expired) "
+                    "in %.2fs",
+                    self.root, len(self._index), self._usage / 2**20, "used" if saved else "absent", scanned,
+                    removed, time.perf_counter() - t0)
+
+    def _rescan(self, shard: str, entries: dict[int, _Entry], known: list[int]) -> None:
+        now = time.time()
+        seen: set[int] = set()
+        try:
+            listing = list(os.scandir(shard))
+        except OSError:
+            return
+        for de in listing:
+            name = de.name
+            try:
+                st = de.stat()
+            except OSError:
+                continue
+            if name.endswith(".tmp"):
+                if now - st.st_mtime > 3600:  # left by a writer that died
+                    _unlink(de.path)
+                continue
+            if not name.endswith(SUFFIX) or len(name) != 16 + len(SUFFIX):
+                continue
+            try:
+                key = int(name[:16], 16)
+            except ValueError:
+                continue
+            seen.add(key)
+            e = entries.get(key)
+            if e is not None and e.size == st.st_size:
+                e.atime = max(e.atime, st.st_mtime)
+                continue
+            try:
+                with open(de.path, "rb") as f:
+                    hdr = record.unpack_header(f.read(HEADER_SIZE))
+                self._check(hdr, key, st.st_size)
+            except (OSError, RecordError) as exc:
+                reason = getattr(exc, "reason", "io_error")
+                self._corrupt[reason] = self._corrupt.get(reason, 0) + 1
+                logger.warning("KV store: %s is unusable (%s); removed", de.path, exc)
+                _unlink(de.path)
+                entries.pop(key, None)
+                continue
+            entries[key] = _Entry(st.st_size, hdr.created, st.st_mtime, hdr.ttl_seconds)
+        for key in known:
+            if key not in seen:
+                entries.pop(key, None)
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        n = os.writev(fd, views)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
+def _errname(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno, "OSError") if exc.errno else "OSError"
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _can_pin() -> bool:
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError:
+        return False
