@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
+
+import tomllib
 
 
 class ConfigError(ValueError):

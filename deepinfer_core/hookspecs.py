@@ -61,9 +61,10 @@ def blocks_evicted(engine, block_hashes, block_ids) -> None:
 
 
 @hookspec(firstresult=True)
-def execute_decode(engine, batch) -> object | None:
-    """Take over the decode part of a step (speculative decoding). Return the step's sampled
-    tokens per request, or None to let the engine decode normally."""
+def execute_step(engine, scheduled) -> bool | None:
+    """Run the model work of a scheduled step yourself (speculative decoding): prepare, forward,
+    sample, then ``engine.finish_step(...)``-style bookkeeping through the engine's helpers.
+    Return True when done, or None to let the engine run the step normally."""
 
 
 @hookspec

@@ -29,7 +29,13 @@ Where batch dependence comes from, and what is done about it here:
 * **MoE**: expert GEMMs use the tiled linear whatever the number of tokens an expert receives;
   each token's expert outputs are summed in its top-k slot order.
 
-Element-wise ops (RoPE, SiLU, penalties), copies (paged KV) and selection (top-k, argmax) are
+* **Element-wise transcendentals**: torch's CPU kernels run the vectorised body and the scalar tail
+  of a tensor with different formulas for some functions (``sigmoid`` and ``silu`` differ in the
+  last bit), and which elements fall in the tail depends on the tensor's size and thread split. SiLU
+  and the sigmoid router are written here as ``x / (1 + exp(-x))`` from ops that agree in both paths
+  (``exp``, ``+``, ``/``).
+
+Other element-wise ops (RoPE, penalties), copies (paged KV) and selection (top-k, argmax) are
 batch-independent already and keep the reference implementations, as does ``sample``, whose
 counter-based RNG makes each row's draw depend only on (seed, position).
 
@@ -51,7 +57,6 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.kernels import KernelBackend
-from kernels_cpu import ops as ref
 
 logger = logging.getLogger("deepinfer.kernels.batch_invariant")
 
@@ -71,6 +76,15 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
         h = x.shape[-1] // 2
         x = x[..., :h] + x[..., h:]
     return x[..., 0]
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return gate / (1.0 + torch.exp(-gate)) * up
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -275,7 +289,7 @@ def moe_route(logits, bias, top_k, scoring, n_group, topk_group, group_score, re
     if scoring == "softmax":
         scores = softmax(logits)
     elif scoring == "sigmoid":
-        scores = logits.sigmoid()
+        scores = sigmoid(logits)
     else:
         raise ValueError(f"moe_route: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
     choice = scores if bias is None else scores + bias.float()
@@ -314,7 +328,7 @@ def fused_moe(x, w13, w2, weights, ids):
         if n == 0:
             continue
         slots = order[start : start + n]
-        h = ref.silu_and_mul(linear(x[slots // k], w13[e]))
+        h = silu_and_mul(linear(x[slots // k], w13[e]))
         contrib[slots] = linear(h, w2[e]).float() * w[slots, None].float()
         start += n
     contrib = contrib.view(T, k, C)
@@ -330,6 +344,6 @@ class BatchInvariantKernels(KernelBackend):
     name = "batch_invariant"
     core_api_version = "1.0"
     ops = {name: f"kernels_cpu.batch_invariant:{name}" for name in (
-        "linear", "head_linear", "rms_norm", "add_rms_norm", "mla_decode", "mla_prefill", "moe_route",
-        "fused_moe",
+        "linear", "head_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "mla_decode", "mla_prefill",
+        "moe_route", "fused_moe",
     )}

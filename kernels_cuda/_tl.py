@@ -37,7 +37,7 @@ def language():
     return T
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_arch(index: int = 0) -> str:
     """``sm_90a`` on Hopper (wgmma and TMA need the arch-specific target), else ``sm_XY``."""
     env = os.environ.get(ARCH_ENV)
@@ -60,7 +60,7 @@ def compile_kernel(func: Any, arch: str | None = None, out_idx: list[int] | None
 def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
     """Memoise ``builder(**config)`` -> compiled kernel for the current device's arch."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def get(*args: Any) -> Any:
         return compile_kernel(builder(*args))
 
@@ -68,6 +68,6 @@ def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
     return get
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(index: int = 0) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -19,8 +19,15 @@ from deepinfer_core import cli
 from deepinfer_core.kernels import OP_NAMES
 from hardware.ascend import AscendPlatform
 from hardware.nvidia import NvidiaPlatform
+from kernels_cuda import CudaKernels
 
 ASCEND_OVERRIDES = ["rms_norm", "add_rms_norm", "paged_kv_write", "moe_route"]
+CUDA_OVERRIDES = CudaKernels.overrides()  # grows as TileLang kernels land
+CUDA_FALLBACKS = [n for n in OP_NAMES if n not in CUDA_OVERRIDES]
+
+
+def ops_text(names: list[str]) -> str:
+    return "all ops" if len(names) == len(OP_NAMES) else ", ".join(names) or "none"
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 
 
@@ -68,7 +75,7 @@ def test_plugins_text_lists_every_backend_with_status(capsys):
         "  nvidia       deepinfer 0.1.0  (hardware.nvidia:NvidiaPlatform)",
         "      loads: yes",
         f"      available: no: {NvidiaPlatform.probe().reason}",
-        "      kernels: cuda; reference fallback for: all ops",
+        f"      kernels: cuda; reference fallback for: {ops_text(CUDA_FALLBACKS)}",
     ]
     fallbacks = ", ".join(n for n in OP_NAMES if n not in ASCEND_OVERRIDES)
     assert entry(hw, "ascend") == [
@@ -83,8 +90,8 @@ def test_plugins_text_lists_every_backend_with_status(capsys):
         f"      overrides: {', '.join(ASCEND_OVERRIDES)}",
         f"      reference fallback for: {fallbacks}",
     ]
-    assert entry(kernels, "cuda")[1:] == ["      loads: yes", "      overrides: none",
-                                          "      reference fallback for: all ops"]
+    assert entry(kernels, "cuda")[1:] == ["      loads: yes", f"      overrides: {ops_text(CUDA_OVERRIDES)}",
+                                          f"      reference fallback for: {ops_text(CUDA_FALLBACKS)}"]
     assert entry(kernels, "reference")[1:] == ["      loads: yes", "      overrides: all ops"]
     assert entry(section(out, "deepinfer.kv_stores"), "host")[1:] == ["      loads: yes"]
 
@@ -105,10 +112,10 @@ def test_plugins_json(capsys):
         NvidiaPlatform.probe().ok, NvidiaPlatform.probe().reason)
     assert (hw["ascend"]["available"], hw["ascend"]["reason"]) == (False, AscendPlatform.probe().reason)
     assert hw["ascend"]["kernel_fallbacks"] == [n for n in OP_NAMES if n not in ASCEND_OVERRIDES]
-    assert hw["nvidia"]["kernel_fallbacks"] == list(OP_NAMES)
+    assert hw["nvidia"]["kernel_fallbacks"] == CUDA_FALLBACKS
     kernels = {row["name"]: row for row in doc["groups"]["deepinfer.kernels"]}
     assert kernels["ascend"]["overrides"] == ASCEND_OVERRIDES
-    assert kernels["cuda"]["overrides"] == [] and kernels["cuda"]["fallbacks"] == list(OP_NAMES)
+    assert kernels["cuda"]["overrides"] == CUDA_OVERRIDES and kernels["cuda"]["fallbacks"] == CUDA_FALLBACKS
     assert kernels["reference"]["overrides"] == list(OP_NAMES) and kernels["reference"]["fallbacks"] == []
     stores = {row["name"]: row for row in doc["groups"]["deepinfer.kv_stores"]}
     assert stores["host"]["loads"] is True and stores["host"]["target"].endswith(":HostMemoryStore")

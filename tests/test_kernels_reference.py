@@ -356,9 +356,13 @@ def expected_probs(logits_row, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     s = sum(p)
     p = [v / s for v in p]
     order = sorted(range(len(p)), key=lambda i: -p[i])
+    if 0 < top_k < len(p):  # top-k first; top-p then sees the renormalised top-k distribution
+        order = order[:top_k]
+        s = sum(p[i] for i in order)
+        p = [v / s if i in order else 0.0 for i, v in enumerate(p)]
     keep, mass = [], 0.0
     for rank, i in enumerate(order):
-        if rank == 0 or ((top_k <= 0 or rank < top_k) and mass < top_p and p[i] >= min_p * p[order[0]]):
+        if rank == 0 or (mass < top_p and p[i] >= min_p * p[order[0]]):
             keep.append(i)
         mass += p[i]
     z = sum(p[i] for i in keep)

@@ -27,7 +27,8 @@ def make_llm(path, **kw) -> LLM:
     return LLM(str(path), **opts)
 
 
-PROMPTS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 70)]
+PROMPTS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (9, 70)]
 
 
 def run(llm: LLM, n: int = 6):
@@ -94,9 +95,9 @@ def fp8_pair(tmp_path_factory):
             fp8[name] = deq[name] = t
     assert dq["model.layers.0.mlp.gate_proj.weight"].shape == (272, 144)  # a 3 x 2 grid of partial tiles
     cfg = json.loads((src / "config.json").read_text())
-    for d, ts, extra in ((root / "fp8", fp8, {"quantization_config": {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}),
-            (root / "deq", deq, {})):
+    qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}
+    for d, ts, extra in ((root / "fp8", fp8, {"quantization_config": qcfg}), (root / "deq", deq, {})):
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**cfg, **extra}))
         save_file(ts, d / "model.safetensors", metadata={"format": "pt"})
@@ -116,7 +117,8 @@ def test_fp8_block_dequant_roundtrip(fp8_pair):
         "kv_a_proj": (L0.self_attn.kv_a_proj_with_mqa, dq[p0 + "self_attn.kv_a_proj_with_mqa.weight"]),
         "kv_b_proj": (L1.self_attn.kv_b_proj, dq[p1 + "self_attn.kv_b_proj.weight"]),
         "o_proj": (L0.self_attn.o_proj, dq[p0 + "self_attn.o_proj.weight"]),
-        "dense w13": (L0.mlp.w13, torch.cat([dq[p0 + "mlp.gate_proj.weight"], dq[p0 + "mlp.up_proj.weight"]])),
+        "dense w13": (L0.mlp.w13, torch.cat([dq[p0 + "mlp.gate_proj.weight"],
+                                             dq[p0 + "mlp.up_proj.weight"]])),
         "dense w2": (L0.mlp.w2, dq[p0 + "mlp.down_proj.weight"]),
         "expert 3 w13": (L1.mlp.w13[3], torch.cat([dq[p1 + "mlp.experts.3.gate_proj.weight"],
                                                    dq[p1 + "mlp.experts.3.up_proj.weight"]])),
@@ -164,7 +166,8 @@ def _shard(src: Path, dst: Path, n: int, index: bool) -> dict[str, str]:
         save_file({k: tensors[k] for k in part}, dst / fname, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, fname))
     if index:
-        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        index_json = {"metadata": {}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index_json))
     return weight_map
 
 
@@ -243,7 +246,8 @@ def test_model_dir_from_environment(tiny_v3_path, tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", tiny_v3_path)
     llm = LLM(None, dtype="float32", block_size=4, kv_cache_memory=1 << 20)
     assert llm.engine.model_dir == Path(tiny_v3_path)
-    assert [o.outputs[0].token_ids for o in run(llm)] == [o.outputs[0].token_ids for o in run(make_llm(tiny_v3_path))]
+    want = [o.outputs[0].token_ids for o in run(make_llm(tiny_v3_path))]
+    assert [o.outputs[0].token_ids for o in run(llm)] == want
     # an explicit model wins over the environment
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path / "nowhere"))
     assert make_llm(tiny_v3_path).engine.model_dir == Path(tiny_v3_path)

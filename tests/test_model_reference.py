@@ -22,20 +22,22 @@ YARN_V2 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_
 VARIANTS = {
     # V3: sigmoid + e_score_correction_bias, 4 groups keep 2, renormalised, scaled by 2.5;
     # dense first layer, one shared expert, q_lora, v_head_dim 12 != qk_nope_head_dim 8.
-    "v3_noaux_tc_groups": ("v3", dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "v3_noaux_tc_groups": ("v3", dict(
+        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
     # V3 with half-split rope (rope_interleave false), YaRN (mscale != mscale_all_dim), tied
     # embeddings, every layer MoE, no shared expert, no renormalisation.
     "v3_yarn_tied_no_interleave": ("v3", dict(
         rope_interleave=False, rope_parameters=YARN_V3, tie_word_embeddings=True, first_k_dense_replace=0,
         n_shared_experts=0, n_group=2, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5)),
-    # V2: softmax, group_limited_greedy (max per group), no renormalisation, 2 shared experts, YaRN.
+    # V2: softmax, group_limited_greedy (max per group; top-3 so the group limit matters), no
+    # renormalisation, 2 shared experts, YaRN.
     "v2_group_limited_yarn": ("v2", dict(
-        topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=3, norm_topk_prob=False,
-        routed_scaling_factor=2.0, n_shared_experts=2, rope_parameters=YARN_V2)),
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=3,
+        norm_topk_prob=False, routed_scaling_factor=2.0, n_shared_experts=2, rope_parameters=YARN_V2)),
     # V2 greedy: top-3 of 8, all layers MoE, no shared expert, v_head_dim == qk_nope_head_dim, 3 layers.
     "v2_greedy": ("v2", dict(
-        topk_method="greedy", num_experts_per_tok=3, first_k_dense_replace=0, n_shared_experts=0, v_head_dim=8,
-        num_hidden_layers=3, routed_scaling_factor=1.0)),
+        topk_method="greedy", num_experts_per_tok=3, first_k_dense_replace=0, n_shared_experts=0,
+        v_head_dim=8, num_hidden_layers=3, routed_scaling_factor=1.0)),
     # V2-Lite: q_lora_rank None (plain q_proj), greedy, 2 shared experts, dense first layer, YaRN, tied.
     "v2_lite": ("v2", dict(
         q_lora_rank=None, topk_method="greedy", n_shared_experts=2, first_k_dense_replace=1,

@@ -13,8 +13,7 @@ from deepinfer_core.engine.sampler import Sampler
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.kernels import Kernels
 from deepinfer_core.sampling_params import SamplingParams
-from kernels_cpu import ReferenceKernels
-from kernels_cpu import ops
+from kernels_cpu import ReferenceKernels, ops
 
 K = Kernels(ReferenceKernels, ReferenceKernels)
 # Probabilities by rank, placed at shuffled vocabulary positions.

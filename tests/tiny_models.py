@@ -126,7 +126,8 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def check_against_hf(hf, prompt: list[int], out, n_new: int, tol: float = 1e-3, tie_gap: float = 1e-4) -> None:
+def check_against_hf(hf, prompt: list[int], out, n_new: int, tol: float = 1e-3,
+                     tie_gap: float = 1e-4) -> None:
     """``out`` (a RequestOutput of greedy decoding with prompt_logprobs=0 and logprobs=0) matches HF:
     the same greedy tokens as ``generate`` (a divergence is only tolerated at an exact near-tie of
     HF's own logits), prompt and generated-token logprobs within ``tol``."""

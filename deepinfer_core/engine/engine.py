@@ -27,7 +27,13 @@ from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
-from deepinfer_core.models.loader import build_model, load_model, load_model_config, random_init, resolve_model_dir
+from deepinfer_core.models.loader import (
+    build_model,
+    load_model,
+    load_model_config,
+    random_init,
+    resolve_model_dir,
+)
 from deepinfer_core.outputs import Logprob
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import SchedulerBudget, SchedulerOutput
@@ -268,10 +274,9 @@ class LLMEngine:
             self.stats.prefill_tokens += s.num_new_tokens
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
-        batch = self.runner.prepare(out)
-        tf = time.perf_counter()
-        tokens = self.pm.hook.execute_decode(engine=self, batch=batch)
-        if tokens is None:
+        if not self.pm.hook.execute_step(engine=self, scheduled=out):
+            batch = self.runner.prepare(out)
+            tf = time.perf_counter()
             logits = self.runner.forward(batch)
             self.platform.synchronize()
             self.stats.forward_time += time.perf_counter() - tf

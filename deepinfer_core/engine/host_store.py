@@ -32,6 +32,9 @@ class HostMemoryStore(KVStore):
     tensor itself, which callers must treat as read-only. With ``pin_memory=True`` blocks live in
     page-locked memory for fast asynchronous host-to-device copies; where no accelerator provides
     a pinned allocator this falls back to pageable memory with a warning (see ``self.pinned``).
+
+    ``stats()``: ``evictions`` counts blocks dropped to make room (not explicit ``evict()`` calls);
+    ``extra`` holds ``bytes`` (held now), ``blocks``, ``capacity_bytes`` and ``pinned``.
     """
 
     core_api_version = "1.0"

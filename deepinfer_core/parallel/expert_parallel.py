@@ -38,6 +38,7 @@ class ExpertParallel:
         #: Cumulative (token, expert) pairs each rank computed, per MoE layer: the global view.
         self.rank_pairs: dict[int, torch.Tensor] = {i: torch.zeros(W, dtype=torch.long) for i in self.moes}
         self.calls = 0  # MoE layer invocations (a step without any means this rank ran no forward)
+        self.where = "idle"  # the collective in progress, for the driver's hang diagnosis
         for m in moe_layers:
             m.expert_parallel = self
 
@@ -73,6 +74,7 @@ class ExpertParallel:
         counts = torch.bincount(flat, minlength=S)[None]  # [1, S]
         if counts.shape[1] != S:
             raise ValueError(f"layer {layer}: routed to physical slot {int(flat.max())} of only {S}")
+        self.where = f"MoE layer {layer}: all_gather of counts"
         all_counts = comm.all_gather(counts.to(torch.long)).cpu()  # [W src, S]
         pairs = all_counts.view(W, W, spr).sum(-1)  # [src, dst]
         self.rank_pairs[layer] += pairs.sum(0)
@@ -80,12 +82,15 @@ class ExpertParallel:
         recv_splits = pairs[:, me].tolist()
 
         order = torch.argsort(flat, stable=True)  # by slot, hence by destination rank
+        self.where = f"MoE layer {layer}: dispatch all_to_all"
         recv = comm.all_to_all(x[order // K], send_splits, recv_splits)
         mine = all_counts[:, me * spr : (me + 1) * spr].reshape(-1)  # [src * spr] rows per (src, slot)
         local_slot = torch.repeat_interleave(torch.arange(spr).repeat(W), mine).to(x.device)
         ones = torch.ones(recv.shape[0], 1, dtype=x.dtype, device=x.device)
         y = moe.k.fused_moe(recv, moe.w13, moe.w2, ones, local_slot[:, None])  # each row's expert output
+        self.where = f"MoE layer {layer}: combine all_to_all"
         back = comm.all_to_all(y, recv_splits, send_splits)  # [T K, C] in ``order``
+        self.where = "idle"
 
         per_pair = torch.empty_like(back)
         per_pair[order] = back

@@ -52,6 +52,7 @@ from deepinfer_core.selection import select_platform
 
 logger = logging.getLogger("deepinfer.parallel")
 STARTUP_TIMEOUT_MIN_S = 300.0  # model loading may take longer than a step
+PROBE_TIMEOUT_S = 2.0  # a live rank's probe thread answers well within this
 
 
 class WorkerFailure(RuntimeError):
@@ -131,11 +132,20 @@ class DPLoadBalancer:
 
 # ---- channels to ranks ---------------------------------------------------------------------------
 class _Remote:
-    """A rank in another process (a local child, or a torchrun peer over TCP)."""
+    """A rank in another process (a local child, or a torchrun peer over TCP): its message
+    connection, its liveness-probe connection (answered by a thread), its process if a child."""
 
-    def __init__(self, rank: int, conn, proc: subprocess.Popen | None = None, pid: int | None = None) -> None:
-        self.rank, self.conn, self.proc = rank, conn, proc
+    def __init__(self, rank: int, conn, probe, proc: subprocess.Popen | None = None,
+                 pid: int | None = None) -> None:
+        self.rank, self.conn, self.probe, self.proc = rank, conn, probe, proc
         self.pid = proc.pid if proc is not None else pid
+
+    def send_probe(self) -> bool:
+        try:
+            self.probe.send(("probe",))
+            return True
+        except OSError:
+            return False
 
     def exit_status(self) -> str | None:
         if self.proc is None or self.proc.poll() is None:
@@ -150,10 +160,18 @@ class _Remote:
 
 
 class _InProcess:
-    """Rank 0 under torchrun: its worker runs in the driver's process."""
+    """Rank 0 under torchrun: its worker runs in the driver's process, each message in a thread (so
+    that the driver keeps its deadline while the rank waits in a collective)."""
 
     def __init__(self, rank: int, worker) -> None:
         self.rank, self.worker, self.pid, self.proc = rank, worker, os.getpid(), None
+        self.reply: queue.Queue = queue.Queue()
+
+    def send(self, msg) -> None:
+        def run() -> None:
+            self.reply.put(self.worker.handle(msg))
+
+        threading.Thread(target=run, daemon=True, name=f"deepinfer-rank{self.rank}").start()
 
     def exit_status(self) -> str | None:
         return None
@@ -178,6 +196,13 @@ def _reap(procs: list[subprocess.Popen], grace_s: float = 0.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def group_timeout_s(cfg: EngineConfig) -> float:
+    """The process group's collective timeout: longer than ``worker_timeout_s``, so that when a
+    rank hangs its peers are still waiting (and answer the driver's probe) at the driver's deadline."""
+    t = float(cfg.worker_timeout_s)
+    return max(2 * t, t + 30.0)
 
 
 def _free_port() -> int:
@@ -231,7 +256,7 @@ class ParallelEngine:
 
     # ---- start-up --------------------------------------------------------------------------
     def _init_payload(self, init_method: str | None) -> dict:
-        return {"cfg": self.cfg, "init_method": init_method, "timeout_s": float(self.cfg.worker_timeout_s)}
+        return {"cfg": self.cfg, "init_method": init_method, "timeout_s": group_timeout_s(self.cfg)}
 
     def _start_local(self) -> None:
         W = self.world_size
@@ -240,30 +265,31 @@ class ParallelEngine:
         paths = [os.path.abspath(p or ".") for p in sys.path if os.path.exists(p or ".")]
         paths.append(str(Path(__file__).resolve().parents[2]))
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        conns = []
         for r in range(W):
             ours, theirs = mpc.Pipe(duplex=True)
+            probe, probe_theirs = mpc.Pipe(duplex=True)
             boot = {"rank": r, "world_size": W, "local_rank": r, "local_world_size": W, "num_nodes": 1,
-                    "fd": theirs.fileno(), "ppid": os.getpid()}
+                    "fd": theirs.fileno(), "probe_fd": probe_theirs.fileno(), "ppid": os.getpid()}
             proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.parallel.worker"],
-                                    stdin=subprocess.PIPE, env=env, pass_fds=(theirs.fileno(),))
+                                    stdin=subprocess.PIPE, env=env,
+                                    pass_fds=(theirs.fileno(), probe_theirs.fileno()))
             self._procs.append(proc)
             theirs.close()
+            probe_theirs.close()
             proc.stdin.write((json.dumps(boot) + "\n").encode())
             proc.stdin.close()
-            conns.append(ours)
-        self._chans = [_Remote(r, conns[r], self._procs[r]) for r in range(W)]
+            self._chans.append(_Remote(r, ours, probe, proc))
         init = f"tcp://127.0.0.1:{_free_port()}"
         self._start_ranks([("init", self._init_payload(init))] * W)
 
     def _start_torchrun(self, tr: dict) -> None:
         import torch.distributed as dist
 
-        from deepinfer_core.parallel.worker import RankWorker, serve
+        from deepinfer_core.parallel.worker import RankWorker, serve, start_probe_thread
 
         rank, W = tr["rank"], tr["world_size"]
         self.platform.set_device(tr["local_rank"])
-        timeout = datetime.timedelta(seconds=float(self.cfg.worker_timeout_s))
+        timeout = datetime.timedelta(seconds=group_timeout_s(self.cfg))
         if not dist.is_initialized():
             dist.init_process_group(self.platform.dist_backend, init_method="env://", timeout=timeout)
         worker = RankWorker(rank, W, tr["local_rank"], tr["local_world_size"], tr["num_nodes"])
@@ -274,6 +300,9 @@ class ParallelEngine:
             addr = os.environ.get("DEEPINFER_DRIVER_ADDR", addr)
             conn = mpc.Client((addr, port), authkey=bytes.fromhex(key))
             conn.send(("hello", rank, os.getpid()))
+            probe = mpc.Client((addr, port), authkey=bytes.fromhex(key))
+            probe.send(("probe", rank, os.getpid()))
+            start_probe_thread(probe, worker)
             graceful = serve(conn, worker)
             conn.close()
             if not graceful:
@@ -287,7 +316,7 @@ class ParallelEngine:
         accepted: queue.Queue = queue.Queue()
 
         def accept() -> None:
-            for _ in range(W - 1):
+            for _ in range(2 * (W - 1)):  # a message and a probe connection per remote rank
                 try:
                     c = listener.accept()
                     accepted.put((c, c.recv()))
@@ -296,21 +325,24 @@ class ParallelEngine:
                     return
 
         threading.Thread(target=accept, daemon=True, name="deepinfer-accept").start()
-        chans: list = [_InProcess(0, worker)] + [None] * (W - 1)
+        conns: dict[tuple[str, int], tuple] = {}
         deadline = time.monotonic() + max(STARTUP_TIMEOUT_MIN_S, self.cfg.worker_timeout_s)
-        for _ in range(W - 1):
+        for _ in range(2 * (W - 1)):
             try:
                 conn, hello = accepted.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                missing = [r for r in range(1, W) if chans[r] is None]
+                missing = sorted({r for r in range(1, W) for k in ("hello", "probe") if (k, r) not in conns})
                 raise WorkerFailure(f"rank(s) {missing} did not connect to the driver", missing) from None
             if conn is None:
                 raise WorkerFailure(f"a rank failed to connect to the driver: {hello}", [])
-            _, r, pid = hello
-            chans[r] = _Remote(r, conn, pid=pid)
-            self._rebase[r] = True
+            kind, r, pid = hello
+            conns[(kind, r)] = (conn, pid)
         listener.close()
-        self._chans = chans
+        self._chans = [_InProcess(0, worker)]
+        for r in range(1, W):
+            (conn, pid), (probe, _) = conns[("hello", r)], conns[("probe", r)]
+            self._chans.append(_Remote(r, conn, probe, pid=pid))
+            self._rebase[r] = True
         self._start_ranks([("init", self._init_payload(None))] * W)
 
     def _start_ranks(self, msgs: list) -> None:
@@ -329,43 +361,52 @@ class ParallelEngine:
         W = self.world_size
         replies: list = [None] * W
         errors: dict[int, str] = {}
-        rank_exc: dict[int, BaseException] = {}
         deadline = time.monotonic() + timeout
         completed = False
         try:
             for ch in self._chans:
-                if isinstance(ch, _Remote):
-                    try:
-                        ch.conn.send(msgs[ch.rank])
-                    except OSError as exc:
-                        errors[ch.rank] = f"connection lost ({exc})"
-            for ch in self._chans:
-                if isinstance(ch, _InProcess):
-                    replies[ch.rank] = ch.worker.handle(msgs[ch.rank])
-            pending = {ch.rank for ch in self._chans if isinstance(ch, _Remote) and ch.rank not in errors}
-            by_conn = {self._chans[r].conn: r for r in pending}
+                try:
+                    (ch.conn.send if isinstance(ch, _Remote) else ch.send)(msgs[ch.rank])
+                except OSError as exc:
+                    errors[ch.rank] = f"connection lost ({exc})"
+            pending = {ch.rank for ch in self._chans if ch.rank not in errors}
             while pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    for r in pending:
-                        errors[r] = f"no answer within worker_timeout_s={timeout:g}s (hung)"
+                    self._diagnose_silent(pending, timeout, errors)
                     break
-                for conn in mpc.wait([self._chans[r].conn for r in pending], timeout=min(left, 0.5)):
-                    r = by_conn[conn]
+                remote = {self._chans[r].conn: r for r in pending if isinstance(self._chans[r], _Remote)}
+                local = [r for r in pending if isinstance(self._chans[r], _InProcess)]
+                wait_s = min(left, 0.5) if not local else min(left, 0.02)
+                if remote:
+                    ready = mpc.wait(list(remote), timeout=wait_s)
+                else:
+                    time.sleep(wait_s)
+                    ready = []
+                for conn in ready:
+                    r = remote[conn]
                     pending.discard(r)
                     try:
                         replies[r] = conn.recv()
                     except (EOFError, OSError):
                         errors[r] = "died" + self._death_note(r)
+                for r in local:
+                    try:
+                        replies[r] = self._chans[r].reply.get_nowait()
+                        pending.discard(r)
+                    except queue.Empty:
+                        pass
                 for r in list(pending):
-                    status = self._chans[r].exit_status()
-                    if status is not None and not self._chans[r].conn.poll():
+                    ch = self._chans[r]
+                    status = ch.exit_status()
+                    if status is not None and not ch.conn.poll():
                         pending.discard(r)
                         errors[r] = f"died ({status})"
             completed = True
         finally:
             if not completed:  # interrupted (Ctrl-C) or an exception mid-exchange: ranks are out of step
                 self._fail({}, "the driver was interrupted during a step")
+        rank_exc: dict[int, BaseException] = {}
         for r, rep in enumerate(replies):
             if rep is not None and rep[0] == "error":
                 rank_exc[r] = rep[1]
@@ -380,6 +421,35 @@ class ParallelEngine:
                 raise exc  # e.g. a feature's ConfigError: the same error a one-rank engine raises
             raise self._fail(errors)
         return [rep[1] for rep in replies]
+
+    def _diagnose_silent(self, pending: set[int], timeout: float, errors: dict[int, str]) -> None:
+        """Probe the ranks that did not answer in time: a rank whose probe thread answers is alive
+        and waiting (usually in a collective, for a peer); one that does not answer is hung."""
+        probed = {}
+        for r in pending:
+            ch = self._chans[r]
+            if isinstance(ch, _InProcess):
+                probed[r] = ch.worker.describe()
+            elif ch.send_probe():
+                probed[r] = None
+        end = time.monotonic() + PROBE_TIMEOUT_S
+        waiting = {self._chans[r].probe: r for r, v in probed.items() if v is None}
+        while waiting and time.monotonic() < end:
+            for conn in mpc.wait(list(waiting), timeout=max(0.0, end - time.monotonic())):
+                r = waiting.pop(conn)
+                try:
+                    probed[r] = conn.recv()[1]
+                except (EOFError, OSError):
+                    pass
+        for r in pending:
+            note = f"no answer within worker_timeout_s={timeout:g}s"
+            status = self._chans[r].exit_status()
+            if status is not None:
+                errors[r] = f"died ({status})"
+            elif probed.get(r) is None:
+                errors[r] = f"{note}: hung (its process does not respond)"
+            else:
+                errors[r] = f"{note}; alive, waiting in {probed[r]}"
 
     def _death_note(self, r: int) -> str:
         ch = self._chans[r]
@@ -400,7 +470,8 @@ class ParallelEngine:
             status = ch.exit_status()
             if status is not None and not str(errors.get(ch.rank, "")).startswith("died"):
                 errors[ch.rank] = f"died ({status})"
-        dead = sorted(r for r, e in errors.items() if e.startswith(("died", "no answer", "connection")))
+        dead = sorted(r for r, e in errors.items() if e.startswith(("died", "connection")) or "hung" in e)
+        dead = dead or sorted(r for r, e in errors.items() if e.startswith("no answer"))
         culprits = dead or sorted(errors)
         parts = []
         for r in culprits + [r for r in sorted(errors) if r not in culprits]:
@@ -424,10 +495,11 @@ class ParallelEngine:
         _reap(self._procs, grace_s)
         for ch in self._chans:
             if isinstance(ch, _Remote):
-                try:
-                    ch.conn.close()
-                except OSError:
-                    pass
+                for conn in (ch.conn, ch.probe):
+                    try:
+                        conn.close()
+                    except OSError:
+                        pass
 
     # ---- the LLMEngine interface -----------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | dict | None,

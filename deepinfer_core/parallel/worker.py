@@ -111,10 +111,19 @@ class RankWorker:
         self.engine: RankEngine | None = None
         self._reported: dict[str, tuple[int, int, int]] = {}
         self._owns_group = False
+        self.doing = "idle"
+        self.num_steps = 0
+
+    def describe(self) -> str:
+        """What the main thread is doing (answered to the driver's liveness probe)."""
+        ep = self.engine.expert_parallel if self.engine is not None else None
+        where = f", {ep.where}" if ep is not None and ep.where != "idle" else ""
+        return f"{self.doing}{where}"
 
     # ---- messages ------------------------------------------------------------------------
     def handle(self, msg: tuple) -> tuple:
         kind = msg[0]
+        self.doing = f"step {self.num_steps + 1}" if kind == "step" else kind
         try:
             if kind == "init":
                 return ("ready", self.init(msg[1]))
@@ -129,6 +138,8 @@ class RankWorker:
         except BaseException as exc:  # reported to the driver, which decides
             logger.error("rank %d: %s failed: %s", self.rank, kind, exc)
             return ("error", portable(exc), traceback.format_exc())
+        finally:
+            self.doing = "idle"
 
     def init(self, p: dict) -> dict:
         cfg: EngineConfig = p["cfg"]
@@ -162,6 +173,7 @@ class RankWorker:
         for rid in work.get("abort", ()):
             eng.abort(rid)
         finished = eng.step()
+        self.num_steps += 1
         updates = self._updates(finished)
         for rid, exc in failed.items():
             updates[rid] = {"tokens": [], "out_lp": [], "prompt_lp": [], "metrics": None, "sum_logprob": 0.0,
@@ -220,6 +232,23 @@ def serve(conn, worker: RankWorker) -> bool:
             return True
 
 
+def serve_probes(conn, worker: RankWorker) -> None:
+    """Answer the driver's liveness probes from a thread: a rank blocked in a collective (waiting
+    for a peer) still answers, a stopped or wedged one does not."""
+    while True:
+        try:
+            conn.recv()
+            conn.send(("alive", worker.describe()))
+        except (EOFError, OSError):
+            return
+
+
+def start_probe_thread(conn, worker: RankWorker) -> None:
+    import threading
+
+    threading.Thread(target=serve_probes, args=(conn, worker), daemon=True, name="deepinfer-probe").start()
+
+
 def die_with_parent(expected_ppid: int) -> None:
     """Linux: get SIGKILL when the driver exits, however it exits (no orphans)."""
     try:
@@ -245,6 +274,7 @@ def main() -> None:
     conn = Connection(boot["fd"])
     worker = RankWorker(rank, boot["world_size"], boot["local_rank"], boot["local_world_size"],
                         boot["num_nodes"])
+    start_probe_thread(Connection(boot["probe_fd"]), worker)
     graceful = serve(conn, worker)
     conn.close()
     # Without the driver, peers may be stuck in collectives: leave at once, skipping clean-up.

@@ -75,7 +75,8 @@ class EPLB(Feature):
         ep = getattr(engine, "expert_parallel", None)
         if ep is None or engine.cfg.ep <= 1:
             raise ConfigError(f"feature 'eplb' balances experts over expert-parallel ranks and needs ep > 1 "
-                              f"(got ep={engine.cfg.ep}); set ep=N (with dp=N) or remove 'eplb' from features")
+                              f"(got ep={engine.cfg.ep}); set ep=N (with dp=N) or remove 'eplb' from "
+                              "features")
         mc = engine.model_config
         self.engine, self.ep, self.comm = engine, ep, engine.comm
         self.rank, self.world_size = ep.rank, ep.world_size
@@ -168,7 +169,8 @@ class EPLB(Feature):
 
     def current_moe_lb(self) -> tuple[float, dict[int, float]]:
         """moe_lb of the current placement (every rank sees every rank's load, so no collective)."""
-        pairs = {layer: (self.ep.rank_pairs[layer] - self._pairs_mark[layer]).tolist() for layer in self.layers}
+        pairs = {layer: (self.ep.rank_pairs[layer] - self._pairs_mark[layer]).tolist()
+                 for layer in self.layers}
         return moe_lb_from_pairs(pairs)
 
     @hookimpl
