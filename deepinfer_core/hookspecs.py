@@ -3,7 +3,9 @@
 A feature plugin (``deepinfer.features`` entry point) is a :class:`deepinfer_core.features.Feature`
 subclass whose instance is registered with pluggy. It implements any of the hooks below by defining
 a method of the same name decorated with ``@hookimpl``; it may take fewer arguments than the spec.
-Hooks are called in the engine process (rank 0 driver) unless noted.
+Hooks are called in the engine process. With ``dp``/``ep`` > 1 every rank's engine runs in its
+own worker process with its own feature instances, and every rank calls ``step_finished`` once per
+(lock-step) step; the driver only instantiates features to validate their config sections.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     python examples/offline_inference.py
     python examples/offline_inference.py --model /path/to/DeepSeek-V2-Lite --dtype bfloat16
+    python examples/offline_inference.py --dspark      # speculative decoding with the shipped draft
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accelerator", default=None)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0, help="per-request seq_seed")
     p.add_argument("--features", default="", help="comma-separated feature plugins to enable")
+    p.add_argument("--dspark", action="store_true",
+                   help="speculative decoding (the dspark feature; prints accept_rate per sample)")
     p.add_argument("--config", default=None, help="TOML config file")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
@@ -37,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_llm(args: argparse.Namespace, **extra) -> LLM:
     features = [f for f in args.features.split(",") if f]
+    if getattr(args, "dspark", False) and "dspark" not in features:
+        features.append("dspark")
     kw = dict(extra)
     if features:
         kw["features"] = features

@@ -117,9 +117,9 @@ def is_heldout(rel_path: str) -> bool:
     return zlib.crc32(rel_path.encode("utf-8")) % HELDOUT_MODULUS == 0
 
 
-def load_corpus() -> Corpus:
+def load_corpus(root: Path | None = None) -> Corpus:
     """Collect the stdlib ``.py`` sources, skipping tests, site-packages and big files."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = root or Path(sysconfig.get_paths()["stdlib"])
     train: list[tuple[str, str]] = []
     heldout: list[tuple[str, str]] = []
     for path in sorted(root.rglob("*.py")):
@@ -200,7 +200,7 @@ class ExpertLoadTracker:
 
     def __init__(self, model: torch.nn.Module, num_experts: int) -> None:
         self.routers = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
-        self.counts = [torch.zeros(num_experts) for _ in self.routers]
+        self.counts = [torch.zeros(num_experts, device=next(model.parameters()).device) for _ in self.routers]
         self.num_experts = num_experts
         self.enabled = True
         for i, router in enumerate(self.routers):
@@ -233,11 +233,9 @@ def heldout_loss(model: DeepseekV3ForCausalLM, chunks: torch.Tensor, batch_size:
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(chunks), batch_size):
-        x = chunks[i : i + batch_size]
+        x = chunks[i : i + batch_size].to(next(model.parameters()).device)
         logits = model(input_ids=x).logits.float()
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum"
-        )
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum")
         total += float(loss)
         count += x[:, 1:].numel()
     return total / count, count
@@ -300,6 +298,26 @@ def expected_tensor_names(cfg: DeepseekV3Config) -> set[str]:
     return names
 
 
+def write_safetensors(state: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    """One ``model.safetensors``, or ``shards`` files plus ``model.safetensors.index.json`` (the device
+    tool returns files of at most 16 MiB, so the GPU run writes 2 shards)."""
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    if shards <= 1:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(state)
+    weight_map: dict[str, str] = {}
+    for i in range(shards):
+        part = names[i * len(names) // shards : (i + 1) * len(names) // shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: state[n] for n in part}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+
+
 def write_config(cfg: DeepseekV3Config, out: Path) -> None:
     """Write config.json: transformers' own fields plus the real-V3-only fields."""
     cfg.save_pretrained(out)
@@ -336,9 +354,7 @@ def write_generation_config(out: Path) -> None:
 
 def bf16_roundtrip_copy(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
     """A float32 copy of ``model`` whose weights went through the saved dtypes."""
-    ref = DeepseekV3ForCausalLM._from_config(
-        model.config, experts_implementation="eager", attn_implementation="sdpa"
-    )
+    ref = DeepseekV3ForCausalLM._from_config(model.config, experts_implementation="eager", attn_implementation="sdpa")
     sd = {
         k: (v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)).float()
         for k, v in model.state_dict().items()
@@ -360,6 +376,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--bias-gamma", type=float, default=1e-3, help="aux-loss-free bias update speed (0 = off)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shards", type=int, default=1, help="number of safetensors shards to write")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--corpus-root", type=Path, default=None,
+                   help="a copy of a stdlib tree to train on (default: this Python's stdlib)")
     p.add_argument("--sample-tokens", type=int, default=96)
     return p.parse_args()
 
@@ -368,16 +388,16 @@ def main() -> None:
     """Build corpus and tokenizer, train, write and verify the checkpoint, write the report."""
     args = parse_args()
     t_start = time.time()
+    cpu_start = time.process_time()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 
     # --- corpus and tokenizer -------------------------------------------------------
-    corpus = load_corpus()
-    print(
-        f"corpus: {corpus.root}: {len(corpus.train)} train / {len(corpus.heldout)} held-out files", flush=True
-    )
+    corpus = load_corpus(args.corpus_root)
+    device = torch.device(args.device)
+    print(f"corpus: {corpus.root}: {len(corpus.train)} train / {len(corpus.heldout)} held-out files", flush=True)
     tok = train_tokenizer([t for _, t in corpus.train])
     train_docs = encode_docs(tok, [t for _, t in corpus.train])
     heldout_docs = encode_docs(tok, [t for _, t in corpus.heldout])
@@ -393,9 +413,8 @@ def main() -> None:
 
     # --- model ------------------------------------------------------------------------
     cfg = build_config()
-    model = DeepseekV3ForCausalLM._from_config(
-        cfg, experts_implementation="eager", attn_implementation="sdpa"
-    )
+    model = DeepseekV3ForCausalLM._from_config(cfg, experts_implementation="eager", attn_implementation="sdpa")
+    model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
     if n_params > MAX_PARAMS:
@@ -429,7 +448,7 @@ def main() -> None:
             epoch += 1
             order = torch.randperm(len(train_chunks), generator=gen)
             cursor = 0
-        x = train_chunks[order[cursor : cursor + args.batch_size]]
+        x = train_chunks[order[cursor : cursor + args.batch_size]].to(device)
         cursor += args.batch_size
         progress = max(step / args.max_steps, elapsed / budget_s)
         lr = lr_at(step, progress, args.lr, args.warmup)
@@ -456,25 +475,15 @@ def main() -> None:
     train_s = time.time() - t_train
     tracker.enabled = False
     final_train_loss = sum(recent) / len(recent)
-    print(
-        f"trained {step} steps, {tokens_seen:,} tokens in {train_s:.0f}s; final loss {final_train_loss:.4f}"
-    )
-
-    # --- held-out eval (float32, in memory) --------------------------------------------
-    model.eval()
-    ho_loss_fp32, ho_tokens = heldout_loss(model, heldout_chunks, args.batch_size)
-    print(
-        f"held-out (fp32): loss {ho_loss_fp32:.4f} ppl {math.exp(ho_loss_fp32):.2f} over {ho_tokens:,} tokens"
-    )
+    print(f"trained {step} steps, {tokens_seen:,} tokens in {train_s:.0f}s; final loss {final_train_loss:.4f}")
 
     # --- write the checkpoint -------------------------------------------------------
+    model.cpu().eval()
     state = to_deepseek_state_dict(model)
     expected = expected_tensor_names(cfg)
     if set(state) != expected:
-        raise RuntimeError(
-            f"tensor names: missing {expected - set(state)}, unexpected {set(state) - expected}"
-        )
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        raise RuntimeError(f"tensor names: missing {expected - set(state)}, unexpected {set(state) - expected}")
+    write_safetensors(state, out, args.shards)
     write_config(cfg, out)
     write_generation_config(out)
 
@@ -489,10 +498,18 @@ def main() -> None:
     print(f"reload check: max |logit diff| vs bf16-rounded in-memory model = {max_diff:.2e}")
     if max_diff > 1e-2:
         raise RuntimeError(f"reloaded logits differ by {max_diff}")
-    ho_loss, _ = heldout_loss(reloaded, heldout_chunks, args.batch_size)
-    print(f"held-out (saved bf16 weights): loss {ho_loss:.4f} ppl {math.exp(ho_loss):.2f}")
-    if abs(ho_loss - ho_loss_fp32) > 0.02:
-        raise RuntimeError(f"held-out loss of the saved weights {ho_loss} != in-memory {ho_loss_fp32}")
+    subset = heldout_chunks[: 2 * args.batch_size]
+    sub_fp32, _ = heldout_loss(model, subset, args.batch_size)
+    sub_saved, _ = heldout_loss(reloaded, subset, args.batch_size)
+    print(f"held-out subset loss: in-memory fp32 {sub_fp32:.4f}, saved bf16 {sub_saved:.4f}")
+    if abs(sub_saved - sub_fp32) > 0.02:
+        raise RuntimeError(f"held-out loss of the saved weights {sub_saved} != in-memory {sub_fp32}")
+    ho_loss, ho_tokens = heldout_loss(reloaded.to(device), heldout_chunks, args.batch_size)
+    reloaded.cpu()
+    print(
+        f"held-out (saved bf16 weights): loss {ho_loss:.4f} ppl {math.exp(ho_loss):.2f} over {ho_tokens:,} tokens",
+        flush=True,
+    )
 
     # --- sample continuation (greedy, saved weights) -------------------------------
     prompt_ids = [0] + tok.encode(SAMPLE_PROMPT, add_special_tokens=False).ids
@@ -513,6 +530,7 @@ def main() -> None:
         "command": shlex.join(["python", *sys.argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "torch_version": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "corpus": {
             "root": str(corpus.root),
             "train_files": len(corpus.train),
@@ -528,13 +546,15 @@ def main() -> None:
         "tokens_seen": tokens_seen,
         "final_train_loss": round(final_train_loss, 4),
         "final_train_loss_note": "mean of the last 20 training steps",
-        "heldout_loss_fp32": round(ho_loss_fp32, 4),
+        "heldout_subset_loss_fp32_vs_saved": [round(sub_fp32, 4), round(sub_saved, 4)],
         "heldout_loss": round(ho_loss, 4),
         "heldout_perplexity": round(math.exp(ho_loss), 3),
+        "heldout_predicted_tokens": ho_tokens,
         "heldout_note": "nats per token (4096-token byte-level BPE), computed with the saved bf16 weights",
         "reload_max_logit_diff": max_diff,
         "train_seconds": round(train_s, 1),
         "wall_seconds": round(time.time() - t_start, 1),
+        "cpu_seconds": round(time.process_time() - cpu_start, 1),
         "sample_prompt": SAMPLE_PROMPT,
         "sample_continuation": continuation,
         "files": {p.name: p.stat().st_size for p in files},

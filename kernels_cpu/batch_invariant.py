@@ -39,8 +39,8 @@ Other element-wise ops (RoPE, penalties), copies (paged KV) and selection (top-k
 batch-independent already and keep the reference implementations, as does ``sample``, whose
 counter-based RNG makes each row's draw depend only on (seed, position).
 
-Tunables (environment): ``DEEPINFER_BI_ROW_TILE`` (first row tile tried, default 16),
-``DEEPINFER_BI_KV_SPLIT`` (attention split, default 256).
+Tunables (environment): ``DEEPINFER_BI_ROW_TILE`` (first row tile tried, default 4),
+``DEEPINFER_BI_KV_SPLIT`` (attention split, default 64).
 
 The same design carries to GPUs (fixed tiles, no split-K, per-sequence fixed KV splits); the
 self-check then picks fixed-row-count calls if cuBLAS changes algorithms with M.
@@ -60,8 +60,8 @@ from deepinfer_core.kernels import KernelBackend
 
 logger = logging.getLogger("deepinfer.kernels.batch_invariant")
 
-ROW_TILE = int(os.environ.get("DEEPINFER_BI_ROW_TILE", "16"))
-KV_SPLIT = int(os.environ.get("DEEPINFER_BI_KV_SPLIT", "256"))
+ROW_TILE = int(os.environ.get("DEEPINFER_BI_ROW_TILE", "4"))
+KV_SPLIT = int(os.environ.get("DEEPINFER_BI_KV_SPLIT", "64"))
 MAX_CHUNK = 256  # rows per GEMM call at most
 
 
@@ -78,6 +78,35 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
+_row_sum_ok: dict[tuple, bool] = {}
+
+
+def _library_row_sum_ok(n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's own ``sum(-1)`` gives each row the same result alone and among other rows
+    (it reduces a row in an order set by its length, unless one long row is split over threads)."""
+    key = (n, dtype, device.type, torch.get_num_threads())
+    ok = _row_sum_ok.get(key)
+    if ok is None:
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(37, n, generator=g).to(device=device, dtype=dtype)
+        full = x.sum(-1)
+        ok = all(torch.equal(x[a:b].clone().sum(-1), full[a:b])
+                 for a, b in ((0, 1), (5, 6), (36, 37), (3, 20), (1, 37)))
+        _row_sum_ok[key] = ok
+        if not ok:
+            logger.info("batch-invariant row sums of length %d use the tree reduction", n)
+    return ok
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim, each row in a fixed order: torch's row reduction where a self-check
+    shows it batch-independent for this length (short rows), else :func:`tree_sum`."""
+    n = x.shape[-1]
+    if n < 32768 and _library_row_sum_ok(n, x.dtype, x.device):
+        return x.contiguous().sum(-1)
+    return tree_sum(x)
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
 
@@ -90,7 +119,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim with the fixed-order sum."""
     e = torch.exp(x - x.amax(-1, keepdim=True))
-    return e / tree_sum(e)[..., None]
+    return e / row_sum(e)[..., None]
 
 
 # ---- GEMM plans -------------------------------------------------------------------------------
@@ -110,59 +139,92 @@ class GemmPlan:
 
 
 def _candidate_plans() -> list[GemmPlan]:
-    tiles = sorted({ROW_TILE, 32, 64})
+    tiles = sorted({ROW_TILE, 8, 16, 32, 64})
     plans = [GemmPlan(t, max(MAX_CHUNK // t, 1) * t) for t in tiles]
     plans += [GemmPlan(t, t, fixed=True) for t in tiles]
     plans.append(GemmPlan(1, 1, fixed=True))  # one row per call: invariant by construction
     return plans
 
 
+def _pad_rows(x: torch.Tensor, unit: int) -> torch.Tensor:
+    """x[..., T, K] with T zero-padded to a multiple of ``unit``, contiguous."""
+    T = x.shape[-2]
+    padded = -(-T // unit) * unit
+    if padded == T and x.is_contiguous():
+        return x
+    buf = x.new_zeros(*x.shape[:-2], padded, x.shape[-1])
+    buf[..., :T, :] = x
+    return buf
+
+
 def _run(plan: GemmPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x[T, K] @ w[N, K].T under ``plan``."""
     T = x.shape[0]
-    step = plan.chunk
-    if not plan.fixed and T <= step and T % plan.tile == 0 and x.is_contiguous():
-        return F.linear(x, w)
-    unit = plan.chunk if plan.fixed else plan.tile
-    padded = -(-T // unit) * unit
-    if padded != T or not x.is_contiguous():
-        buf = x.new_zeros(padded, x.shape[1])
-        buf[:T] = x
-        x = buf
-    if padded <= step:
-        return F.linear(x, w)[:T]
-    out = torch.cat([F.linear(x[i : i + step], w) for i in range(0, padded, step)])
-    return out[:T]
+    x = _pad_rows(x, plan.chunk if plan.fixed else plan.tile)
+    if x.shape[0] <= plan.chunk:
+        y = F.linear(x, w)
+    else:
+        y = torch.cat([F.linear(x[i : i + plan.chunk], w) for i in range(0, x.shape[0], plan.chunk)])
+    return y if y.shape[0] == T else y[:T]
+
+
+def _run_bmm(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a[G, T, K] @ b[G, K, N] under ``plan`` (rows of every group padded alike)."""
+    T = a.shape[1]
+    a = _pad_rows(a, plan.chunk if plan.fixed else plan.tile)
+    if a.shape[1] <= plan.chunk:
+        y = torch.bmm(a, b)
+    else:
+        y = torch.cat([torch.bmm(a[:, i : i + plan.chunk], b) for i in range(0, a.shape[1], plan.chunk)], 1)
+    return y if y.shape[1] == T else y[:, :T]
 
 
 _plans: dict[tuple, GemmPlan] = {}
 _plans_lock = threading.Lock()
 
 
-def _plan_key(w: torch.Tensor) -> tuple:
-    return (tuple(w.shape), w.stride(), w.dtype, w.device.type, torch.get_num_threads())
-
-
-def _plan_ok(plan: GemmPlan, w: torch.Tensor) -> bool:
-    K = w.shape[1]
-    g = torch.Generator().manual_seed(0x5EED)
+def _probe_rows(plan: GemmPlan) -> tuple[int, list[int], list[tuple[int, int]]]:
+    """Rows of the check, the rows whose results are compared, and the row windows run."""
     n = plan.chunk + plan.tile + 9
-    x = torch.randn(n, K, generator=g).to(device=w.device, dtype=w.dtype)
-    probe = sorted({0, 1, 4, plan.tile - 1, plan.tile, plan.tile + 3, plan.chunk - 1, plan.chunk, n - 1})
-    alone = {i: _run(plan, x[i : i + 1], w) for i in probe}
+    probe = sorted({0, 1, 2, 4, plan.tile - 1, plan.tile, plan.tile + 3, plan.chunk - 1, plan.chunk, n - 1})
     windows = [(0, n), (0, 2), (1, plan.tile + 4), (3, min(n, 3 + plan.chunk)), (plan.tile - 1, n),
                (4, 4 + max(plan.tile - 1, 1))]
+    # every call size up to 16 tiles, each with the probe rows at a different place
+    windows += [(k % 3, k % 3 + k * plan.tile) for k in range(1, min(16, plan.chunk // plan.tile) + 1)]
+    return n, probe, windows
+
+
+def _linear_plan_ok(plan: GemmPlan, w: torch.Tensor) -> bool:
+    g = torch.Generator().manual_seed(0x5EED)
+    n, probe, windows = _probe_rows(plan)
+    x = torch.randn(n, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    alone = {i: _run(plan, x[i : i + 1], w) for i in probe}
     for a, b in windows:
         y = _run(plan, x[a:b], w)
-        for i in probe:
-            if a <= i < b and not torch.equal(y[i - a : i - a + 1], alone[i]):
-                return False
+        if any(a <= i < b and not torch.equal(y[i - a : i - a + 1], alone[i]) for i in probe):
+            return False
     return True
 
 
-def gemm_plan(w: torch.Tensor) -> GemmPlan:
-    """The verified plan for GEMMs against a weight of this shape, layout and dtype."""
-    key = _plan_key(w)
+def _bmm_plan_ok(plan: GemmPlan, b: torch.Tensor) -> bool:
+    """Rows must not depend on the row window, the number of groups or the group's position."""
+    g = torch.Generator().manual_seed(0x5EED)
+    n, probe, windows = _probe_rows(plan)
+    G, K, N = 5, b.shape[1], b.shape[2]
+    bt = torch.empty_strided((G, K, N), b.stride(), dtype=b.dtype, device=b.device)
+    bt.copy_(torch.randn(G, K, N, generator=g).to(b.dtype))
+    a = torch.randn(G, n, K, generator=g).to(device=b.device, dtype=b.dtype)
+    alone = {(j, i): _run_bmm(plan, a[j : j + 1, i : i + 1], bt[j : j + 1]) for j in (0, 3) for i in probe}
+    for g0, g1 in ((0, G), (0, 1), (3, 4), (2, G)):
+        for r0, r1 in windows:
+            y = _run_bmm(plan, a[g0:g1, r0:r1], bt[g0:g1])
+            for (j, i), want in alone.items():
+                if g0 <= j < g1 and r0 <= i < r1 and not torch.equal(y[j - g0, i - r0], want[0, 0]):
+                    return False
+    return True
+
+
+def _plan_for(key: tuple, ok) -> GemmPlan:
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -170,11 +232,28 @@ def gemm_plan(w: torch.Tensor) -> GemmPlan:
         plan = _plans.get(key)
         if plan is None:
             with torch.inference_mode():
-                plan = next(p for p in _candidate_plans() if _plan_ok(p, w))
+                plan = next(p for p in _candidate_plans() if ok(p))
             if plan.tile != ROW_TILE or plan.fixed:
-                logger.info("batch-invariant GEMM %s: %s", key[:3], plan)
+                logger.info("batch-invariant GEMM %s: %s", key[:4], plan)
             _plans[key] = plan
     return plan
+
+
+def gemm_plan(w: torch.Tensor) -> GemmPlan:
+    """The verified plan for ``linear`` against a weight w[N, K] of this shape, layout and dtype."""
+    key = ("linear", tuple(w.shape), w.stride(), w.dtype, w.device.type, torch.get_num_threads())
+    return _plan_for(key, lambda p: _linear_plan_ok(p, w))
+
+
+def bmm_plan(b: torch.Tensor) -> GemmPlan:
+    """The verified plan for batched GEMMs against b[G, K, N] of this layout (any G)."""
+    key = ("bmm", tuple(b.shape[1:]), b.stride(), b.dtype, b.device.type, torch.get_num_threads())
+    return _plan_for(key, lambda p: _bmm_plan_ok(p, b))
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a[G, T, K] @ b[G, K, N]; each (group, row) result independent of G, T and its position."""
+    return _run_bmm(bmm_plan(b), a, b)
 
 
 # ---- ops ------------------------------------------------------------------------------------------
@@ -187,18 +266,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x[T, H, K], w[H, N, K] -> [T, H, N], one tiled GEMM per head."""
-    T, H, _ = x.shape
-    xh = x.transpose(0, 1).contiguous()  # [H, T, K]
-    out = x.new_empty(T, H, w.shape[1])
-    for h in range(H):
-        out[:, h] = linear(xh[h], w[h])
-    return out
+    """x[T, H, K], w[H, N, K] -> [T, H, N] as one batched GEMM over heads."""
+    return bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    ms = tree_sum(xf * xf) / xf.shape[-1]
+    ms = row_sum(xf * xf) / xf.shape[-1]
     xf = xf * torch.rsqrt(ms + eps)[..., None]
     return (w.float() * xf).to(x.dtype)
 
@@ -208,30 +282,30 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: 
     return rms_norm(residual, w, eps), residual
 
 
-def _split_sum(p: torch.Tensor, split: int) -> torch.Tensor:
-    """Row sums of p[R, n*split]: a tree sum per split, then the splits added in order."""
-    parts = tree_sum(p.view(p.shape[0], -1, split))  # [R, n]
-    total = parts[:, 0]
-    for s in range(1, parts.shape[1]):
-        total = total + parts[:, s]
-    return total
-
-
-def _attend(rows: torch.Tensor, keys: torch.Tensor, values_t: torch.Tensor, qpos: torch.Tensor,
+def _attend(rows: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, qpos: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """Causal attention of rows[R, Dk] (float32) over keys[Lp, Dk] and values_t[Dv, Lp] whose length
-    is a multiple of KV_SPLIT and whose rows past the context are zero; row r sees keys <= qpos[r]."""
-    S = KV_SPLIT
-    n = keys.shape[0] // S
-    scores = torch.cat([linear(rows, keys[s * S : (s + 1) * S]) for s in range(n)], dim=1) * scale
-    kpos = torch.arange(n * S, device=rows.device)
-    scores.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    denom = _split_sum(p, S)
-    o = linear(p[:, :S], values_t[:, :S])
+    """Causal attention for B items at once: rows[B, R, Dk] over keys[B, Lp, Dk] and vals[B, Lp, Dv]
+    (float32, Lp a multiple of KV_SPLIT, zero past each item's context); row r of item b sees the
+    keys at positions <= qpos[b, r]. Returns [B, R, Dv].
+
+    Splits of KV_SPLIT keys are batched GEMM groups; the row max is exact, each split's sum is a
+    fixed tree, and splits are added in order, so splits past a row's position add exact zeros."""
+    B, R, Dk = rows.shape
+    S, Dv = KV_SPLIT, vals.shape[-1]
+    n = keys.shape[1] // S
+    G = B * n
+    qg = rows.unsqueeze(1).expand(B, n, R, Dk).reshape(G, R, Dk)
+    scores = bmm(qg, keys.reshape(G, S, Dk).transpose(1, 2)).view(B, n, R, S) * scale
+    kpos = torch.arange(n * S, device=rows.device).view(1, n, 1, S)
+    scores.masked_fill_(kpos > qpos[:, None, :, None], float("-inf"))
+    p = torch.exp(scores - scores.amax(dim=(1, 3), keepdim=True))
+    sums = row_sum(p)  # [B, n, R]
+    o = bmm(p.view(G, R, S), vals.reshape(G, S, Dv)).view(B, n, R, Dv)
+    denom, acc = sums[:, 0], o[:, 0]
     for s in range(1, n):
-        o = o + linear(p[:, s * S : (s + 1) * S], values_t[:, s * S : (s + 1) * S])
-    return o / denom[:, None]
+        denom = denom + sums[:, s]
+        acc = acc + o[:, s]
+    return acc / denom[..., None]
 
 
 def _padded_len(n: int) -> int:
@@ -239,32 +313,34 @@ def _padded_len(n: int) -> int:
 
 
 def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv):
-    """Absorbed MLA per sequence with fixed KV splits (see the module docstring)."""
+    """Absorbed MLA with fixed KV splits; sequences with the same query length run together."""
     T, H, D = q.shape
-    bs = cache.shape[1]
+    bs, dev = cache.shape[1], q.device
     flat = cache.view(-1, D)
     out = q.new_empty(T, H, dv)
-    tables = block_tables.long()
-    cq, lens = cu_q_lens.tolist(), seq_lens.tolist()
-    for b, L in enumerate(lens):
-        q0, q1 = cq[b], cq[b + 1]
-        Q = q1 - q0
-        if Q == 0:
-            continue
-        Lp = _padded_len(L)
-        pos = torch.arange(Lp, device=q.device)
-        blocks = tables[b, (pos // bs).clamp(max=tables.shape[1] - 1)]
-        kv = flat[blocks * bs + pos % bs].float()
-        kv[L:] = 0
-        rows = q[q0:q1].reshape(Q * H, D).float()
-        qpos = torch.arange(L - Q, L, device=q.device).repeat_interleave(H)
-        o = _attend(rows, kv, kv[:, :dv].t(), qpos, scale)
-        out[q0:q1] = o.view(Q, H, dv).to(q.dtype)
+    buckets: dict[int, list[int]] = {}
+    for b, n in enumerate((cu_q_lens[1:] - cu_q_lens[:-1]).tolist()):
+        if n:
+            buckets.setdefault(n, []).append(b)
+    for Q, members in buckets.items():
+        idx = torch.tensor(members, device=dev)
+        lens = seq_lens[idx]
+        Lp = _padded_len(int(lens.max()))
+        tok = (cu_q_lens[idx][:, None] + torch.arange(Q, device=dev)).flatten()  # [nb * Q]
+        rows = q[tok].reshape(len(members), Q * H, D).float()
+        pos = torch.arange(Lp, device=dev)
+        tables = block_tables[idx].long()
+        blocks = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1).expand(len(members), -1))
+        kv = flat[blocks * bs + pos % bs].float()  # [nb, Lp, D]
+        kv.masked_fill_((pos[None, :] >= lens[:, None])[..., None], 0.0)
+        qpos = (lens[:, None] - Q + torch.arange(Q, device=dev)).repeat_interleave(H, dim=1)  # [nb, Q*H]
+        o = _attend(rows, kv, kv[..., :dv], qpos, scale)
+        out[tok] = o.view(-1, H, dv).to(q.dtype)
     return out
 
 
 def mla_prefill(q, k, v, cu_q_lens, cu_k_lens, scale):
-    """Expanded causal attention, per sequence and head, with the same fixed KV splits."""
+    """Expanded causal attention with the same fixed KV splits, the heads of a sequence together."""
     T, H, _ = q.shape
     out = q.new_empty(T, H, v.shape[-1])
     cq, ck = cu_q_lens.tolist(), cu_k_lens.tolist()
@@ -273,14 +349,13 @@ def mla_prefill(q, k, v, cu_q_lens, cu_k_lens, scale):
         if Q == 0:
             continue
         Lp = _padded_len(L)
-        qpos = torch.arange(L - Q, L, device=q.device)
-        for h in range(H):
-            keys = k.new_zeros(Lp, k.shape[-1], dtype=torch.float32)
-            keys[:L] = k[ck[b] : ck[b + 1], h]
-            vals = v.new_zeros(v.shape[-1], Lp, dtype=torch.float32)
-            vals[:, :L] = v[ck[b] : ck[b + 1], h].t()
-            out[cq[b] : cq[b + 1], h] = _attend(q[cq[b] : cq[b + 1], h].float(), keys, vals, qpos,
-                                                scale).to(q.dtype)
+        keys = k.new_zeros(H, Lp, k.shape[-1], dtype=torch.float32)
+        keys[:, :L] = k[ck[b] : ck[b + 1]].transpose(0, 1)
+        vals = v.new_zeros(H, Lp, v.shape[-1], dtype=torch.float32)
+        vals[:, :L] = v[ck[b] : ck[b + 1]].transpose(0, 1)
+        qpos = torch.arange(L - Q, L, device=q.device).expand(H, Q)
+        o = _attend(q[cq[b] : cq[b + 1]].transpose(0, 1).float(), keys, vals, qpos, scale)  # [H, Q, Dv]
+        out[cq[b] : cq[b + 1]] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -309,7 +384,7 @@ def moe_route(logits, bias, top_k, scoring, n_group, topk_group, group_score, re
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (tree_sum(weights)[:, None] + 1e-20)
+        weights = weights / (row_sum(weights)[:, None] + 1e-20)
     return weights * scale, ids
 
 

@@ -43,6 +43,8 @@ def device_arch(index: int = 0) -> str:
     env = os.environ.get(ARCH_ENV)
     if env:
         return env
+    if dry_run() and not torch.cuda.is_available():
+        return "sm_90a"
     major, minor = torch.cuda.get_device_capability(index)
     arch = f"sm_{major}{minor}"
     return arch + "a" if major in (9, 10, 12) else arch
@@ -57,12 +59,26 @@ def compile_kernel(func: Any, arch: str | None = None, out_idx: list[int] | None
     return tilelang().compile(func, out_idx=out_idx, target=target(arch))
 
 
+#: Set to 1 to compile kernels without running them (no GPU needed): fills TileLang's on-disk cache
+#: (``TILELANG_CACHE_DIR``) so a GPU machine can start with every kernel already built.
+DRYRUN_ENV = "DEEPINFER_TL_DRYRUN"
+
+
+def dry_run() -> bool:
+    return os.environ.get(DRYRUN_ENV, "") not in ("", "0")
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
-    """Memoise ``builder(**config)`` -> compiled kernel for the current device's arch."""
+    """Memoise ``builder(*config)`` -> compiled kernel for the current device's arch."""
 
     @functools.cache
     def get(*args: Any) -> Any:
-        return compile_kernel(builder(*args))
+        kernel = compile_kernel(builder(*args))
+        return _noop if dry_run() else kernel
 
     get.builder = builder  # type: ignore[attr-defined]
     return get
@@ -70,4 +86,6 @@ def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
 
 @functools.cache
 def num_sms(index: int = 0) -> int:
+    if dry_run() and not torch.cuda.is_available():
+        return 132  # H100/H200 SXM
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -15,7 +15,6 @@ stops there.
 """
 
 
-import math
 
 import torch
 
@@ -25,9 +24,10 @@ LOG2E = 1.4426950408889634
 
 
 def build_decode(H: int, D: int, DV: int, BS: int, BH: int, BN: int, stages: int, threads: int,
-                 n_split: int, ragged: bool, dtype: str = "bfloat16"):
-    """The attention kernel. ``ragged``: token -> sequence comes from ``TokSeq`` (else token t is
-    sequence t, the all-q_len-1 case)."""
+                 split: bool, ragged: bool, dtype: str = "bfloat16"):
+    """The attention kernel. ``split``: write per-split partials (the split count is the grid's z
+    extent, taken from ``OPart``); else the final output. ``ragged``: token -> sequence comes from
+    ``TokSeq`` (else token t is sequence t, the all-q_len-1 case)."""
     T = _tl.language()
     DPE = D - DV
     HB = H // BH
@@ -35,7 +35,8 @@ def build_decode(H: int, D: int, DV: int, BS: int, BH: int, BN: int, stages: int
     assert H % BH == 0 and DV % 16 == 0 and DPE % 16 == 0
     assert (BN % BS == 0) if BS < BN else (BS % BN == 0)
     NT, NB, B, B1, M = T.dynamic("NT"), T.dynamic("NB"), T.dynamic("B"), T.dynamic("B1"), T.dynamic("M")
-    SPLIT = n_split > 1
+    NTP, n_split = T.dynamic("NTP"), T.dynamic("NSPLIT")
+    SPLIT = split
 
     @T.prim_func
     def mla_decode_kernel(
@@ -46,8 +47,8 @@ def build_decode(H: int, D: int, DV: int, BS: int, BH: int, BN: int, stages: int
         SeqLens: T.Tensor((B,), "int64"),
         TokSeq: T.Tensor((NT,), "int32"),
         Out: T.Tensor((NT, H, DV), dtype),
-        OPart: T.Tensor((NT, H, n_split, DV), accum),
-        LsePart: T.Tensor((NT, H, n_split), accum),
+        OPart: T.Tensor((NTP, H, n_split, DV), accum),
+        LsePart: T.Tensor((NTP, H, n_split), accum),
         scale_log2: T.float32,
         min_blocks: T.int32,
     ):
@@ -133,10 +134,10 @@ def build_decode(H: int, D: int, DV: int, BS: int, BH: int, BN: int, stages: int
     return mla_decode_kernel
 
 
-def build_combine(H: int, DV: int, n_split: int, dtype: str = "bfloat16"):
+def build_combine(H: int, DV: int, dtype: str = "bfloat16"):
     """out[t, h] = sum_s exp2(lse_s - lse) * o_s over the splits that saw any key."""
     T = _tl.language()
-    NT = T.dynamic("NT")
+    NT, n_split = T.dynamic("NT"), T.dynamic("NSPLIT")
     threads = 128
     accum = "float32"
 
@@ -178,14 +179,17 @@ def config(H: int, D: int, DV: int, BS: int) -> dict:
     stages = 2 if BN >= 64 else (4 if BN >= 16 else 8)
     if H % 64 == 0:
         return {"BH": 64, "BN": BN, "stages": stages, "threads": 256}
-    return {"BH": 32 if H % 32 == 0 else 16, "BN": BN, "stages": stages, "threads": 128}
+    BH = 32 if H % 32 == 0 else 16
+    # each warp needs >= 8 key columns of the score tile (FullCol split of the key axis)
+    return {"BH": BH, "BN": BN, "stages": stages, "threads": 32 * max(1, min(4, BN // 8))}
 
 
 def choose_split(n_ctas: int, sms: int) -> int:
-    """Split the context when the natural grid fills less than one wave of CTAs."""
+    """Split the context when the natural grid fills less than one wave (one CTA per SM: the
+    shared-memory tiles take most of it): about one CTA per SM in total."""
     if n_ctas >= sms * 0.75:
         return 1
-    return int(min(32, max(1, math.ceil(sms / n_ctas))))
+    return int(min(64, max(1, round(sms / n_ctas))))
 
 
 def _pad_last(x: torch.Tensor, widths: list[tuple[int, int]]) -> torch.Tensor:
@@ -229,7 +233,7 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
     n_ctas = (h_p // c["BH"]) * T_
     if n_split is None:
         n_split = choose_split(n_ctas, _tl.num_sms(q.device.index or 0))
-    kern = _decode_kernel(h_p, Dp, dv_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split, ragged,
+    kern = _decode_kernel(h_p, Dp, dv_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split > 1, ragged,
                           _tl.tl_dtype(q.dtype))
     dev = q.device
     if ragged:
@@ -244,11 +248,11 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
     else:
         o_part = torch.empty(1, h_p, 1, dv_p, dtype=torch.float32, device=dev)
         lse_part = torch.empty(1, h_p, 1, dtype=torch.float32, device=dev)
-    min_blocks = 4 if n_split > 1 else 1
+    min_blocks = max(1, 256 // BN) if n_split > 1 else 1  # at least 256 keys per split
     kern(q, cache, block_tables.to(torch.int32).contiguous(), cu_q_lens.to(torch.int64).contiguous(),
          seq_lens.to(torch.int64).contiguous(), tok_seq, out, o_part, lse_part, float(scale * LOG2E), min_blocks)
     if n_split > 1:
-        _combine_kernel(h_p, dv_p, n_split, _tl.tl_dtype(q.dtype))(o_part, lse_part, out)
+        _combine_kernel(h_p, dv_p, _tl.tl_dtype(q.dtype))(o_part, lse_part, out)
     if h_p != H or dv_p != dv:
         out = out[:, :H, :dv].contiguous()
     return out
@@ -264,7 +268,7 @@ def representative_kernels():
     args128 = (c128["BH"], c128["BN"], c128["stages"], c128["threads"])
     args16 = (c16["BH"], c16["BN"], c16["stages"], c16["threads"])
     return [
-        ("mla_decode H128 bs64", lambda: build_decode(128, 576, 512, 64, *args128, 1, False)),
-        ("mla_decode H16 bs16 split ragged", lambda: build_decode(16, 576, 512, 16, *args16, 4, True)),
-        ("mla_decode combine", lambda: build_combine(128, 512, 4)),
+        ("mla_decode H128 bs64", lambda: build_decode(128, 576, 512, 64, *args128, False, False)),
+        ("mla_decode H16 bs16 split ragged", lambda: build_decode(16, 576, 512, 16, *args16, True, True)),
+        ("mla_decode combine", lambda: build_combine(128, 512)),
     ]

@@ -38,7 +38,8 @@ def workload(n: int = 8) -> list[dict]:
 
 def params(n: int = 8, max_tokens: int = 20) -> list[SamplingParams]:
     """Greedy requests with logprobs, plus two seeded sampled ones (the driver's seed must reach the rank)."""
-    out = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0) for _ in range(n)]
+    out = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+           for _ in range(n)]
     out[1] = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, ignore_eos=True, seq_seed=11,
                             logprobs=0)
     out[-1] = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seq_seed=12, logprobs=0)
@@ -46,7 +47,8 @@ def params(n: int = 8, max_tokens: int = 20) -> list[SamplingParams]:
 
 
 def make_llm(path, **kw) -> LLM:
-    opts = dict(dtype="float32", block_size=BS, max_num_seqs=16, kv_cache_memory=2 << 20, worker_timeout_s=60.0)
+    opts = dict(dtype="float32", block_size=BS, max_num_seqs=16, kv_cache_memory=2 << 20,
+                worker_timeout_s=60.0)
     opts.update(kw)
     return LLM(str(path), **opts)
 

@@ -27,9 +27,11 @@ store) is a miss: the request recomputes those tokens.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import inspect
 import logging
+import math
 import queue
 import re
 import threading
@@ -54,7 +56,7 @@ STATE_KEY = "kv_tiers"
 #: Keys of the [kv_store] table read by the tiers; every other key goes to the backend store.
 TIER_KEYS = {
     "backend": None, "host_capacity_bytes": "2GiB", "offload_on_finish": False, "max_pending_writes": 4096,
-    "fetch_threads": 2, "flush_timeout": 30.0,
+    "fetch_threads": 2, "flush_timeout": 30.0, "fetch_buffer_bytes": "64MiB",
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
@@ -100,7 +102,10 @@ class _Counters:
     fetch_jobs: int = 0
     fetch_blocks: int = 0
     fetch_bytes: int = 0
-    fetch_seconds: float = 0.0
+    fetch_seconds: float = 0.0  # wall time of fetch jobs (store reads plus host-tier inserts)
+    store_read_seconds: float = 0.0  # wall time inside the store's reads
+    staged_gets: int = 0  # host-tier gets of blocks just fetched (not host hits of their own)
+    staged_bytes: int = 0
     offload_host: int = 0
     offload_queued: int = 0
     offload_written: int = 0
@@ -131,6 +136,7 @@ class TieredKVCache:
         for name, v in (("max_pending_writes", max_pending), ("fetch_threads", fetch_threads)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"[kv_store] {name} must be an int >= 1, got {v!r}")
+        fetch_buffer = parse_size(cfg.pop("fetch_buffer_bytes"), "fetch_buffer_bytes")
         self.flush_timeout = cfg.pop("flush_timeout")
         if isinstance(self.flush_timeout, bool) or not isinstance(self.flush_timeout, (int, float)):
             raise ConfigError(f"[kv_store] flush_timeout must be seconds, got {self.flush_timeout!r}")
@@ -153,8 +159,18 @@ class TieredKVCache:
             raise ConfigError(f"[kv_store] backend {backend!r} rejected its settings: {exc}") from exc
         self.backend = backend
         get_many = getattr(self.store, "get_many", None)
-        self._get_many = get_many
-        self._get_many_ttl = get_many is not None and "ttl_class" in inspect.signature(get_many).parameters
+        params = inspect.signature(get_many).parameters if get_many is not None else {}
+        self._get_many, self._get_many_ttl, self._get_many_out = get_many, "ttl_class" in params, "out" in params
+        # Fetches read into reusable, pre-faulted (pinned where possible) staging buffers: filling
+        # fresh pages costs more than the read itself.
+        block_bytes = math.prod(self.layout.block_shape) * self.layout.dtype.itemsize
+        self._chunk = max(1, min(256, fetch_buffer // fetch_threads // block_bytes))
+        self._staging: queue.Queue = queue.Queue()
+        if self._get_many_out:
+            for _ in range(fetch_threads):
+                buf = torch.empty((self._chunk, *self.layout.block_shape), dtype=self.layout.dtype,
+                                  pin_memory=self.pinned)
+                self._staging.put(buf.zero_())
         self._ttl_of = getattr(self.store, "ttl_seconds", None)
 
         self._lock = threading.Lock()
@@ -215,7 +231,8 @@ class TieredKVCache:
         st = self._state(request)
         if st.jobs:
             if not all(f.done() for f in st.jobs):
-                if engine.scheduler.num_running() == 0:  # the step loop is idle: let the fetch run
+                running = getattr(engine.scheduler, "num_running", None)
+                if running is not None and running() == 0:  # the step loop is idle: let the fetch run
                     wait_futures(st.jobs, timeout=0.005)
                 if not all(f.done() for f in st.jobs):
                     return False
@@ -264,28 +281,44 @@ class TieredKVCache:
     def _fetch(self, keys: list[int], cls: str | None) -> dict[int, torch.Tensor]:
         t0 = time.perf_counter()
         got: dict[int, torch.Tensor] = {}
+        buf = self._staging.get() if self._get_many_out else None
+        c = self.counters
         try:
-            if self._get_many is not None:
-                blocks = self._get_many(keys, ttl_class=cls) if self._get_many_ttl else self._get_many(keys)
-            else:
-                blocks = [self.store.get(k) for k in keys]
-            for k, block in zip(keys, blocks):
-                if not self._valid(block):
-                    break  # the chain stops at the first block the store could not supply
-                self.host.put(k, block)
-                self._known.add(k)
-                got[k] = block
+            for start in range(0, len(keys), self._chunk):
+                part = keys[start : start + self._chunk]
+                t1 = time.perf_counter()
+                if self._get_many is None:
+                    blocks = [self.store.get(k) for k in part]
+                else:
+                    kw = {"ttl_class": cls} if self._get_many_ttl else {}
+                    if buf is not None:
+                        kw["out"] = buf
+                    blocks = self._get_many(part, **kw)
+                c.store_read_seconds += time.perf_counter() - t1
+                for k, block in zip(part, blocks):
+                    if not self._valid(block):
+                        return got  # the chain stops at the first block the store could not supply
+                    self.host.put(k, block)
+                    self._known.add(k)
+                    if buf is not None:  # the staging buffer is reused: hold the host tier's copy
+                        held = self.host.get(k)
+                        c.staged_gets += held is not None
+                        c.staged_bytes += 0 if held is None else held.numel() * held.element_size()
+                        block = held if held is not None else block.clone()
+                    got[k] = block
         except Exception as exc:  # a store failure is a miss, never a crash
             logger.warning("KV fetch of %d blocks from %r failed: %s", len(keys), self.backend, exc)
         finally:
+            if buf is not None:
+                self._staging.put(buf)
             with self._lock:
                 fut = self._inflight.get(keys[0])
                 for k in keys:
                     if self._inflight.get(k) is fut:
                         del self._inflight[k]
-                self.counters.fetch_blocks += len(got)
-                self.counters.fetch_bytes += sum(b.numel() * b.element_size() for b in got.values())
-                self.counters.fetch_seconds += time.perf_counter() - t0
+                c.fetch_blocks += len(got)
+                c.fetch_bytes += sum(b.numel() * b.element_size() for b in got.values())
+                c.fetch_seconds += time.perf_counter() - t0
         return got
 
     # ---- admission (host -> device) -----------------------------------------------------
@@ -411,8 +444,9 @@ class TieredKVCache:
         return True
 
     # ---- metrics and shutdown -----------------------------------------------------------
-    def _store_metrics(self, name: str, s: KVStoreStats) -> dict:
+    def _store_metrics(self, name: str, s: KVStoreStats, staged: tuple[int, int] = (0, 0)) -> dict:
         now = time.monotonic()
+        s = dataclasses.replace(s, hits=s.hits - staged[0], read_bytes=s.read_bytes - staged[1])
         t, r, w = self._rates.get(name, (now, s.read_bytes, s.write_bytes))
         dt = now - t
         self._rates[name] = (now, s.read_bytes, s.write_bytes)
@@ -432,11 +466,14 @@ class TieredKVCache:
     def collect_metrics(self, engine):
         c = self.counters
         return {"kv_tiers": {
-            "host": self._store_metrics("host", self.host.stats()),
+            "host": self._store_metrics("host", self.host.stats(), (c.staged_gets, c.staged_bytes)),
             "persistent": {"backend": self.backend, **self._store_metrics("persistent", self.store.stats())},
             "fetch": {"jobs": c.fetch_jobs, "blocks": c.fetch_blocks, "bytes": c.fetch_bytes,
-                      "seconds": c.fetch_seconds, "in_flight": len(self._inflight),
-                      "bytes_per_s": c.fetch_bytes / c.fetch_seconds if c.fetch_seconds else 0.0},
+                      "seconds": c.fetch_seconds, "store_read_seconds": c.store_read_seconds,
+                      "in_flight": len(self._inflight),
+                      "bytes_per_s": c.fetch_bytes / c.fetch_seconds if c.fetch_seconds else 0.0,
+                      "store_read_bytes_per_s": (c.fetch_bytes / c.store_read_seconds
+                                                 if c.store_read_seconds else 0.0)},
             "offload": {"to_host": c.offload_host, "queued": c.offload_queued, "written": c.offload_written,
                         "failed": c.offload_failed, "dropped": c.offload_dropped,
                         "pending": self._writes.unfinished_tasks},

@@ -28,6 +28,8 @@ class StepBatch:
     sample_seqs: list[Sequence] = field(default_factory=list)  # requests that draw a token this step
     sample_rows: list[int] = field(default_factory=list)  # their index into logit_rows' result
     prompt_lp: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # (seq, first, count, start)
+    keep_hidden: bool = False  # forward() keeps every row's final hidden state in ``hidden`` (MTP drafts)
+    hidden: torch.Tensor | None = None
 
 
 def _block_table_tensor(seqs: list[Sequence], device) -> torch.Tensor:
@@ -51,8 +53,13 @@ class ModelRunner:
         #: token's result does not depend on how its prompt was chunked.
         self.batch_invariant = batch_invariant
 
-    def prepare(self, out: SchedulerOutput) -> StepBatch:
+    def prepare(self, out: SchedulerOutput, draft_tokens: dict[str, list[int]] | None = None,
+                keep_hidden: bool = False) -> StepBatch:
+        """``draft_tokens`` (speculative decoding): tokens appended after a decode request's query
+        token, verified in the same forward. Their KV slots must be allocated; the request's logit
+        rows are then its query row and every draft row, consecutive from its sample row."""
         bs, dev = self.block_size, self.device
+        drafts = draft_tokens or {}
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -60,14 +67,16 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         prompt_lp = []
-        for s in out.prefills + out.decodes:
+        for i, s in enumerate(out.prefills + out.decodes):
             seq, n = s.seq, s.num_new_tokens
             c = seq.num_computed_tokens
             row0 = len(ids)
             ids.extend(seq.token_ids[c : c + n])
-            pos.extend(range(c, c + n))
+            extra = drafts.get(seq.request_id, ()) if drafts and i >= len(out.prefills) else ()
+            ids.extend(extra)
+            pos.extend(range(c, c + n + len(extra)))
             bt = seq.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n + len(extra)))
             done_lp = len(seq.prompt_logprobs) - 1  # prompt positions already scored (kept on recompute)
             if seq.params.prompt_logprobs is not None and max(c, done_lp) < seq.num_prompt_tokens - 1:
                 first = max(c, done_lp)
@@ -78,7 +87,7 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 sample_seqs.append(seq)
                 sample_rows.append(len(logit_rows))
-                logit_rows.append(row0 + n - 1)
+                logit_rows.extend(range(row0 + n - 1, row0 + n + len(extra)))
 
         prefill = decode = None
         prefills, decodes = out.prefills, out.decodes
@@ -96,10 +105,10 @@ class ModelRunner:
             )
         if decodes:
             seqs = [s.seq for s in decodes]
-            q_lens = [s.num_new_tokens for s in decodes]
+            q_lens = [s.num_new_tokens + len(drafts.get(s.seq.request_id, ())) for s in decodes]
             decode = DecodeMeta(
                 cu_q_lens=_cumsum(q_lens, dev),
-                seq_lens=torch.tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in decodes],
+                seq_lens=torch.tensor([s.seq.num_computed_tokens + q for s, q in zip(decodes, q_lens)],
                                       dtype=torch.long, device=dev),
                 block_tables=_block_table_tensor(seqs, dev), max_q_len=max(q_lens),
             )
@@ -108,12 +117,14 @@ class ModelRunner:
                                  prefill, decode)
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
                          torch.tensor(pos, dtype=torch.long, device=dev), meta, out.prefills + out.decodes,
-                         logit_rows, sample_seqs, sample_rows, prompt_lp)
+                         logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits [len(batch.logit_rows), vocab] float32."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        if batch.keep_hidden:
+            batch.hidden = hidden
         if not batch.logit_rows:
             return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
         rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)

@@ -138,9 +138,13 @@ def _rope_rows_to_interleaved(w: torch.Tensor, heads: int, head_dim: int, rope_d
 
 
 def iter_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, dtype: torch.dtype,
-                    expert_range: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every expected tensor: shape-checked, dequantised, cast to dtype."""
+                    expert_range: tuple[int, int] | None = None,
+                    prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every expected tensor: shape-checked, dequantised, cast to dtype.
+    ``prefix``: only the tensors whose name starts with it (e.g. one extra layer such as MTP's)."""
     expected = expected_tensors(cfg)
+    if prefix is not None:
+        expected = {n: shape for n, shape in expected.items() if n.startswith(prefix)}
     available = reader.names()
     missing = [n for n in expected if n not in available]
     if missing:

@@ -53,6 +53,7 @@ from deepinfer_core.selection import select_platform
 logger = logging.getLogger("deepinfer.parallel")
 STARTUP_TIMEOUT_MIN_S = 300.0  # model loading may take longer than a step
 PROBE_TIMEOUT_S = 2.0  # a live rank's probe thread answers well within this
+TAKEOVER_HOOKS = ("execute_step", "execute_decode")  # hooks that run a step's forwards themselves
 
 
 class WorkerFailure(RuntimeError):
@@ -227,6 +228,12 @@ class ParallelEngine:
         check_parallel_config(cfg, mc, self.platform, local_world, tr["world_size"] if tr else None)
         pm = make_plugin_manager()
         load_features(cfg, pm)  # unknown features and bad sections fail here, before any process starts
+        hooks = [h for h in (getattr(pm.hook, n, None) for n in TAKEOVER_HOOKS) if h is not None]
+        takeover = sorted({pm.get_name(impl.plugin) for h in hooks for impl in h.get_hookimpls()})
+        if takeover:
+            raise ConfigError(f"feature(s) {takeover} run the model step themselves (speculative decoding); "
+                              "with dp/ep > 1 every rank must run exactly one forward per step, which they "
+                              "do not guarantee yet")
         self.claimed_options = {o for opts in pm.hook.request_options() for o in (opts or [])}
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
@@ -600,8 +607,9 @@ class ParallelEngine:
 
     def metrics(self) -> dict:
         """Summed counters over ranks, rank 0's view of global ones (moe_lb), and ``ranks``."""
-        if self._failure is not None:
-            return {"failed": str(self._failure), "steps": self.steps}
+        if self._failure is not None or self._closed:
+            return {"failed": str(self._failure) if self._failure else None, "closed": self._closed,
+                    "steps": self.steps}
         per_rank = self._roundtrip([("metrics",)] * self.world_size, float(self.cfg.worker_timeout_s))
         out = dict(per_rank[0])
         for key in ("prefill_tokens", "decode_tokens", "preemptions", "kv_blocks_free", "kv_blocks_total",

@@ -20,6 +20,7 @@ its bootstrap (rank, the fd of its pipe to the driver) from stdin.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -145,10 +146,14 @@ class RankWorker:
         cfg: EngineConfig = p["cfg"]
         platform = select_platform(cfg.accelerator)
         platform.set_device(self.local_rank)
-        if platform.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # ranks share the host's cores; oversubscribed OpenMP threads spin and crawl
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores // self.local_world_size))
+        if platform.device_type == "cpu":
+            if "OMP_NUM_THREADS" not in os.environ:
+                # ranks share the host's cores; oversubscribed OpenMP threads spin and crawl
+                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                torch.set_num_threads(max(1, cores // self.local_world_size))
+            if not isinstance(cfg.kv_cache_memory, int):  # a share of host memory: split among the ranks
+                share = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else platform.kv_cache_memory_fraction
+                cfg = dataclasses.replace(cfg, kv_cache_memory=share / self.local_world_size)
         if not dist.is_initialized():
             dist.init_process_group(platform.dist_backend, init_method=p["init_method"], rank=self.rank,
                                     world_size=self.world_size,

@@ -161,6 +161,22 @@ def contiguous_placement(num_experts: int, num_gpus: int, num_layers: int = 1) -
     return placement_from_phys_to_log(p2l, num_experts, "contiguous")
 
 
+def initial_placement(num_experts: int, num_gpus: int, redundant_per_gpu: int, num_layers: int = 1) -> Placement:
+    """A start-up placement before any load is known: the contiguous one, plus on every GPU
+    ``redundant_per_gpu`` replicas of the next GPU's first experts (cheap to set up: only those cross
+    GPUs; with no load information any replica choice is as good as another)."""
+    if num_experts % num_gpus:
+        raise ValueError(f"{num_experts} experts do not divide among {num_gpus} GPUs")
+    per = num_experts // num_gpus
+    rows = []
+    for g in range(num_gpus):
+        nxt = (g + 1) % num_gpus
+        rows.append(list(range(g * per, (g + 1) * per))
+                    + [nxt * per + j % per for j in range(redundant_per_gpu)])
+    p2l = np.tile(np.asarray(rows, dtype=np.int64).reshape(-1), (num_layers, 1))
+    return placement_from_phys_to_log(p2l, num_experts, "initial")
+
+
 def stabilize_placement(old_phys_to_log, new_phys_to_log, num_gpus: int) -> np.ndarray:
     """Reorder the slots inside every GPU of a new placement so that an expert the GPU already held
     stays in its old slot: the multiset per GPU is unchanged, only fewer weights move."""

@@ -11,6 +11,9 @@ its ``[eplb]`` section:
                                             placement is computed once from it
     record_trace                str, ""     on shutdown, rank 0 writes the loads seen so far there
     num_nodes                   int, 0      nodes for the hierarchical policy (0: from the launch)
+    policy                      str, "auto" "auto": hierarchical when the expert groups divide evenly
+                                            among several nodes, else global; or "global" /
+                                            "hierarchical" (the latter must apply)
 
 Every rank runs one instance. Its ``route_hook`` counts each MoE layer's tokens per logical
 expert and maps every routed (token, expert) pair to one of the expert's replicas: replica
@@ -38,17 +41,20 @@ from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.parallel.expert_parallel import migrate_layer, moe_lb_from_pairs
 from plugins.eplb.algorithm import (
+    Placement,
+    initial_placement,
     load_trace,
     maps_from_phys_to_log,
     pick_replicas,
     rebalance_experts,
     save_trace,
     stabilize_placement,
+    use_hierarchical,
 )
 
 logger = logging.getLogger("deepinfer.eplb")
 DEFAULTS = {"window_steps": 1000, "rebalance_every": 10000, "redundant_experts_per_rank": 1,
-            "trace_file": "", "record_trace": "", "num_nodes": 0}
+            "trace_file": "", "record_trace": "", "num_nodes": 0, "policy": "auto"}
 NUM_BUCKETS = 10  # the window slides in steps of window_steps / NUM_BUCKETS
 
 
@@ -62,6 +68,8 @@ class EPLB(Feature):
                          ("num_nodes", 0)):
             if o[key] < low:
                 raise ConfigError(f"[eplb] {key} must be >= {low}, got {o[key]}")
+        if o["policy"] not in ("auto", "global", "hierarchical"):
+            raise ConfigError(f"[eplb] policy must be 'auto', 'global' or 'hierarchical', got {o['policy']!r}")
         self.opts = o
         self.engine = None
         self.steps = 0
@@ -88,6 +96,12 @@ class EPLB(Feature):
         grouped = mc.topk_method in ("group_limited_greedy", "noaux_tc")
         self.num_groups = mc.n_group if grouped and mc.n_group else 1
         self.num_nodes = self.opts["num_nodes"] or getattr(engine, "num_nodes", 1)
+        if self.opts["policy"] == "global":
+            self.num_nodes = 1
+        elif self.opts["policy"] == "hierarchical" and not use_hierarchical(E, self.num_groups, self.num_nodes,
+                                                                            self.world_size):
+            raise ConfigError(f"[eplb] policy 'hierarchical' needs the {self.num_groups} expert groups to divide "
+                              f"evenly among {self.num_nodes} nodes (and the ranks too); use 'auto' or 'global'")
         self.bucket_size = max(1, self.opts["window_steps"] // NUM_BUCKETS)
         self.buckets: deque = deque(maxlen=-(-self.opts["window_steps"] // self.bucket_size))
         self.bucket = torch.zeros(len(self.layers), E, dtype=torch.long, device=engine.device)
@@ -104,9 +118,11 @@ class EPLB(Feature):
             if layers != self.layers or loads.shape[1] != E:
                 raise ConfigError(f"[eplb] trace_file {self.opts['trace_file']!r} has loads for MoE layers "
                                   f"{layers} x {loads.shape[1]} experts; this model has {self.layers} x {E}")
-        else:
-            loads = np.ones((len(self.layers), E))
-        self._place(loads)
+            self._place(placement=rebalance_experts(loads, self.num_slots, self.num_groups, self.num_nodes,
+                                                    self.world_size))
+        else:  # no load known yet: the contiguous placement plus a neighbour's experts as replicas
+            self._place(placement=initial_placement(E, self.world_size, self.opts["redundant_experts_per_rank"],
+                                                    len(self.layers)))
         self._mark()
         for layer in self.layers:
             ep.moes[layer].route_hook = self._route
@@ -147,8 +163,10 @@ class EPLB(Feature):
         logger.info("EPLB rebalance %d at step %d: moe_lb before %.3f, %d experts moved", self.rebalances,
                     self.steps, self.moe_lb_before, moved)
 
-    def _place(self, loads: np.ndarray) -> int:
-        placement = rebalance_experts(loads, self.num_slots, self.num_groups, self.num_nodes, self.world_size)
+    def _place(self, loads: np.ndarray | None = None, placement: Placement | None = None) -> int:
+        if placement is None:
+            placement = rebalance_experts(loads, self.num_slots, self.num_groups, self.num_nodes,
+                                          self.world_size)
         self.policy = placement.policy
         moved = 0
         for i, layer in enumerate(self.layers):

@@ -50,6 +50,7 @@ try:  # a much faster checksum where the optional ``xxhash`` package is installe
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
+xxh3_64 = _xxhash.xxh3_64_intdigest if _xxhash is not None else None
 
 
 class RecordError(ValueError):

@@ -125,7 +125,7 @@ class ThreeFSStore(KVStore):
 
     def __init__(self, path: str | None = None, layout: KVLayout | None = None, capacity_bytes="64GiB",
                  high_watermark: float = 0.9, low_watermark: float = 0.7, ttl: dict | None = None,
-                 default_class: str = "chatbot", usrbio: str = "auto", io_threads: int = 4,
+                 default_class: str = "chatbot", usrbio: str = "auto", io_threads: int | str = "auto",
                  gc_interval="60s", checksum: str = "auto", fsync: bool = False, pin_memory: bool = False,
                  touch_interval="60s", negative_cache="2s", usrbio_buffer="64MiB", **unknown) -> None:
         if unknown:
@@ -154,8 +154,10 @@ class ThreeFSStore(KVStore):
             raise ConfigError(f"[kv_store] default_class {default_class!r} has no ttl; "
                               f"classes: {sorted(self.ttl)}")
         self.default_class = default_class
+        if io_threads == "auto":  # reading from page cache is memory-bound: threads pay off with spare cores
+            io_threads = min(8, max(1, (os.cpu_count() or 1) // 4))
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise ConfigError(f"[kv_store] io_threads must be an int >= 1, got {io_threads!r}")
+            raise ConfigError(f"[kv_store] io_threads must be 'auto' or an int >= 1, got {io_threads!r}")
         self.io_threads = io_threads
         self.gc_interval = parse_duration(gc_interval, "gc_interval")
         self.touch_interval = parse_duration(touch_interval, "touch_interval")
@@ -211,10 +213,10 @@ class ThreeFSStore(KVStore):
 
         self._fixed = None
         if layout is not None:  # header bytes every record of this store shares (the fast read path)
-            tmpl = record.pack_header(0, torch.empty(layout.block_shape, dtype=layout.dtype, device="meta"), 0,
-                                      record.CRC32, self.fingerprint, 0.0, 0.0, "")
-            self._fixed = (tmpl[0:12], tmpl[24:80], HEADER_SIZE + math.prod(layout.block_shape)
-                           * layout.dtype.itemsize)
+            meta = torch.empty(layout.block_shape, dtype=layout.dtype, device="meta")
+            tmpl = record.pack_header(0, meta, 0, record.CRC32, self.fingerprint, 0.0, 0.0, "")
+            self._fixed = (tmpl[0:12], tmpl[24:80],
+                           HEADER_SIZE + math.prod(layout.block_shape) * layout.dtype.itemsize)
         self.usrbio = False
         self._reader = None
         self._setup_usrbio(usrbio, parse_size(usrbio_buffer, "usrbio_buffer"))
@@ -365,7 +367,8 @@ class ThreeFSStore(KVStore):
         n = len(keys)
         lay = self.layout
         usable = (out is not None and lay is not None and out.dim() == 4 and out.shape[0] >= n
-                  and tuple(out.shape[1:]) == lay.block_shape and out.dtype == lay.dtype and out.is_contiguous())
+                  and tuple(out.shape[1:]) == lay.block_shape and out.dtype == lay.dtype
+                  and out.is_contiguous())
         if out is not None and not usable:
             out = None
         tensors = [None] * n if out is None else [out[i] for i in range(n)]
@@ -407,15 +410,22 @@ class ThreeFSStore(KVStore):
         fixed_a, fixed_b, fsize = self._fixed
         head = bytearray(HEADER_SIZE)
         hmv, emv = memoryview(head), memoryview(bytearray(1))
-        root = self.root
+        root, crc32, from_bytes, unpack_tail = self.root, zlib.crc32, int.from_bytes, _TAIL.unpack_from
+        xxh3 = record.xxh3_64
         hits = []
         t0 = time.perf_counter()
+        now = time.time()
+        with self._lock:
+            expired = [i for i in idxs if (e := self._index.get(keys[i])) is not None and e.expired(now)]
+        for i in expired:
+            self._take_expired(keys[i], self._path(keys[i]))
+        skip = set(expired)
         for i in idxs:
+            if i in skip:
+                continue
             key = keys[i]
             name = f"{key:016x}"
             path = f"{root}/{name[:2]}/{name}{SUFFIX}"
-            if self._take_expired(key, path):
-                continue
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -431,15 +441,18 @@ class ThreeFSStore(KVStore):
             finally:
                 os.close(fd)
             ok = (n == fsize and head[0:12] == fixed_a and head[24:80] == fixed_b
-                  and head[16:24] == key.to_bytes(8, "little")
-                  and zlib.crc32(hmv[:124]) == int.from_bytes(head[124:128], "little"))
+                  and from_bytes(head[16:24], "little") == key
+                  and crc32(hmv[:124]) == from_bytes(head[124:128], "little"))
             if ok:
-                algo = int.from_bytes(head[12:16], "little")
-                created, ttl, _, digest = _TAIL.unpack_from(head, 80)
-                try:
-                    ok = record.checksum(algo, views[i]) == digest
-                except RecordError:
-                    ok = False
+                algo = head[12]
+                created, ttl, _, digest = unpack_tail(head, 80)
+                if algo == record.XXH3 and xxh3 is not None:
+                    ok = xxh3(views[i]) == digest
+                else:
+                    try:
+                        ok = record.checksum(algo, views[i]) == digest
+                    except RecordError:
+                        ok = False
             if ok:
                 hits.append((key, created, ttl, path))
                 result[i] = tensors[i]

@@ -1,0 +1,39 @@
+"""Compile every TileLang kernel that the GPU tests and ``kernel_bench.py`` use, without a GPU, into a
+TileLang cache folder, and pack it (a GPU machine then starts with no compile time: it sets
+``TILELANG_CACHE_DIR`` to the unpacked folder).
+
+    python examples/kernel_warm.py [--cache .gpu/tlcache] [--pack .gpu/tlcache.tar.xz]
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache", default=str(ROOT / ".gpu" / "tlcache"))
+    ap.add_argument("--pack", default=str(ROOT / ".gpu" / "tlcache.tar.xz"))
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true")
+    args = ap.parse_args()
+    env = dict(os.environ, DEEPINFER_TL_DRYRUN="1", TILELANG_CACHE_DIR=args.cache, CUDA_VISIBLE_DEVICES="")
+    if not args.skip_tests:
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(ROOT / "tests" / "test_kernels_cuda_gpu.py")], env=env, cwd=ROOT, check=True)
+    if not args.skip_bench:
+        subprocess.run([sys.executable, str(ROOT / "examples" / "kernel_bench.py"), "--dry"], env=env, cwd=ROOT,
+                       check=True)
+    if args.pack:
+        with tarfile.open(args.pack, "w:xz") as tar:
+            tar.add(args.cache, arcname="tlcache")
+        print(f"packed {args.cache} -> {args.pack} ({Path(args.pack).stat().st_size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+#!/usr/bin/env python
+"""Train the DSpark draft shipped for the embedded model (``deepinfer_core/assets/default_draft``).
+
+A dev tool, like ``train_tiny.py`` (it uses ``transformers`` for training). Four phases, all on CPU
+within ``--minutes`` (default 18):
+
+1. **Target outputs.** The embedded target generates continuations of Python-source prompts
+   (snippets of the standard library's training files, the split of ``train_tiny.py``), half greedy
+   and half sampled at temperature 1, through DeepInfer itself, keeping the target's top-k
+   distribution at every prompt and output position (``prompt_logprobs`` / ``logprobs``).
+2. **Distillation.** A 1-layer DeepSeek-V3-architecture draft (hidden 256, the target's dense layer
+   shape, vocabulary and tokenizer shared), initialised from the target's embedding, first layer,
+   final norm and LM head, is trained on those sequences to match the target's distributions
+   (cross-entropy against the renormalised top-k probabilities).
+3. **Outcomes.** DeepInfer runs with ``features=["dspark"]`` and the new draft at fixed k=5 over
+   other training prompts (greedy and sampled) and logs, for every verified draft position, the
+   confidence head's features and whether the target accepted the draft token.
+4. **Confidence head.** A logistic regression on those outcomes (``plugins.dspark.confidence``),
+   checked for calibration on prompts from the held-out files.
+
+Output (safetensors only, no pickle): ``config.json``, ``model.safetensors`` (bf16),
+``confidence_head.safetensors``, the target's tokenizer files and ``training_report.json``.
+
+    python examples/train_dspark_draft.py --out deepinfer_core/assets/default_draft --minutes 18
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_tiny import load_corpus, to_deepseek_state_dict, write_config  # noqa: E402
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.models.loader import EMBEDDED_MODEL  # noqa: E402
+from plugins.dspark.confidence import EXTRA_FEATURES, FILENAME, ConfidenceHead  # noqa: E402
+
+TOPK = 16
+MAX_DIR_BYTES = 10 * 1024 * 1024
+
+
+def log(msg: str, t0: float) -> None:
+    print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True)
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+def snippet_prompts(files: list[tuple[str, str]], n: int, tokenizer, rng: random.Random,
+                    lengths: tuple[int, int]) -> list[list[int]]:
+    """``n`` prompts: a random line of a random file onwards, cut to a random token length."""
+    out = []
+    while len(out) < n:
+        _, text = files[rng.randrange(len(files))]
+        lines = text.splitlines(keepends=True)
+        if len(lines) < 8:
+            continue
+        start = rng.randrange(max(1, len(lines) - 8))
+        ids = tokenizer.encode("".join(lines[start : start + 60]))
+        want = rng.randint(*lengths)
+        if len(ids) < want:
+            continue
+        out.append(ids[:want])
+    return out
+
+
+def params_for(i: int, gen_tokens: int, **kw) -> SamplingParams:
+    """Even requests greedy, odd ones sampled at temperature 1; seeded."""
+    return SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=gen_tokens, seq_seed=1000 + i, **kw)
+
+
+# ---- phase 1: target outputs with soft labels ----------------------------------------------------
+def soft_labels(entry: dict | None) -> tuple[list[int], list[float]]:
+    if not entry:
+        return [], []
+    items = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))[: TOPK + 1]
+    return [t for t, _ in items], [math.exp(lp.logprob) for _, lp in items]
+
+
+def collect_targets(llm: LLM, prompts: list[list[int]], gen_tokens: int, chunk: int, t0: float,
+                    deadline: float) -> list[tuple[list[int], list[list[int]], list[list[float]]]]:
+    data = []
+    for c in range(0, len(prompts), chunk):
+        if time.time() > deadline:
+            log(f"generation budget reached after {len(data)} sequences", t0)
+            break
+        part = prompts[c : c + chunk]
+        params = [params_for(c + i, gen_tokens, logprobs=TOPK, prompt_logprobs=TOPK) for i in range(len(part))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in part], params, use_tqdm=False)
+        for o in outs:
+            ids = o.prompt_token_ids + o.outputs[0].token_ids
+            entries = list(o.prompt_logprobs or [None]) + list(o.outputs[0].logprobs or [])
+            # entries[i] is the target's distribution over token i given tokens < i
+            idx, prob = [], []
+            for i in range(1, len(ids)):
+                t, p = soft_labels(entries[i] if i < len(entries) else None)
+                idx.append(t)
+                prob.append(p)
+            data.append((ids, idx, prob))
+        log(f"target outputs: {len(data)}/{len(prompts)} sequences", t0)
+    return data
+
+
+def to_tensors(data, max_len: int):
+    N = len(data)
+    ids = torch.zeros(N, max_len, dtype=torch.long)
+    tidx = torch.zeros(N, max_len, TOPK + 1, dtype=torch.long)
+    tp = torch.zeros(N, max_len, TOPK + 1)
+    mask = torch.zeros(N, max_len)
+    for n, (seq, idx, prob) in enumerate(data):
+        L = min(len(seq), max_len)
+        ids[n, :L] = torch.tensor(seq[:L])
+        for i in range(L - 1):
+            k = len(idx[i])
+            if k == 0:
+                continue
+            p = torch.tensor(prob[i])
+            tidx[n, i, :k] = torch.tensor(idx[i])
+            tp[n, i, :k] = p / p.sum()
+            mask[n, i] = 1.0
+    return ids, tidx, tp, mask
+
+
+# ---- phase 2: distillation ------------------------------------------------------------------------
+def build_student(target_dir: Path):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config.from_pretrained(target_dir)
+    cfg.num_hidden_layers = 1
+    cfg.num_nextn_predict_layers = 0
+    if getattr(cfg, "mlp_layer_types", None) is not None:
+        cfg.mlp_layer_types = cfg.mlp_layer_types[:1]
+    student = DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
+    target = load_file(str(target_dir / "model.safetensors"))
+    sd = student.state_dict()
+    init = {k: target[k].float() for k in sd if k in target and target[k].shape == sd[k].shape}
+    missing = sorted(set(sd) - set(init) - {k for k in sd if "rotary_emb" in k})
+    if missing:
+        raise RuntimeError(f"student tensors without a target counterpart: {missing}")
+    student.load_state_dict(init, strict=False)
+    return cfg, student
+
+
+def distill(student, ids, tidx, tp, mask, args, t0: float, deadline: float) -> dict:
+    decay = [p for n, p in student.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
+    other = [p for n, p in student.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(args.seed)
+    N = ids.shape[0]
+    start = time.time()
+    budget = max(deadline - start, 1.0)
+    step, recent = 0, []
+    student.train()
+    order = torch.randperm(N, generator=g)
+    cur = 0
+    while time.time() < deadline and step < args.max_steps:
+        if cur + args.batch_size > N:
+            order, cur = torch.randperm(N, generator=g), 0
+        b = order[cur : cur + args.batch_size]
+        cur += args.batch_size
+        progress = (time.time() - start) / budget
+        lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, m = ids[b], mask[b]
+        L = int(m.sum(0).nonzero().max()) + 2 if m.sum() > 0 else 2
+        x, m, ti, p = x[:, :L], m[:, :L], tidx[b, :L], tp[b, :L]
+        logp = torch.log_softmax(student(input_ids=x).logits.float(), dim=-1)
+        loss = -((logp.gather(-1, ti) * p).sum(-1) * m).sum() / m.sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        step += 1
+        recent = (recent + [loss.item()])[-20:]
+        if step % 20 == 0 or step == 1:
+            log(f"distill step {step} loss {sum(recent) / len(recent):.4f} lr {lr:.2e}", t0)
+    student.eval()
+    return {"steps": step, "final_loss": round(sum(recent) / max(len(recent), 1), 4)}
+
+
+@torch.no_grad()
+def agreement(student, ids, tidx, mask) -> float:
+    """Share of positions where the student's argmax is the target's top token."""
+    hit = tot = 0.0
+    for i in range(0, ids.shape[0], 16):
+        x, m = ids[i : i + 16], mask[i : i + 16]
+        pred = student(input_ids=x).logits.argmax(-1)
+        hit += ((pred == tidx[i : i + 16, :, 0]).float() * m).sum().item()
+        tot += m.sum().item()
+    return hit / max(tot, 1)
+
+
+def save_draft(cfg, student, target_dir: Path, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    state = to_deepseek_state_dict(student)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_config(cfg, out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_dir / name, out / name)
+
+
+# ---- phases 3 and 4: outcomes and the confidence head ----------------------------------------------
+def log_outcomes(draft_dir: Path, prompts: list[list[int]], gen_tokens: int, max_num_seqs: int) -> list:
+    llm = LLM(features=["dspark"], dspark={"draft": str(draft_dir), "k": 5, "budget_policy": "fixed"},
+              max_num_seqs=max_num_seqs)
+    feature = next(f for f in llm.engine.features if f.name == "dspark")
+    feature.outcome_log = []
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 [params_for(i, gen_tokens) for i in range(len(prompts))], use_tqdm=False)
+    records = feature.outcome_log
+    llm.engine.blocks.check_no_leaks()
+    return records
+
+
+def outcome_matrix(records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [N, C], extra features [N, 3], accepted [N]) from the feature's outcome log."""
+    hs, ex, ys = [], [], []
+    for h, lq, ent, greedy, _, acc in records:
+        n = len(acc)
+        hs.append(h[:n].float().clone())
+        ex.append(torch.stack((lq[:n].float().clone(), ent[:n].float().clone(), torch.full((n,), float(greedy))),
+                              dim=-1))
+        ys.append(torch.tensor(acc))
+    return torch.cat(hs), torch.cat(ex), torch.cat(ys)
+
+
+def fit_head(h: torch.Tensor, extra: torch.Tensor, y: torch.Tensor, l2: float) -> ConfidenceHead:
+    X = torch.cat((h, extra), dim=-1).double()
+    mu, sd = X.mean(0), X.std(0).clamp(min=1e-6)
+    Z = (X - mu) / sd
+    w = torch.zeros(X.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=300, line_search_fn="strong_wolfe")
+    yd = y.double()
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(Z @ w + b, yd) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    w_raw = (w.detach() / sd)
+    b_raw = float(b.detach() - (w.detach() * mu / sd).sum())
+    C = h.shape[1]
+    return ConfidenceHead(w_raw[:C].float(), w_raw[C:].float(), b_raw)
+
+
+def calibration(head: ConfidenceHead, h, extra, y, bins: int = 10) -> dict:
+    pred = head(h, extra[:, 0], extra[:, 1], extra[:, 2] > 0.5)
+    order = pred.argsort()
+    rows = []
+    for chunk in order.chunk(bins):
+        rows.append((float(pred[chunk].mean()), float(y[chunk].float().mean()), len(chunk)))
+    worst = max(abs(p - o) for p, o, _ in rows)
+    ece = sum(abs(p - o) * n for p, o, n in rows) / max(len(y), 1)
+    brier = float(((pred - y.float()) ** 2).mean())
+    return {"deciles": [{"predicted": round(p, 4), "observed": round(o, 4), "n": n} for p, o, n in rows],
+            "max_decile_gap": round(worst, 4), "ece": round(ece, 4), "brier": round(brier, 4),
+            "positions": len(y), "observed_accept_rate": round(float(y.float().mean()), 4)}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("deepinfer_core/assets/default_draft"))
+    p.add_argument("--minutes", type=float, default=18.0, help="wall-clock budget of the whole run")
+    p.add_argument("--num-prompts", type=int, default=512, help="prompts for the distillation data")
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--outcome-prompts", type=int, default=192, help="prompts for the confidence head")
+    p.add_argument("--heldout-prompts", type=int, default=96, help="held-out prompts for calibration")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-steps", type=int, default=100000)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="torch threads while training")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    target_dir = EMBEDDED_MODEL
+    corpus = load_corpus()
+    log(f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out files", t0)
+
+    torch.set_num_threads(1)  # the engine's small ops: one thread is fastest on a shared machine
+    llm = LLM(max_num_seqs=args.max_num_seqs)
+    tok = llm.tokenizer
+    prompts = snippet_prompts(corpus.train, args.num_prompts, tok, rng, (48, 128))
+    outcome_prompts = snippet_prompts(corpus.train, args.outcome_prompts, tok, rng, (48, 128))
+    heldout_prompts = snippet_prompts(corpus.heldout, args.heldout_prompts, tok, rng, (48, 128))
+    gen_deadline = t0 + args.minutes * 60 * 0.3
+    data = collect_targets(llm, prompts, args.gen_tokens, args.max_num_seqs, t0, gen_deadline)
+    target_fingerprint = llm.engine.fingerprint
+    llm.shutdown()
+    del llm
+    ids, tidx, tp, mask = to_tensors(data, max_len=128 + args.gen_tokens + 1)
+    n_eval = max(len(data) // 10, 8)
+    log(f"distillation data: {len(data)} sequences, {int(mask.sum())} labelled positions", t0)
+
+    torch.set_num_threads(args.threads)
+    cfg, student = build_student(target_dir)
+    n_params = sum(p.numel() for p in student.parameters())
+    agree0 = agreement(student, ids[:n_eval], tidx[:n_eval], mask[:n_eval])
+    train_deadline = t0 + args.minutes * 60 * 0.72
+    stats = distill(student, ids[n_eval:], tidx[n_eval:], tp[n_eval:], mask[n_eval:], args, t0, train_deadline)
+    agree1 = agreement(student, ids[:n_eval], tidx[:n_eval], mask[:n_eval])
+    log(f"top-1 agreement with the target on {n_eval} unseen sequences: {agree0:.3f} (init) -> {agree1:.3f}", t0)
+
+    tmp = Path(tempfile.mkdtemp(prefix="dspark_draft_"))
+    save_draft(cfg, student, target_dir, tmp)
+    torch.set_num_threads(1)
+    records = log_outcomes(tmp, outcome_prompts, 96, args.max_num_seqs)
+    h, extra, y = outcome_matrix(records)
+    log(f"outcomes: {len(y)} verified draft positions, accept rate {float(y.mean()):.3f}", t0)
+    # L2 strength by log-loss on a validation split of the outcomes, then a refit on all of them
+    g = torch.Generator().manual_seed(args.seed)
+    perm = torch.randperm(len(y), generator=g)
+    val, fit = perm[: len(y) // 5], perm[len(y) // 5 :]
+    scores = {}
+    for l2 in (1e-4, 1e-3, 1e-2, 1e-1):
+        cand = fit_head(h[fit], extra[fit], y[fit], l2)
+        pv = cand(h[val], extra[val, 0], extra[val, 1], extra[val, 2] > 0.5).double().clamp(1e-6, 1 - 1e-6)
+        scores[l2] = float(F.binary_cross_entropy(pv, y[val].double()))
+    l2 = min(scores, key=scores.get)
+    log(f"confidence head L2 {l2} (validation log-loss {scores})", t0)
+    head = fit_head(h, extra, y, l2)
+    head.save(tmp / FILENAME, hidden_size=str(h.shape[1]))
+    train_cal = calibration(head, h, extra, y)
+    ho = log_outcomes(tmp, heldout_prompts, 64, args.max_num_seqs)
+    hh, he, hy = outcome_matrix(ho)
+    held_cal = calibration(head, hh, he, hy)
+    log(f"held-out calibration: max decile gap {held_cal['max_decile_gap']}, ECE {held_cal['ece']}", t0)
+
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tmp.iterdir():
+        shutil.copy(f, out / f.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "training_report.json")
+    report = {
+        "command": shlex.join(["python", *sys.argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "torch_version": torch.__version__,
+        "target": str(target_dir),
+        "target_fingerprint": target_fingerprint,
+        "draft_parameters": n_params,
+        "distillation_sequences": len(data),
+        "distillation_positions": int(mask.sum()),
+        "distillation": stats,
+        "top1_agreement_init": round(agree0, 4),
+        "top1_agreement": round(agree1, 4),
+        "confidence_head_features": ["hidden", *EXTRA_FEATURES],
+        "confidence_head_l2": l2,
+        "confidence_head_validation_logloss": scores,
+        "calibration_train": train_cal,
+        "calibration_heldout": held_cal,
+        "wall_seconds": round(time.time() - t0, 1),
+        "files": {p.name: p.stat().st_size for p in files},
+    }
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    log(f"wrote {out} ({total / 1e6:.2f} MB)", t0)
+    if total > MAX_DIR_BYTES:
+        raise RuntimeError(f"draft dir is {total} bytes > {MAX_DIR_BYTES}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""DSpark: confidence-scheduled speculative decoding (the ``dspark`` feature plugin)."""

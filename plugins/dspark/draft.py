@@ -1,0 +1,184 @@
+"""Draft sources: a small DeepSeek model with its own paged cache, or the checkpoint's MTP layer.
+
+Both keep their KV in cache tensors of their own, indexed by the *target's* block tables and slots,
+so a draft needs no block management: a request's blocks hold the target's KV in the target's
+cache and the draft's KV at the same slots of the draft's cache.
+
+A source runs one forward over a flat batch laid out like the target's (prefill items first, then
+decode items, ``AttentionMetadata``) and returns ``(carry, normed)``: the hidden state a next draft
+step continues from (MTP) and the normalised hidden state its LM head reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from deepinfer_core.config import ConfigError
+from deepinfer_core.models.deepseek import DecoderLayer, MoE
+from deepinfer_core.models.loader import (
+    SafetensorsReader,
+    assign_weights,
+    dequantize_fp8,
+    iter_checkpoint,
+    load_model,
+    load_model_config,
+)
+from deepinfer_core.models.metadata import AttentionMetadata
+
+logger = logging.getLogger("deepinfer.dspark")
+
+
+def _alloc_caches(engine, num_layers: int, entry_dim: int) -> list[torch.Tensor]:
+    num_blocks, bs = engine.kv_caches[0].shape[:2]
+    return [torch.zeros(num_blocks, bs, entry_dim, dtype=engine.dtype, device=engine.device)
+            for _ in range(num_layers)]
+
+
+def tokenizer_id(model_dir: Path) -> str | None:
+    """Short hash of a checkpoint's tokenizer vocabulary (None without tokenizer.json)."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    h = hashlib.sha256("\n".join(f"{t}\t{i}" for t, i in sorted(vocab.items(), key=lambda x: x[1])).encode())
+    return f"{len(vocab)} tokens, sha256 {h.hexdigest()[:12]}"
+
+
+class DraftModel:
+    """A separate small DeepSeek checkpoint (HF format) sharing the target's tokenizer."""
+
+    needs_hidden = False
+    kind = "model"
+
+    def __init__(self, engine, path: Path) -> None:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"[dspark] draft {str(path)!r} is not an HF checkpoint directory (no config.json)")
+        cfg = load_model_config(path)
+        tv, dv = engine.model_config.vocab_size, cfg.vocab_size
+        t_tok, d_tok = tokenizer_id(engine.model_dir), tokenizer_id(path)
+        if tv != dv or (t_tok is not None and d_tok is not None and t_tok != d_tok):
+            raise ConfigError(
+                f"[dspark] draft {str(path)!r} does not share the target's tokenizer: draft vocab_size {dv} "
+                f"(tokenizer {d_tok or 'none shipped'}), target {str(engine.model_dir)!r} vocab_size {tv} "
+                f"(tokenizer {t_tok or 'none shipped'})")
+        self.path, self.cfg = path, cfg
+        self.max_positions = engine.max_model_len + 32
+        self.model = load_model(engine.kernels, path, cfg, engine.dtype, engine.device, self.max_positions)
+        self.caches = _alloc_caches(engine, cfg.num_hidden_layers, cfg.kv_entry_dim)
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        h = hashlib.sha256((path / "config.json").read_bytes())
+        for shard in sorted(path.glob("*.safetensors")):
+            h.update(str(shard.stat().st_size).encode())
+        self.fingerprint = h.hexdigest()[:12]
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                prev_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = self.model(ids, positions, meta, self.caches)
+        return normed, normed
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(normed)
+
+
+def has_mtp(model_dir: Path, num_hidden_layers: int) -> bool:
+    try:
+        names = SafetensorsReader(Path(model_dir)).names()
+    except Exception:  # noqa: BLE001 - no readable checkpoint: no MTP layer
+        return False
+    p = f"model.layers.{num_hidden_layers}."
+    return all(p + n in names for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"))
+
+
+class _LayerHolder(nn.Module):
+    """Gives one extra decoder layer the parameter names ``layers.{N}.*`` the loader maps to."""
+
+    def __init__(self, layer: DecoderLayer, index: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Identity() for _ in range(index)] + [layer])
+
+    def post_load(self) -> None:
+        self.layers[-1].self_attn.post_load()
+
+
+class MTPDraft:
+    """DeepSeek-V3 multi-token prediction: ``model.layers.{num_hidden_layers}`` of the checkpoint.
+
+        x = eh_proj([enorm(embed(token_{p+1})) ; hnorm(h_p)]);  h' = decoder_layer(x)
+        logits = lm_head(shared_head.norm(h'))
+
+    ``h_p`` is the target's final hidden state at position p (for later draft steps, the MTP's own
+    ``h'``); the embedding and LM head are the target's. Applied recursively for k > 1."""
+
+    needs_hidden = True
+    kind = "mtp"
+
+    def __init__(self, engine) -> None:
+        cfg = engine.model_config
+        N = cfg.num_hidden_layers
+        if not has_mtp(engine.model_dir, N):
+            raise ConfigError(f"[dspark] draft 'mtp': checkpoint {str(engine.model_dir)!r} has no MTP layer "
+                              f"(model.layers.{N}.{{enorm,hnorm,eh_proj,shared_head.norm}}); give a draft "
+                              "model path instead")
+        self.target = engine.model
+        k, dtype, dev = engine.kernels, engine.dtype, engine.device
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(dev):
+                layer = DecoderLayer(k, cfg, N)
+        finally:
+            torch.set_default_dtype(previous)
+        for m in layer.modules():
+            if isinstance(m, MoE):
+                m.gate.data = m.gate.data.float()
+                if m.e_score_correction_bias is not None:
+                    m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+        reader = SafetensorsReader(engine.model_dir)
+        prefix = f"model.layers.{N}."
+        assign_weights(_LayerHolder(layer, N), iter_checkpoint(reader, replace(cfg, num_hidden_layers=N + 1),
+                                                               dtype, prefix=prefix))
+        self.layer = layer
+        self.k, self.eps = k, cfg.rms_norm_eps
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            t = reader.get(prefix + name)
+            if t.dtype == torch.float8_e4m3fn:
+                t = dequantize_fp8(t, reader.get(prefix + name + "_scale_inv"))
+            if tuple(t.shape) != shape:
+                raise ConfigError(f"[dspark] MTP tensor {prefix + name!r} has shape {tuple(t.shape)}, expected "
+                                  f"{shape}")
+            return t.to(dtype=dtype, device=dev)
+
+        C = cfg.hidden_size
+        self.enorm = get("enorm.weight", (C,))
+        self.hnorm = get("hnorm.weight", (C,))
+        self.eh_proj = get("eh_proj.weight", (C, 2 * C))
+        self.head_norm = get("shared_head.norm.weight", (C,))
+        self.caches = _alloc_caches(engine, 1, cfg.kv_entry_dim)
+        self.hidden_size = C
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = engine.max_model_len
+        self.fingerprint = f"mtp-{engine.fingerprint}"
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                prev_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        k, t = self.k, self.target
+        e = k.rms_norm(t.embed_tokens[ids], self.enorm, self.eps)
+        h = k.rms_norm(prev_hidden, self.hnorm, self.eps)
+        x = k.linear(torch.cat((e, h), dim=-1), self.eh_proj)
+        x, residual = self.layer(x, None, positions, t.cos_sin, meta, self.caches[0])
+        carry = x + residual
+        return carry, k.rms_norm(carry, self.head_norm, self.eps)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.target.logits(normed)

@@ -1,0 +1,363 @@
+"""The ``dspark`` feature: speculative decoding with a draft model or an MTP layer.
+
+Greedy outputs must equal plain decoding (fixed and variable length, under preemption, with a draft
+model and with an MTP layer); the rejection sampler must reproduce the target's distribution; KV
+blocks of rejected drafts are given back; the shipped draft's confidence head is calibrated; bad
+configurations are config errors naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sysconfig
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import VOCAB, kv_bytes_per_block, write_checkpoint
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.config import ConfigError
+from plugins.dspark import feature as dspark_feature
+from plugins.dspark.policy import StepCost, choose_lengths, fixed_lengths
+from plugins.dspark.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
+
+BS = 4
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory, monkeypatch):
+    """Step-time curves of these tiny models go to a temporary cache."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "dspark_cache"))
+
+
+def _copy_files(src: Path, dst: Path, skip=("model.safetensors",)) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in skip:
+            shutil.copy(f, dst / f.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_v3_path, tmp_path_factory) -> str:
+    """A 1-layer draft: the target's embedding, first layer, final norm and LM head."""
+    src, out = Path(tiny_v3_path), tmp_path_factory.mktemp("tiny_draft")
+    _copy_files(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(src / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if k.startswith("model.layers.0.") or not k.startswith("model.layers.")},
+              str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp(tiny_v3_path, tmp_path_factory) -> str:
+    """The tiny target plus an MTP layer ``model.layers.{N}`` (a copy of its last layer, random eh_proj)."""
+    src, out = Path(tiny_v3_path), tmp_path_factory.mktemp("tiny_mtp")
+    _copy_files(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    N = cfg["num_hidden_layers"]
+    cfg["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(src / "model.safetensors"))
+    C = cfg["hidden_size"]
+    g = torch.Generator().manual_seed(7)
+    last = f"model.layers.{N - 1}."
+    for k, v in list(t.items()):
+        if k.startswith(last):
+            t[f"model.layers.{N}." + k[len(last):]] = v.clone()
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        t[f"model.layers.{N}.{name}.weight"] = torch.ones(C)
+    t[f"model.layers.{N}.eh_proj.weight"] = torch.randn(C, 2 * C, generator=g) * 0.3
+    save_file(t, str(out / "model.safetensors"))
+    return str(out)
+
+
+def make(path, features=True, **kw) -> LLM:
+    opts = dict(dtype="float32", block_size=BS, max_num_seqs=16, kv_cache_memory=2 << 20)
+    opts.update(kw)
+    if features:
+        opts.setdefault("features", ["dspark"])
+    return LLM(str(path), **opts)
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for o in outs:
+        assert o.error is None, o.error
+    return outs
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+PROMPTS = [rand_ids(6 + 5 * i, 50 + i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_v3_path):
+    plain = make(tiny_v3_path, features=False)
+    return [o.outputs[0].token_ids for o in run(plain, PROMPTS, greedy(20, logprobs=0))]
+
+
+# ---- greedy equivalence ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("varlen", ["1", "0"])
+@pytest.mark.parametrize("draft", ["tiny_draft", "self"])
+def test_greedy_identical_to_plain(tiny_v3_path, tiny_draft, reference, monkeypatch, varlen, draft):
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", varlen)
+    path = tiny_draft if draft == "tiny_draft" else tiny_v3_path  # "self": the target drafts for itself
+    llm = make(tiny_v3_path, dspark={"draft": path, "k": 4})
+    outs = run(llm, PROMPTS, greedy(20, logprobs=0))
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    m = llm.metrics()
+    assert m["dspark_varlen"] is (varlen == "1")
+    assert m["dspark_verified"] > 0
+    if draft == "self":
+        assert m["dspark_accept_rate"] > 0.95
+        if varlen == "0":
+            assert m["dspark_mean_accepted_len"] > 3
+    for o in outs:
+        assert 0.0 <= o.metrics.extra["accept_rate"] <= 1.0
+        # the logprobs of accepted drafts come from the verify rows
+        assert all(o.outputs[0].logprobs[j][t].logprob <= 0 for j, t in enumerate(o.outputs[0].token_ids))
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_greedy_identical_under_preemption(tiny_v3_path, reference):
+    # 24 blocks of 4 tokens: each request fits alone, the batch does not -> preemption and recompute
+    llm = make(tiny_v3_path, dspark={"draft": tiny_v3_path, "k": 5, "budget_policy": "fixed"},
+               kv_cache_memory=24 * kv_bytes_per_block(tiny_v3_path, BS))
+    outs = run(llm, PROMPTS, greedy(20, logprobs=0))
+    assert llm.metrics()["preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert llm.metrics()["dspark_accepted"] > 0
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_mtp_draft_auto(tiny_mtp, reference):
+    llm = make(tiny_mtp)  # draft = "auto": the checkpoint's MTP layer
+    outs = run(llm, PROMPTS, greedy(20, logprobs=0))
+    m = llm.metrics()
+    assert m["dspark_draft"] == "mtp" and m["dspark_verified"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_mtp_cache_matches_teacher_forced(tiny_mtp):
+    """The MTP layer's KV for every position it has caught up on equals the entry computed from the
+    target's teacher-forced hidden states; blocks beyond the drafts are never held."""
+    llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed"})
+    eng = llm.engine
+    feat = next(f for f in eng.features if f.name == "dspark")
+    seq = eng.add_request({"prompt_token_ids": PROMPTS[3]}, greedy(40))
+    while seq.num_output_tokens < 20:
+        eng.step()
+        assert len(seq.block_table) <= -(-(seq.num_tokens + 3) // BS)
+    st = seq.feature_state["dspark"]
+    assert st.done >= seq.num_computed_tokens - 1 > 20
+    ids = torch.tensor(seq.token_ids)
+    L = len(ids)
+    from deepinfer_core.models.metadata import AttentionMetadata, PrefillMeta
+
+    cache = [torch.zeros(-(-L // BS), BS, c.shape[-1]) for c in eng.kv_caches]
+    cu = torch.tensor([0, L])
+    meta = AttentionMetadata(L, torch.arange(L), PrefillMeta(cu, cu, torch.tensor([L]),
+                                                             torch.arange(-(-L // BS))[None].int(), False), None)
+    pos = torch.arange(L)
+    with torch.inference_mode():
+        hidden = eng.model(ids, pos, meta, cache)
+        src, k = feat.source, eng.kernels
+        n = st.done
+        e = k.rms_norm(eng.model.embed_tokens[ids[1 : n + 1]], src.enorm, src.eps)
+        x = k.linear(torch.cat((e, k.rms_norm(hidden[:n], src.hnorm, src.eps)), -1), src.eh_proj)
+        x = k.rms_norm(x, src.layer.input_layernorm, src.eps)
+        attn = src.layer.self_attn
+        latent, k_pe = k.linear(x, attn.kv_a_proj_with_mqa).split([attn.L, attn.R], dim=-1)
+        ref = torch.cat((attn.kv_a_layernorm(latent), k.rope(k_pe[:, None], pos[:n], eng.model.cos_sin)[:, 0]), -1)
+        slots = torch.tensor([seq.block_table[p // BS] * BS + p % BS for p in range(n)])
+        got = src.caches[0].view(-1, ref.shape[-1])[slots]
+    assert (got - ref).abs().max().item() < 1e-4
+    while eng.has_unfinished():
+        eng.step()
+    eng.blocks.check_no_leaks()
+
+
+def test_sampled_reproducible_and_no_leaks(tiny_v3_path, tiny_draft):
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seq_seed=10 + i, ignore_eos=True,
+                             logprobs=1) for i in range(len(PROMPTS))]
+    runs = []
+    for _ in range(2):
+        llm = make(tiny_v3_path, dspark={"draft": tiny_draft, "budget_policy": "fixed", "k": 3})
+        runs.append([o.outputs[0].token_ids for o in run(llm, PROMPTS, params)])
+        assert llm.metrics()["dspark_verified"] > 0
+        llm.engine.blocks.check_no_leaks()
+    assert runs[0] == runs[1]
+    assert all(len(t) == 16 for t in runs[0])
+
+
+def test_stop_inside_accepted_drafts(tiny_v3_path, reference):
+    """A stop token among accepted drafts ends the request there; nothing after it is emitted."""
+    llm = make(tiny_v3_path, dspark={"draft": tiny_v3_path, "k": 6, "budget_policy": "fixed"})
+    stops = [ref[7] for ref in reference]
+    outs = run(llm, PROMPTS, [greedy(20, stop_token_ids=[s]) for s in stops])
+    for o, ref, s in zip(outs, reference, stops):
+        cut = ref.index(s) + 1
+        assert o.outputs[0].token_ids == ref[:cut]
+        assert o.outputs[0].finish_reason == "stop"
+    llm.engine.blocks.check_no_leaks()
+
+
+# ---- the rejection sampler reproduces the target distribution ---------------------------------------
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token with target probability 0 was emitted"
+    exp = probs[keep] * n
+    stat = float(((counts[keep] - exp) ** 2 / exp).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("filtering", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.95)])
+def test_rejection_sampler_matches_target_distribution(filtering):
+    V, m, N = 8, 3, 20000
+    g = torch.Generator().manual_seed(3)
+    # a tiny random "model" and "draft": logits of the target for rows p_0..p_m, of the draft for q_1..q_m
+    t_logits = torch.randn(m + 1, V, generator=g) * 1.5
+    d_logits = t_logits[:m] + torch.randn(m, V, generator=g) * 1.0
+    params = SamplingParams(**filtering)
+    p = filtered_probs(t_logits, SamplingRows.from_params([params] * (m + 1), "cpu"))
+    q = filtered_probs(d_logits, SamplingRows.from_params([params] * m, "cpu"))
+    seeds = torch.arange(N, dtype=torch.long) * 7919 + 11
+    first = 100
+    # draft tokens drawn from q with the draft stream, exactly as the feature does
+    drafts = torch.stack([draw(q[j].expand(N, V), stream(seeds, STREAM_DRAFT), torch.full((N,), first + j))
+                          for j in range(m)], dim=1).tolist()
+    tokens, accepted = verify(p.repeat(N, 1), q.repeat(N, 1), drafts, seeds, [first] * N, [False] * N)
+    first_tok = torch.bincount(torch.tensor([t[0] for t in tokens]), minlength=V).float()
+    assert _chi2_pvalue(first_tok, p[0]) > 1e-3
+    # the second token, given that the first was d_1 = x, follows p_1 (rows built for that prefix)
+    x = max(range(V), key=lambda t: sum(1 for d in drafts if d[0] == t))
+    second = [t[1] for t, d in zip(tokens, drafts) if d[0] == x and t[0] == x and len(t) > 1]
+    assert len(second) > 1000
+    assert _chi2_pvalue(torch.bincount(torch.tensor(second), minlength=V).float(), p[1]) > 1e-3
+    acc = sum(accepted) / (N * m)
+    assert 0.05 < acc < 1.0
+    # deterministic: the same seeds give the same tokens
+    again, _ = verify(p.repeat(N, 1), q.repeat(N, 1), drafts, seeds, [first] * N, [False] * N)
+    assert again == tokens
+
+
+def test_rejection_sampler_greedy():
+    out, acc = verify(None, None, [[1, 0], [1, 2], [2, 2]], torch.zeros(3, dtype=torch.long), [5, 5, 5],
+                      [True] * 3, target_argmax=[1, 0, 2] + [1, 0, 2] + [1, 0, 2])
+    assert out == [[1, 0, 2], [1, 0], [1]] and acc == [2, 1, 0]
+
+
+# ---- policy --------------------------------------------------------------------------------------------
+
+def test_policy_cuts_unlikely_drafts_and_respects_budget():
+    cost = StepCost([1, 8, 64, 256], [0.010, 0.011, 0.020, 0.060], [1, 64], [0.001, 0.004])
+    cum = [[0.95, 0.9, 0.85, 0.8], [0.3, 0.05, 0.01, 0.001]] + [[0.5, 0.2]] * 30
+    lengths = choose_lengths(cum, base_tokens=32, budget=1000, cost=cost, fixed_s=0.005)
+    assert lengths[0] == 4 and lengths[1] <= 1
+    assert choose_lengths(cum, 32, 3, cost, 0.005)[0] <= 3 and sum(choose_lengths(cum, 32, 3, cost, 0.005)) <= 3
+    assert fixed_lengths([5, 5, 2], 8) == [3, 3, 2]
+
+
+# ---- calibration of the shipped draft's confidence head --------------------------------------------------
+
+def _heldout_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if zlib.crc32(rel.encode()) % 20 == 0 and "test" not in rel.split("/")[:-1] and path.stat().st_size < 200_000:
+            files.append(path)
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        lines = rng.choice(files).read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        if len(lines) < 10:
+            continue
+        s = rng.randrange(len(lines) - 8)
+        ids = tokenizer.encode("".join(lines[s : s + 40]))
+        if len(ids) >= 48:
+            out.append(ids[: rng.randint(40, 96)])
+    return out
+
+
+@pytest.mark.skipif(not (dspark_feature.DEFAULT_DRAFT / "confidence_head.safetensors").is_file(),
+                    reason="no shipped draft")
+def test_shipped_draft_confidence_calibrated():
+    llm = LLM(features=["dspark"], dspark={"budget_policy": "fixed"}, max_num_seqs=64)
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    assert feat.source.kind == "model" and feat.head.trained
+    feat.outcome_log = []
+    prompts = _heldout_prompts(llm.tokenizer, 64)
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=40, seq_seed=i)
+              for i in range(len(prompts))]
+    run(llm, prompts, params)
+    pred = torch.tensor([c for r in feat.outcome_log for c in r[4]])
+    obs = torch.tensor([a for r in feat.outcome_log for a in r[5]])
+    assert len(pred) >= 1000
+    order = pred.argsort()
+    gaps = [abs(float(pred[c].mean()) - float(obs[c].mean())) for c in order.chunk(10)]
+    assert max(gaps) <= 0.1, [round(g, 3) for g in gaps]
+    llm.engine.blocks.check_no_leaks()
+
+
+# ---- configuration errors --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [0, 17, -1])
+def test_k_out_of_range(tiny_v3_path, k):
+    with pytest.raises(ConfigError, match=r"\bk\b"):
+        make(tiny_v3_path, dspark={"k": k})
+
+
+@pytest.mark.parametrize("section, word", [({"budget_policy": "greedy"}, "budget_policy"),
+                                           ({"confidence_temperature": 0.0}, "confidence_temperature"),
+                                           ({"verify_budget": -1}, "verify_budget"),
+                                           ({"draft_model": "x"}, "draft_model")])
+def test_bad_settings(tiny_v3_path, section, word):
+    with pytest.raises(ConfigError, match=word):
+        make(tiny_v3_path, dspark=section)
+
+
+def test_no_mtp_and_no_draft(tiny_v3_path):
+    with pytest.raises(ConfigError, match="MTP"):
+        make(tiny_v3_path)
+    with pytest.raises(ConfigError, match="MTP"):
+        make(tiny_v3_path, dspark={"draft": "mtp"})
+
+
+def test_draft_vocab_mismatch(tiny_v3_path, tmp_path):
+    other, _ = write_checkpoint(tmp_path / "v96", "v3", seed=5, vocab_size=96, num_hidden_layers=1, tokenizer=False)
+    with pytest.raises(ConfigError, match=r"96.*128|128.*96"):
+        make(tiny_v3_path, dspark={"draft": str(other)})
+
+
+def test_draft_tokenizer_mismatch(tiny_v3_path, tiny_draft, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_draft, draft)
+    tk = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tk["model"]["vocab"]
+    a, b = list(vocab)[10], list(vocab)[11]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, different token ids
+    (draft / "tokenizer.json").write_text(json.dumps(tk))
+    with pytest.raises(ConfigError, match="tokenizer"):
+        make(tiny_v3_path, dspark={"draft": str(draft)})

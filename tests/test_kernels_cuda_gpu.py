@@ -1,0 +1,290 @@
+"""GPU conformance of the TileLang backend (``kernels_cuda``) against the reference ops.
+
+Skipped without a CUDA device. Two layers:
+
+* the shared conformance kit (``deepinfer_core.testing``: small shapes, every edge case it knows),
+  at block sizes 16 and 64;
+* real-model shapes the kit does not reach: MLA decode with 576/512 latents at 16 and 128 heads,
+  block sizes 16 and 64, long contexts (split-KV + combine), ragged multi-token queries; prefill
+  192/128 with cached prefixes; fused MoE at V2-Lite widths with remote experts at small and large
+  batch (both tile configurations); the V3 gate; a 102400-token vocabulary for sampling (bit-exact).
+
+With ``DEEPINFER_TL_DRYRUN=1`` and no GPU, the same calls only compile their kernels (no
+comparison): ``examples/kernel_warm.py`` uses that to fill TileLang's cache ahead of a GPU run.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from kernels_cpu import ops as ref
+
+HAS_CUDA = torch.cuda.is_available()
+DRY = os.environ.get("DEEPINFER_TL_DRYRUN", "") not in ("", "0") and not HAS_CUDA
+
+
+def _have_tilelang() -> bool:
+    try:
+        import tilelang  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (HAS_CUDA or DRY), reason="needs a CUDA device"),
+    pytest.mark.skipif(not _have_tilelang(), reason="tilelang is not installed (pip install '.[cuda]')"),
+]
+DEV = "cuda" if HAS_CUDA else "cpu"
+RTOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def close(out: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """The kit's rule: |out - ref| <= rtol * (|ref| + rms(ref)), truth in float32 or better."""
+    if DRY:
+        return
+    o, r = out.detach().double().cpu(), truth.detach().double().cpu()
+    assert o.shape == r.shape, f"{what}: shape {tuple(o.shape)} vs {tuple(r.shape)}"
+    assert torch.isfinite(o).all(), f"{what}: non-finite output"
+    rtol = RTOL[dtype]
+    bound = rtol * (r.abs() + r.pow(2).mean().sqrt().clamp_min(1e-12))
+    err = (o - r).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"{what}: max error {err.max().item():.3e}, {worst:.2f}x the tolerance"
+
+
+def up(*ts):
+    return tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(g, *shape, dtype=torch.bfloat16, scale=1.0):
+    if DRY:  # compile-only: the values are never looked at
+        return torch.zeros(*shape, dtype=dtype, device=DEV)
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+
+# ---- the conformance kit ------------------------------------------------------------------------
+def _kit_cases():
+    from deepinfer_core.testing.kernels import kernel_conformance_cases
+    from kernels_cuda import CudaKernels
+
+    return [(op, dt, bs) for op, dt in kernel_conformance_cases(CudaKernels) for bs in (16, 64)]
+
+
+@pytest.mark.parametrize("op,dtype,block_size", _kit_cases())
+def test_conformance_kit(op, dtype, block_size, monkeypatch):
+    from deepinfer_core.testing import kernels as kit
+    from kernels_cuda import CudaKernels
+
+    if DRY:  # compile only: the outputs of kernels that did not run are not compared
+        for name in ("_compare", "_check_moe_route", "_check_sample"):
+            monkeypatch.setattr(kit, name, lambda *a, **k: None)
+    kit.check_op(CudaKernels, op, dtype, DEV, block_size=block_size)
+
+
+# ---- MLA decode ---------------------------------------------------------------------------------
+def paged(g, seq_lens, bs, D, dtype=torch.bfloat16, extra_cols=3):
+    per = [max(1, math.ceil(n / bs)) for n in seq_lens]
+    nb = sum(per) + 5
+    order = torch.randperm(nb, generator=torch.Generator().manual_seed(len(seq_lens)))
+    width = max(per) + extra_cols
+    tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)  # junk past each sequence
+    used = 0
+    for b, n in enumerate(per):
+        tables[b, :n] = order[used:used + n]
+        used += n
+    cache = randn(g, nb, bs, D, dtype=dtype)
+    return cache, tables.to(DEV)
+
+
+MLA_DECODE_CASES = [
+    # label, heads, block size, q_lens, seq_lens, n_split (None: automatic)
+    ("V3 heads, bs64, decode", 128, 64, [1] * 6, [1, 63, 64, 65, 1000, 3001], None),
+    ("V2-Lite heads, bs16, decode", 16, 16, [1] * 6, [1, 15, 16, 17, 999, 2500], None),
+    ("V3 heads, bs16, forced split", 128, 16, [1] * 3, [5, 700, 2000], 7),
+    ("V2-Lite heads, bs64, ragged (MTP)", 16, 64, [1, 3, 2, 4], [9, 3, 300, 1200], None),
+    ("V3 heads, bs64, ragged + split", 128, 64, [2, 1, 3], [2, 500, 1500], 5),
+    ("32 heads, bs64, one long", 32, 64, [1], [8191], None),
+]
+
+
+@pytest.mark.parametrize("case", MLA_DECODE_CASES, ids=[c[0] for c in MLA_DECODE_CASES])
+def test_mla_decode_real_shapes(case):
+    from kernels_cuda.mla_decode import mla_decode
+
+    _, H, bs, q_lens, seq_lens, n_split = case
+    g = gen(1)
+    L, R = 512, 64
+    cache, tables = paged(g, seq_lens, bs, L + R)
+    q = randn(g, sum(q_lens), H, L + R)
+    cu = torch.tensor([0, *q_lens], device=DEV).cumsum(0)
+    sl = torch.tensor(seq_lens, device=DEV)
+    scale = 192 ** -0.5
+    out = mla_decode(q, cache, tables, cu, sl, scale, L, n_split=n_split)
+    if not DRY:
+        truth = ref.mla_decode(*up(q, cache), tables.clamp_min(0), cu, sl, scale, L)
+        close(out, truth, torch.bfloat16, f"mla_decode {case[0]}")
+
+
+def test_mla_decode_graph_capture():
+    """No host synchronisation inside: the op can be captured in a CUDA graph and replayed."""
+    if DRY:
+        pytest.skip("needs a GPU")
+    from kernels_cuda.mla_decode import mla_decode
+
+    g = gen(2)
+    seq_lens = [100, 2000, 37]
+    cache, tables = paged(g, seq_lens, 64, 576)
+    q = randn(g, 3, 16, 576)
+    cu = torch.arange(4, device=DEV)
+    sl = torch.tensor(seq_lens, device=DEV)
+    out = mla_decode(q, cache, tables, cu, sl, 0.1, 512)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = mla_decode(q, cache, tables, cu, sl, 0.1, 512)
+    q.copy_(randn(g, 3, 16, 576))
+    graph.replay()
+    torch.cuda.synchronize()
+    out = mla_decode(q, cache, tables, cu, sl, 0.1, 512)
+    assert torch.equal(out, out_g)
+
+
+# ---- MLA prefill --------------------------------------------------------------------------------
+PREFILL_CASES = [
+    ("no prefix", 16, [1, 100, 300, 7], [1, 100, 300, 7]),
+    ("prefix hits and chunks", 16, [5, 129, 64, 200], [5, 700, 64 + 64, 1000]),
+    ("V3 heads", 128, [257], [300]),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
+def test_mla_prefill_real_shapes(case):
+    from kernels_cuda.mla_prefill import mla_prefill
+
+    _, H, q_lens, k_lens = case
+    g = gen(3)
+    q = randn(g, sum(q_lens), H, 192)
+    k = randn(g, sum(k_lens), H, 192)
+    v = randn(g, sum(k_lens), H, 128)
+    cq = torch.tensor([0, *q_lens], device=DEV).cumsum(0)
+    ck = torch.tensor([0, *k_lens], device=DEV).cumsum(0)
+    out = mla_prefill(q, k, v, cq, ck, 192 ** -0.5)
+    if not DRY:
+        close(out, ref.mla_prefill(*up(q, k, v), cq, ck, 192 ** -0.5), torch.bfloat16, f"mla_prefill {case[0]}")
+
+
+# ---- MoE ----------------------------------------------------------------------------------------
+MOE_CASES = [
+    # label, T, E, C, I, k
+    ("V2-Lite widths, 1 token", 1, 64, 2048, 1408, 6),
+    ("V2-Lite widths, 37 tokens", 37, 64, 2048, 1408, 6),
+    ("V2-Lite widths, 1500 tokens (large tiles)", 1500, 64, 2048, 1408, 6),
+    ("V3 widths, 16 experts, 5 tokens", 5, 16, 7168, 2048, 8),
+]
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
+def test_fused_moe_real_shapes(case):
+    from kernels_cuda.moe import fused_moe
+
+    _, T, E, C, I, k = case
+    g = gen(4)
+    x = randn(g, T, C)
+    w13 = randn(g, E, 2 * I, C, scale=C ** -0.5)
+    w2 = randn(g, E, C, I, scale=I ** -0.5)
+    ids = torch.stack([torch.randperm(E + 4, generator=torch.Generator().manual_seed(t))[:k] - 2
+                       for t in range(T)]).to(DEV)  # some ids < 0 or >= E: other ranks' experts
+    weights = torch.rand(T, k, generator=g, device=DEV).to(torch.bfloat16)
+    out = fused_moe(x, w13, w2, weights, ids)
+    if not DRY:
+        close(out, ref.fused_moe(*up(x, w13, w2, weights), ids), torch.bfloat16, f"fused_moe {case[0]}")
+
+
+# ---- router, norms, cache write, sampling ---------------------------------------------------------
+ROUTE_CASES = [
+    ("V3 gate", 256, 8, "sigmoid", True, 8, 4, "top2sum", True, 2.5),
+    ("V2-Lite gate", 64, 6, "softmax", False, 1, 1, "max", False, 1.0),
+    ("V2 gate (groups)", 160, 6, "softmax", False, 8, 3, "max", False, 16.0),
+]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=[c[0] for c in ROUTE_CASES])
+def test_moe_route_real_shapes(case):
+    from kernels_cuda.moe_route import moe_route
+
+    _, E, k, scoring, has_bias, ng, tg, gs, renorm, scale = case
+    g = gen(5)
+    logits = randn(g, 300, E, dtype=torch.float32, scale=2.0)
+    bias = randn(g, E, dtype=torch.float32, scale=0.05) if has_bias else None
+    w, ids = moe_route(logits, bias, k, scoring, ng, tg, gs, renorm, scale)
+    if DRY:
+        return
+    rw, rids = ref.moe_route(logits, bias, k, scoring, ng, tg, gs, renorm, scale)
+    same = (ids.sort(-1).values == rids.sort(-1).values).all(-1)
+    # near-ties (|gap| < 1e-6) may legitimately pick another expert; random logits have few
+    assert same.float().mean().item() > 0.99, f"{case[0]}: {int((~same).sum())} tokens routed differently"
+    wo = w.gather(1, ids.sort(-1).indices)[same]
+    wr = rw.gather(1, rids.sort(-1).indices)[same]
+    close(wo, wr, torch.float32, f"moe_route {case[0]} weights")
+
+
+@pytest.mark.parametrize("C", [7168, 2048, 5120])
+def test_norms_real_shapes(C):
+    from kernels_cuda.norm import add_rms_norm, rms_norm
+
+    g = gen(6)
+    x = randn(g, 257, C, scale=3.0)
+    r = randn(g, 257, C, scale=3.0)
+    w = (1 + randn(g, C, dtype=torch.float32, scale=0.1)).to(torch.bfloat16)
+    y = rms_norm(x, w, 1e-6)
+    y2, r2 = add_rms_norm(x, r, w, 1e-6)
+    if DRY:
+        return
+    close(y, ref.rms_norm(*up(x, w), 1e-6), torch.bfloat16, "rms_norm")
+    assert torch.equal(r2, x + r), "add_rms_norm residual must equal the bf16 sum"
+    close(y2, ref.rms_norm(r2.float(), w.float(), 1e-6), torch.bfloat16, "add_rms_norm")
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+def test_paged_kv_write_real_shapes(bs):
+    from kernels_cuda.kv_cache import paged_kv_write
+
+    g = gen(7)
+    cache = randn(g, 40, bs, 576)
+    expect = cache.clone()
+    slots = torch.randperm(40 * bs, generator=torch.Generator().manual_seed(0))[:300].to(DEV)
+    slots[::7] = -1
+    kv = randn(g, 300, 576)
+    paged_kv_write(cache, slots, kv)
+    if DRY:
+        return
+    keep = slots >= 0
+    expect.view(-1, 576)[slots[keep]] = kv[keep]
+    assert torch.equal(cache, expect)
+
+
+def test_sample_large_vocab_bit_exact():
+    from kernels_cuda.sampling import sample
+
+    V = 102400
+    rows = [  # temperature, top_k, top_p, min_p, seed, offset
+        (0.0, 0, 1.0, 0.0, 1, 0), (1.0, 0, 1.0, 0.0, 2, 5), (0.7, 50, 1.0, 0.0, 3, 1),
+        (1.0, 0, 0.9, 0.0, 4, 2), (0.8, 40, 0.95, 0.05, 5, 9), (1.2, 0, 1.0, 0.1, 6, 3),
+        (1.0, 1, 1.0, 0.0, 7, 0), (1.0, 0, 0.5, 0.0, -123456789, 77), (1.0, 2000, 0.99, 0.0, 2**40 + 3, 2**33),
+    ]
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(len(rows), V, generator=g) * 3
+    t, k, p, m, s, o = (torch.tensor(c) for c in zip(*rows))
+    args = (logits, t.float(), k, p.float(), m.float(), s, o)
+    out = sample(*(a.to(DEV) for a in args))
+    if DRY:
+        return
+    expect = ref.sample(*args)  # on the CPU, as the kit does
+    assert torch.equal(out.cpu(), expect), f"rows differ: {(out.cpu() != expect).nonzero().flatten().tolist()}"
