@@ -69,7 +69,14 @@ _TYPES: dict[str, tuple[type, ...]] = {
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Environment variables read elsewhere (features, tools); known so that typos can be flagged.
 OTHER_ENV = {"DEEPINFER_CONFIG", "DEEPINFER_HF_MODEL_DIR", "DEEPINFER_ENABLE_MTP_VARLEN",
-             "DEEPINFER_SO_BUILDER_CPUS", "DEEPINFER_CACHE_DIR"}
+             "DEEPINFER_SO_BUILDER_CPUS", "DEEPINFER_CACHE_DIR",
+             # structured_output (plugins/structured_output/__init__.py documents them)
+             "DEEPINFER_SO_COMPILE_TIMEOUT_S", "DEEPINFER_XGRAMMAR_CACHE_SIZE",
+             "DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES", "DEEPINFER_SO_ANY_WHITESPACE", "DEEPINFER_SO_OVERLAP",
+             # batch-invariant kernels (kernels_cpu/batch_invariant.py)
+             "DEEPINFER_BI_ROW_TILE", "DEEPINFER_BI_KV_SPLIT",
+             # dp/ep under torchrun (deepinfer_core/parallel/README.md)
+             "DEEPINFER_DRIVER_ADDR", "DEEPINFER_DRIVER_BIND", "DEEPINFER_DRIVER_PORT"}
 
 
 def _check_type(key: str, value: Any, source: str) -> Any:

@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="speculative decoding (the dspark feature; prints accept_rate per sample)")
     p.add_argument("--config", default=None, help="TOML config file")
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--check_structured_output", action="store_true",
+                   help="run regex, JSON Schema, EBNF and EOS-terminated requests with the structured_output "
+                        "feature and print pass/fail for each")
     p.add_argument("--ep", type=int, default=1)
     return p.parse_args(argv)
 
@@ -52,6 +55,8 @@ def build_llm(args: argparse.Namespace, **extra) -> LLM:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.check_structured_output:
+        return check_structured_output(args)
     llm = build_llm(args)
     prompts = args.prompt or DEFAULT_PROMPTS
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
@@ -69,6 +74,21 @@ def main(argv=None) -> None:
         print(f"-- finish={out.outputs[0].finish_reason} tokens={len(out.outputs[0].token_ids)} "
               f"decode_ppl={ppl} ttft={m.time_to_first_token * 1000:.1f}ms{extra}")
     llm.shutdown()
+
+
+def check_structured_output(args: argparse.Namespace) -> None:
+    from plugins.structured_output.selfcheck import run_check
+
+    if "structured_output" not in args.features.split(","):
+        args.features = ",".join(f for f in (args.features, "structured_output") if f)
+    llm = build_llm(args)
+    results = run_check(llm, seed=args.seed, temperature=args.temperature)
+    llm.shutdown()
+    for r in results:
+        print(f"{'PASS' if r.ok else 'FAIL'}  {r.name:<13} {r.detail}")
+    print(f"{sum(r.ok for r in results)} passed, {sum(not r.ok for r in results)} failed")
+    if not all(r.ok for r in results):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

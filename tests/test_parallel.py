@@ -260,7 +260,7 @@ def test_offline_inference_example_under_torchrun_matches_single_rank(ckpt):
     """examples/offline_inference.py --dp 2 --ep 2 launched by torchrun (the multi-node entry point,
     here with both ranks on one host): rank 0 drives, rank 1 serves it and exits with it."""
     texts = ["ab", "the ", "sent"]
-    sp = SamplingParams(temperature=0, max_tokens=12, seq_seed=0)
+    sp = SamplingParams(temperature=0.7, top_p=1.0, max_tokens=12, seq_seed=3)  # seeded sampling
     ref_llm = make_llm(ckpt)
     ref = [t + o.outputs[0].text for t, o in zip(texts, ref_llm.generate(texts, sp, use_tqdm=False))]
     ref_llm.shutdown()
@@ -268,7 +268,8 @@ def test_offline_inference_example_under_torchrun_matches_single_rank(ckpt):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
            "127.0.0.1", "--master-port", str(_free_port()), str(ROOT / "examples" / "offline_inference.py"),
-           "--model", ckpt, "--dtype", "float32", "--dp", "2", "--ep", "2", "--max-tokens", "12"]
+           "--model", ckpt, "--dtype", "float32", "--dp", "2", "--ep", "2", "--max-tokens", "12",
+           "--temperature", "0.7", "--top-p", "1.0", "--seed", "3"]
     for t in texts:
         cmd += ["--prompt", t]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

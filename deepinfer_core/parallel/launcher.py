@@ -52,7 +52,7 @@ from deepinfer_core.selection import select_platform
 
 logger = logging.getLogger("deepinfer.parallel")
 STARTUP_TIMEOUT_MIN_S = 300.0  # model loading may take longer than a step
-PROBE_TIMEOUT_S = 2.0  # a live rank's probe thread answers well within this
+PROBE_TIMEOUT_S = 1.0  # a live rank's probe thread answers well within this
 TAKEOVER_HOOKS = ("execute_step", "execute_decode")  # hooks that run a step's forwards themselves
 
 
@@ -178,8 +178,13 @@ class _InProcess:
         return None
 
 
-def _reap(procs: list[subprocess.Popen], grace_s: float = 0.0) -> None:
-    """Make sure every worker process is gone: wait ``grace_s``, then SIGTERM, then SIGKILL."""
+def _reap(procs: list[subprocess.Popen], grace_s: float = 0.0, force: bool = False) -> None:
+    """Make sure every worker process is gone: wait ``grace_s``, then SIGTERM, then SIGKILL
+    (``force``: SIGKILL at once)."""
+    if force:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     deadline = time.monotonic() + grace_s
     for p in procs:
         if p.poll() is None and grace_s > 0:
@@ -489,7 +494,7 @@ class ParallelEngine:
             head += f" ({note})"
         self._failure = WorkerFailure(head.rstrip(), culprits)
         logger.error("%s", self._failure)
-        self._kill_all()
+        self._kill_all(force=True)  # nothing left to save: a stopped or wedged rank ignores SIGTERM
         for seq in self._seqs.values():
             seq.status = Status.FINISHED
             seq.finish_reason, seq.error = "error", self._failure
@@ -498,8 +503,8 @@ class ParallelEngine:
         self._seqs.clear()
         return self._failure
 
-    def _kill_all(self, grace_s: float = 0.0) -> None:
-        _reap(self._procs, grace_s)
+    def _kill_all(self, grace_s: float = 0.0, force: bool = False) -> None:
+        _reap(self._procs, grace_s, force)
         for ch in self._chans:
             if isinstance(ch, _Remote):
                 for conn in (ch.conn, ch.probe):

@@ -111,7 +111,6 @@ class RankWorker:
         self.local_rank, self.local_world_size, self.num_nodes = local_rank, local_world_size, num_nodes
         self.engine: RankEngine | None = None
         self._reported: dict[str, tuple[int, int, int]] = {}
-        self._owns_group = False
         self.doing = "idle"
         self.num_steps = 0
 
@@ -158,7 +157,6 @@ class RankWorker:
             dist.init_process_group(platform.dist_backend, init_method=p["init_method"], rank=self.rank,
                                     world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=p["timeout_s"]))
-            self._owns_group = True
         comm = TorchDistCommunicator()
         self.engine = RankEngine(cfg, comm, self.local_rank, self.num_nodes)
         return {"pid": os.getpid(), "kv_blocks": self.engine.blocks.num_blocks,
