@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels_cpu import ops as ref  # noqa: E402
 from kernels_cuda.mla_decode import mla_decode  # noqa: E402
 from kernels_cuda.mla_prefill import mla_prefill  # noqa: E402
-from kernels_cuda.moe import fused_moe  # noqa: E402
+from kernels_cuda.moe import fused_moe, moe_steps  # noqa: E402
 from kernels_cuda.moe_route import moe_route  # noqa: E402
 from kernels_cuda.norm import add_rms_norm, rms_norm  # noqa: E402
 from kernels_cuda.sampling import sample  # noqa: E402
@@ -94,12 +94,13 @@ def bench_hbm():
 
 # ---- (b) MLA decode -------------------------------------------------------------------------------
 #: (heads, block size, n_split (None: automatic), tile config (None: default)) per measured variant
+WS = {"kernel": "ws", "BH": 64, "BN": 64}
+#: (heads, block size, n_split (None: automatic), tile config (None: default)) per measured variant
 MLA_VARIANTS = [
-    (128, 64, None, None), (128, 64, 2, None),
-    (16, 64, None, None), (16, 64, 4, None),
-    (16, 64, 4, {"BH": 16, "BN": 32, "stages": 4, "threads": 128}),
-    (16, 64, 4, {"BH": 16, "BN": 32, "stages": 2, "threads": 128}),
-    (128, 16, None, None), (16, 16, None, None),
+    (16, 64, None, None),
+    (128, 64, None, None), (128, 64, None, {"BH": 64, "BN": 64, "stages": 2, "threads": 256}),
+    (16, 64, None, None), (16, 64, 3, None), (16, 64, None, WS),
+    (128, 16, None, None), (16, 16, None, None), (16, 16, None, WS),
 ]
 
 
@@ -158,6 +159,10 @@ def bench_moe():
             RESULTS["fused_moe"][f"{name} T={T} ms"] = {"fused": round(ms, 4), "loop": round(loop, 4),
                                                         "weights_GBps": round(wbytes / ms / 1e6, 1),
                                                         "TFLOPs": round(flops / ms / 1e9, 1)}
+            if T in (1, 64, 8192):  # where the time goes, launch by launch
+                steps, _ = moe_steps(x, w13, w2, w, ids)
+                parts = {n: round(timed(fn, reps=10), 4) for n, fn in steps}
+                log("fused_moe", f"{name} T={T} stages ms", parts)
         del w13, w2
 
 

@@ -39,13 +39,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tiny import load_corpus, to_deepseek_state_dict, write_config  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
-from deepinfer_core.models.loader import EMBEDDED_MODEL  # noqa: E402
+from deepinfer_core.engine.engine import model_fingerprint  # noqa: E402
+from deepinfer_core.models.loader import EMBEDDED_MODEL, SafetensorsReader  # noqa: E402
 from plugins.dspark.confidence import EXTRA_FEATURES, FILENAME, ConfidenceHead  # noqa: E402
 
 TOPK = 16
@@ -142,9 +143,14 @@ def build_student(target_dir: Path):
     if getattr(cfg, "mlp_layer_types", None) is not None:
         cfg.mlp_layer_types = cfg.mlp_layer_types[:1]
     student = DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
-    target = load_file(str(target_dir / "model.safetensors"))
+    reader = SafetensorsReader(target_dir)  # single file or sharded
     sd = student.state_dict()
-    init = {k: target[k].float() for k in sd if k in target and target[k].shape == sd[k].shape}
+    init = {}
+    for k in sd:
+        if k in reader.names():
+            t = reader.get(k)
+            if t.shape == sd[k].shape:
+                init[k] = t.float()
     missing = sorted(set(sd) - set(init) - {k for k in sd if "rotary_emb" in k})
     if missing:
         raise RuntimeError(f"student tensors without a target counterpart: {missing}")
@@ -307,7 +313,7 @@ def main() -> None:
     heldout_prompts = snippet_prompts(corpus.heldout, args.heldout_prompts, tok, rng, (48, 128))
     gen_deadline = t0 + args.minutes * 60 * 0.3
     data = collect_targets(llm, prompts, args.gen_tokens, args.max_num_seqs, t0, gen_deadline)
-    target_fingerprint = llm.engine.fingerprint
+    target_fingerprint = model_fingerprint(target_dir, torch.float32)
     llm.shutdown()
     del llm
     ids, tidx, tp, mask = to_tensors(data, max_len=128 + args.gen_tokens + 1)

@@ -164,7 +164,9 @@ def _run(plan: GemmPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= plan.chunk:
         y = F.linear(x, w)
     else:
-        y = torch.cat([F.linear(x[i : i + plan.chunk], w) for i in range(0, x.shape[0], plan.chunk)])
+        y = x.new_empty(x.shape[0], w.shape[0])
+        for i in range(0, x.shape[0], plan.chunk):
+            y[i : i + plan.chunk] = F.linear(x[i : i + plan.chunk], w)
     return y if y.shape[0] == T else y[:T]
 
 
@@ -175,7 +177,9 @@ def _run_bmm(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[1] <= plan.chunk:
         y = torch.bmm(a, b)
     else:
-        y = torch.cat([torch.bmm(a[:, i : i + plan.chunk], b) for i in range(0, a.shape[1], plan.chunk)], 1)
+        y = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+        for i in range(0, a.shape[1], plan.chunk):
+            y[:, i : i + plan.chunk] = torch.bmm(a[:, i : i + plan.chunk], b)
     return y if y.shape[1] == T else y[:, :T]
 
 
@@ -282,22 +286,30 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: 
     return rms_norm(residual, w, eps), residual
 
 
-def _attend(rows: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, qpos: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """Causal attention for B items at once: rows[B, R, Dk] over keys[B, Lp, Dk] and vals[B, Lp, Dv]
-    (float32, Lp a multiple of KV_SPLIT, zero past each item's context); row r of item b sees the
-    keys at positions <= qpos[b, r]. Returns [B, R, Dv].
+def _causal_bias(qpos: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n, Q, 1, KV_SPLIT] of 0 (visible) / -inf (masked) for query positions qpos[B, Q]."""
+    S = KV_SPLIT
+    kpos = torch.arange(n * S, device=qpos.device).view(1, n, 1, 1, S)
+    hidden = kpos > qpos[:, None, :, None, None]
+    return torch.zeros(hidden.shape, dtype=torch.float32, device=qpos.device).masked_fill_(hidden, float("-inf"))
 
-    Splits of KV_SPLIT keys are batched GEMM groups; the row max is exact, each split's sum is a
-    fixed tree, and splits are added in order, so splits past a row's position add exact zeros."""
+
+def _attend(rows: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, bias: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Attention for B items at once: rows[B, R, Dk] over keys[B, Lp, Dk] and vals[B, Lp, Dv] (float32,
+    Lp a multiple of KV_SPLIT). ``bias`` [B or 1, n, Q, 1, KV_SPLIT] (0 / -inf, from
+    :func:`_causal_bias`) masks keys per query; the R rows are Q queries of R / Q rows each. Keys a row
+    cannot see may hold any finite values. Returns [B, R, Dv].
+
+    Splits of KV_SPLIT keys are batched GEMM groups; the row max is exact, each split's sum has a
+    fixed order, and splits are added in order, so splits past a row's position add exact zeros."""
     B, R, Dk = rows.shape
     S, Dv = KV_SPLIT, vals.shape[-1]
-    n = keys.shape[1] // S
+    n, Q = keys.shape[1] // S, bias.shape[2]
     G = B * n
     qg = rows.unsqueeze(1).expand(B, n, R, Dk).reshape(G, R, Dk)
-    scores = bmm(qg, keys.reshape(G, S, Dk).transpose(1, 2)).view(B, n, R, S) * scale
-    kpos = torch.arange(n * S, device=rows.device).view(1, n, 1, S)
-    scores.masked_fill_(kpos > qpos[:, None, :, None], float("-inf"))
+    scores = bmm(qg, keys.reshape(G, S, Dk).transpose(1, 2)).view(B, n, Q, R // Q, S) * scale + bias
+    scores = scores.view(B, n, R, S)
     p = torch.exp(scores - scores.amax(dim=(1, 3), keepdim=True))
     sums = row_sum(p)  # [B, n, R]
     o = bmm(p.view(G, R, S), vals.reshape(G, S, Dv)).view(B, n, R, Dv)
@@ -312,29 +324,45 @@ def _padded_len(n: int) -> int:
     return max(-(-n // KV_SPLIT), 1) * KV_SPLIT
 
 
+_decode_plan_cache: list = [None, None]  # (key, plan) of the last step: its layers share one plan
+
+
+def _decode_plan(block_tables, cu_q_lens, seq_lens, bs: int) -> list[tuple]:
+    """Per group of sequences with one query length: token rows, cache slots of their padded
+    contexts and the causal bias. The same for every layer of a step, so the last one is kept."""
+    cq, lens = cu_q_lens.tolist(), seq_lens.tolist()
+    key = (tuple(cq), tuple(lens), bs, tuple(block_tables.shape), block_tables.cpu().numpy().tobytes())
+    if _decode_plan_cache[0] == key:
+        return _decode_plan_cache[1]
+    dev = block_tables.device
+    buckets: dict[int, list[int]] = {}
+    for b in range(len(lens)):
+        if cq[b + 1] > cq[b]:
+            buckets.setdefault(cq[b + 1] - cq[b], []).append(b)
+    plan = []
+    for Q, members in buckets.items():
+        idx = torch.tensor(members, device=dev)
+        ctx = seq_lens[idx]
+        Lp = _padded_len(max(lens[b] for b in members))
+        tok = (cu_q_lens[idx][:, None] + torch.arange(Q, device=dev)).flatten()  # [nb * Q]
+        pos = torch.arange(Lp, device=dev)
+        tables = block_tables[idx].long()
+        slots = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1).expand(len(members), -1)) * bs + pos % bs
+        qpos = ctx[:, None] - Q + torch.arange(Q, device=dev)  # [nb, Q]
+        plan.append((tok, slots, _causal_bias(qpos, Lp // KV_SPLIT), len(members), Q))
+    _decode_plan_cache[:] = [key, plan]
+    return plan
+
+
 def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv):
     """Absorbed MLA with fixed KV splits; sequences with the same query length run together."""
     T, H, D = q.shape
-    bs, dev = cache.shape[1], q.device
     flat = cache.view(-1, D)
     out = q.new_empty(T, H, dv)
-    buckets: dict[int, list[int]] = {}
-    for b, n in enumerate((cu_q_lens[1:] - cu_q_lens[:-1]).tolist()):
-        if n:
-            buckets.setdefault(n, []).append(b)
-    for Q, members in buckets.items():
-        idx = torch.tensor(members, device=dev)
-        lens = seq_lens[idx]
-        Lp = _padded_len(int(lens.max()))
-        tok = (cu_q_lens[idx][:, None] + torch.arange(Q, device=dev)).flatten()  # [nb * Q]
-        rows = q[tok].reshape(len(members), Q * H, D).float()
-        pos = torch.arange(Lp, device=dev)
-        tables = block_tables[idx].long()
-        blocks = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1).expand(len(members), -1))
-        kv = flat[blocks * bs + pos % bs].float()  # [nb, Lp, D]
-        kv.masked_fill_((pos[None, :] >= lens[:, None])[..., None], 0.0)
-        qpos = (lens[:, None] - Q + torch.arange(Q, device=dev)).repeat_interleave(H, dim=1)  # [nb, Q*H]
-        o = _attend(rows, kv, kv[..., :dv], qpos, scale)
+    for tok, slots, bias, nb, Q in _decode_plan(block_tables, cu_q_lens, seq_lens, cache.shape[1]):
+        rows = q[tok].reshape(nb, Q * H, D).float()
+        kv = flat[slots].float()  # [nb, Lp, D]; past a context: other blocks' (finite) entries, masked
+        o = _attend(rows, kv, kv[..., :dv], bias, scale)
         out[tok] = o.view(-1, H, dv).to(q.dtype)
     return out
 
@@ -353,8 +381,8 @@ def mla_prefill(q, k, v, cu_q_lens, cu_k_lens, scale):
         keys[:, :L] = k[ck[b] : ck[b + 1]].transpose(0, 1)
         vals = v.new_zeros(H, Lp, v.shape[-1], dtype=torch.float32)
         vals[:, :L] = v[ck[b] : ck[b + 1]].transpose(0, 1)
-        qpos = torch.arange(L - Q, L, device=q.device).expand(H, Q)
-        o = _attend(q[cq[b] : cq[b + 1]].transpose(0, 1).float(), keys, vals, qpos, scale)  # [H, Q, Dv]
+        bias = _causal_bias(torch.arange(L - Q, L, device=q.device)[None], Lp // KV_SPLIT)
+        o = _attend(q[cq[b] : cq[b + 1]].transpose(0, 1).float(), keys, vals, bias, scale)  # [H, Q, Dv]
         out[cq[b] : cq[b + 1]] = o.transpose(0, 1).to(q.dtype)
     return out
 

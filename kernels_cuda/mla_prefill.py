@@ -92,9 +92,10 @@ def build_prefill(H: int, DQK: int, DV: int, BM: int, BN: int, stages: int, thre
                 T.copy(K[k0 + kk * BN:k0 + (kk + 1) * BN, h, :], K_s)
                 T.copy(V[k0 + kk * BN:k0 + (kk + 1) * BN, h, :], V_s)
                 T.gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(BM, BN):
-                    acc_s[i, j] = T.if_then_else(
-                        (kk * BN + j <= diag + i) & (kk * BN + j < k_len), acc_s[i, j], -T.infinity(accum))
+                if (kk * BN + BN - 1 > diag) | (kk * BN + BN > k_len):  # only tiles on the diagonal or the end
+                    for i, j in T.Parallel(BM, BN):
+                        acc_s[i, j] = T.if_then_else(
+                            (kk * BN + j <= diag + i) & (kk * BN + j < k_len), acc_s[i, j], -T.infinity(accum))
                 T.copy(m_i, m_prev)
                 T.reduce_max(acc_s, m_i, dim=1, clear=False)
                 for i in T.Parallel(BM):

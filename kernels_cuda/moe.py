@@ -111,8 +111,9 @@ def build_gemm1(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, 
                 T.copy(Xs[blk * BM:(blk + 1) * BM, k * BK:(k + 1) * BK], A_s)
                 T.copy(W13[e, bn * BN:(bn + 1) * BN, k * BK:(k + 1) * BK], G_s)
                 T.copy(W13[e, I + bn * BN:I + (bn + 1) * BN, k * BK:(k + 1) * BK], U_s)
-                T.gemm(A_s, G_s, acc_g, transpose_B=True)
-                T.gemm(A_s, U_s, acc_u, transpose_B=True)
+                # each warpgroup owns whole rows: m64nBN wgmma chains, the widest the tile allows
+                T.gemm(A_s, G_s, acc_g, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(A_s, U_s, acc_u, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             if e >= 0:
                 for i, j in T.Parallel(BM, BN):
                     acc_g[i, j] = acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j]
@@ -142,7 +143,7 @@ def build_gemm2(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, 
             for k in T.Pipelined(n_iter, num_stages=stages):
                 T.copy(Hs[blk * BM:(blk + 1) * BM, k * BK:(k + 1) * BK], A_s)
                 T.copy(W2[e, bn * BN:(bn + 1) * BN, k * BK:(k + 1) * BK], B_s)
-                T.gemm(A_s, B_s, acc, transpose_B=True)
+                T.gemm(A_s, B_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             if e >= 0:
                 for i, j in T.Parallel(BM, BN):
                     slot = RowSlot[blk * BM + i]
@@ -184,7 +185,7 @@ _combine = _tl.kernel_cache(build_combine)
 #: GEMM tiles: small batches stream weights (BM 64, one warpgroup, narrow N tiles for more CTAs);
 #: large batches are matrix-bound (BM 128, two warpgroups).
 SMALL = {"BM": 64, "BN1": 64, "BN2": 128, "BK": 64, "stages": 4, "threads": 128}
-LARGE = {"BM": 128, "BN1": 128, "BN2": 128, "BK": 64, "stages": 3, "threads": 256}
+LARGE = {"BM": 128, "BN1": 128, "BN2": 256, "BK": 64, "stages": 3, "threads": 256}
 
 
 def choose_config(n_slots: int, E: int) -> dict:
@@ -208,14 +209,23 @@ def _pad_weights(w13, w2, C, I, Cp, Ip):
 
 
 def fused_moe(x, w13, w2, weights, ids, *, cfg: dict | None = None):
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] == 0:
+        from kernels_cpu.ops import fused_moe as ref  # float32: tensor cores would round to tf32
+
+        return ref(x, w13, w2, weights, ids)
+    steps, finish = moe_steps(x, w13, w2, weights, ids, cfg=cfg)
+    for _, step in steps:
+        step()
+    return finish()
+
+
+def moe_steps(x, w13, w2, weights, ids, *, cfg: dict | None = None):
+    """The launches of :func:`fused_moe` as (name, thunk) pairs, plus a thunk returning the output
+    (``examples/kernel_bench.py`` times each stage)."""
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
     K = ids.shape[1]
-    if x.dtype not in (torch.bfloat16, torch.float16) or NT == 0:
-        from kernels_cpu.ops import fused_moe as ref  # float32: tensor cores would round to tf32
-
-        return ref(x, w13, w2, weights, ids)
     NS = NT * K
     c = dict(cfg or choose_config(NS, E))
     BM, BK = c["BM"], c["BK"]
@@ -224,24 +234,33 @@ def fused_moe(x, w13, w2, weights, ids, *, cfg: dict | None = None):
     if (Cp, Ip) != (C, I):
         w13, w2 = _pad_weights(w13, w2, C, I, Cp, Ip)
         x = torch.nn.functional.pad(x, (0, Cp - C))
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     dt = _tl.tl_dtype(x.dtype)
     dev = x.device
     nblk = (NS + BM - 1) // BM + min(E, NS)
     cap = nblk * BM
     ids_flat = ids.reshape(-1).to(torch.int64).contiguous()
+    ids2 = ids.to(torch.int64).contiguous()
+    wts = weights.to(torch.float32).contiguous()
     row_slot = torch.empty(cap, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nblk, dtype=torch.int32, device=dev)
-    _align(E, BM)(ids_flat, row_slot, block_expert)
     xs = torch.empty(cap, Cp, dtype=x.dtype, device=dev)
-    _gather(Cp, K, BM, dt)(x.contiguous(), row_slot, block_expert, xs)
     hs = torch.empty(cap, Ip, dtype=x.dtype, device=dev)
-    _gemm1(E, Cp, Ip, BM, c["BN1"], BK, c["stages"], c["threads"], dt)(xs, w13.contiguous(), block_expert, hs)
     y = torch.empty(NS, Cp, dtype=x.dtype, device=dev)
-    _gemm2(E, Cp, Ip, BM, c["BN2"], BK, c["stages"], c["threads"], dt)(hs, w2.contiguous(), block_expert,
-                                                                       row_slot, y)
     out = torch.empty(NT, Cp, dtype=x.dtype, device=dev)
-    _combine(Cp, K, E, dt)(y, weights.to(torch.float32).contiguous(), ids.to(torch.int64).contiguous(), out)
-    return out if Cp == C else out[:, :C].contiguous()
+    k_align = _align(E, BM)
+    k_gather = _gather(Cp, K, BM, dt)
+    k_gemm1 = _gemm1(E, Cp, Ip, BM, c["BN1"], BK, c["stages"], c["threads"], dt)
+    k_gemm2 = _gemm2(E, Cp, Ip, BM, c["BN2"], BK, c["stages"], c["threads"], dt)
+    k_combine = _combine(Cp, K, E, dt)
+    steps = [
+        ("align", lambda: k_align(ids_flat, row_slot, block_expert)),
+        ("gather", lambda: k_gather(x, row_slot, block_expert, xs)),
+        ("gemm1", lambda: k_gemm1(xs, w13, block_expert, hs)),
+        ("gemm2", lambda: k_gemm2(hs, w2, block_expert, row_slot, y)),
+        ("combine", lambda: k_combine(y, wts, ids2, out)),
+    ]
+    return steps, (lambda: out if Cp == C else out[:, :C].contiguous())
 
 
 def representative_kernels():

@@ -104,14 +104,18 @@ def paged(g, seq_lens, bs, D, dtype=torch.bfloat16, extra_cols=3):
     return cache, tables.to(DEV)
 
 
+WS = {"kernel": "ws", "BH": 64, "BN": 64}
 MLA_DECODE_CASES = [
-    # label, heads, block size, q_lens, seq_lens, n_split (None: automatic)
-    ("V3 heads, bs64, decode", 128, 64, [1] * 6, [1, 63, 64, 65, 1000, 3001], None),
-    ("V2-Lite heads, bs16, decode", 16, 16, [1] * 6, [1, 15, 16, 17, 999, 2500], None),
-    ("V3 heads, bs16, forced split", 128, 16, [1] * 3, [5, 700, 2000], 7),
-    ("V2-Lite heads, bs64, ragged (MTP)", 16, 64, [1, 3, 2, 4], [9, 3, 300, 1200], None),
-    ("V3 heads, bs64, ragged + split", 128, 64, [2, 1, 3], [2, 500, 1500], 5),
-    ("32 heads, bs64, one long", 32, 64, [1], [8191], None),
+    # label, heads, block size, q_lens, seq_lens, n_split (None: automatic), tile config (None: default)
+    ("V3 heads, bs64, decode", 128, 64, [1] * 6, [1, 63, 64, 65, 1000, 3001], None, None),
+    ("V2-Lite heads, bs16, decode", 16, 16, [1] * 6, [1, 15, 16, 17, 999, 2500], None, None),
+    ("V3 heads, bs16, forced split", 128, 16, [1] * 3, [5, 700, 2000], 7, None),
+    ("V2-Lite heads, bs64, ragged (MTP)", 16, 64, [1, 3, 2, 4], [9, 3, 300, 1200], None, None),
+    ("V3 heads, bs64, ragged + split", 128, 64, [2, 1, 3], [2, 500, 1500], 5, None),
+    ("32 heads, bs64, one long", 32, 64, [1], [8191], None, None),
+    ("V2-Lite heads, bs16, warp-specialised (padded heads)", 16, 16, [1, 2, 1], [5, 300, 2000], None, WS),
+    ("V3 heads, bs64, auto-pipelined tile kernel", 128, 64, [1, 1], [70, 900], None,
+     {"BH": 64, "BN": 64, "stages": 2, "threads": 256}),
 ]
 
 
@@ -119,7 +123,7 @@ MLA_DECODE_CASES = [
 def test_mla_decode_real_shapes(case):
     from kernels_cuda.mla_decode import mla_decode
 
-    _, H, bs, q_lens, seq_lens, n_split = case
+    _, H, bs, q_lens, seq_lens, n_split, cfg = case
     g = gen(1)
     L, R = 512, 64
     cache, tables = paged(g, seq_lens, bs, L + R)
@@ -127,7 +131,7 @@ def test_mla_decode_real_shapes(case):
     cu = torch.tensor([0, *q_lens], device=DEV).cumsum(0)
     sl = torch.tensor(seq_lens, device=DEV)
     scale = 192 ** -0.5
-    out = mla_decode(q, cache, tables, cu, sl, scale, L, n_split=n_split)
+    out = mla_decode(q, cache, tables, cu, sl, scale, L, n_split=n_split, cfg=cfg)
     if not DRY:
         truth = ref.mla_decode(*up(q, cache), tables.clamp_min(0), cu, sl, scale, L)
         close(out, truth, torch.bfloat16, f"mla_decode {case[0]}")

@@ -221,6 +221,8 @@ class LLMEngine:
 
     # ---- hooks the scheduler calls ------------------------------------------------------
     def _is_ready(self, seq: Sequence) -> bool:
+        if seq.is_finished:  # failed by a feature (e.g. in _fail_stuck) and not yet dropped: never schedule it
+            return False
         try:
             ready = self.pm.hook.request_ready(engine=self, request=seq)
         except Exception as exc:  # a feature failed this request alone

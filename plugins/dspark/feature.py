@@ -33,6 +33,7 @@ tokens per decode step), ``verified_per_step`` (draft tokens verified per decode
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ import torch
 import deepinfer_core
 from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.cost_model import cache_dir
+from deepinfer_core.engine.engine import model_fingerprint
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
@@ -154,9 +156,25 @@ class DSpark(Feature):
                                                      temp, engine.device)
         else:
             self.head = conf_mod.ConfidenceHead.fallback(temp)
+        self._check_trained_for(engine)
         self.cost = self._load_or_measure_cost(engine)
         logger.info("dspark: draft %s, k=%d, %s length, confidence head %s", self.source.kind, self.k,
                     "variable" if self.varlen else "fixed", "trained" if self.head.trained else "q(d)")
+
+    def _check_trained_for(self, engine) -> None:
+        """A draft whose training report names another target still works (verification keeps the
+        output exact), but accepts less: say so."""
+        report = Path(getattr(self.source, "path", "")) / "training_report.json"
+        if not report.is_file():
+            return
+        try:
+            trained_for = json.loads(report.read_text()).get("target_fingerprint")
+        except (OSError, ValueError):
+            return
+        if trained_for and trained_for != model_fingerprint(engine.model_dir, torch.float32):
+            logger.warning("dspark: draft %s was trained for another version of the target (fingerprint %s); "
+                           "it still works but accepts less - retrain it with examples/train_dspark_draft.py",
+                           self.source.path, trained_for)
 
     def _resolve_source(self, engine):
         draft = self.opts["draft"]

@@ -13,7 +13,7 @@ import torch
 from deepinfer_core.config import ConfigError
 from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
-from plugins.structured_output.bitmask import apply_bitmask
+from plugins.structured_output.bitmask import apply_bitmask, apply_penalties
 from plugins.structured_output.grammar import GrammarCompiler, GrammarError, GrammarSpec, parse_so_args, tokenizer_info
 from plugins.structured_output.matcher import GrammarState, schedule_fills
 
@@ -78,6 +78,7 @@ class StructuredOutput(Feature):
         self.vocab_size = 0
         self.no_tokenizer_reason: str | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
+        self.penalty_rows = False  # CPU logits: masks are expanded into penalty rows by the mask worker
         self.stats = {"requests": 0, "failed": 0, "masked_rows": 0, "mask_wait_s": 0.0, "apply_s": 0.0,
                       "fill_s": 0.0, "fills": 0}
 
@@ -89,6 +90,7 @@ class StructuredOutput(Feature):
     @hookimpl
     def engine_started(self, engine) -> None:
         self.vocab_size = engine.model_config.vocab_size
+        self.penalty_rows = engine.device.type == "cpu"
         tk = getattr(engine.tokenizer, "tk", None)
         if tk is None:
             self.no_tokenizer_reason = (f"structured output needs the model's tokenizer.json, which "
@@ -144,7 +146,7 @@ class StructuredOutput(Feature):
         if exc is not None:
             self.stats["failed"] += 1
             raise exc
-        state = GrammarState(fut.result(), pending.spec, pending.eos, self.vocab_size)
+        state = GrammarState(fut.result(), pending.spec, pending.eos, self.vocab_size, self.penalty_rows)
         for tok in request.output_token_ids:  # resumed with output already generated
             if not state.accept_token(tok):
                 raise GrammarError(f"structured output: existing output token {tok} violates the grammar")
@@ -168,18 +170,28 @@ class StructuredOutput(Feature):
     @hookimpl
     def process_logits(self, engine, batch, logits: torch.Tensor) -> None:
         rows: list[int] = []
-        masks: list[torch.Tensor] = []
-        t0 = time.perf_counter()
+        states: list[GrammarState] = []
+        seen: set[int] = set()
         for i, seq in enumerate(batch.sample_seqs):
             st = self.state(seq)
-            if st is not None and st.active:
+            # a request's later rows (speculative verification) need masks after its draft tokens:
+            # the speculating feature fills those with GrammarState.fill_draft_bitmasks
+            if st is not None and st.active and id(st) not in seen:
+                seen.add(id(st))
                 rows.append(i)
-                masks.append(st.next_mask())
+                states.append(st)
         if not rows:
             return
-        t1 = time.perf_counter()
-        bitmask = masks[0] if len(masks) == 1 else torch.cat(masks)
-        apply_bitmask(logits, bitmask, None if len(rows) == logits.shape[0] else rows)
+        t0 = time.perf_counter()
+        if self.penalty_rows and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            penalties = [st.next_penalty() for st in states]  # usually ready: filled during the forward
+            t1 = time.perf_counter()
+            apply_penalties(logits, rows, penalties)
+        else:
+            masks = [st.next_mask() for st in states]
+            t1 = time.perf_counter()
+            apply_bitmask(logits, masks[0] if len(masks) == 1 else torch.cat(masks),
+                          None if len(rows) == logits.shape[0] else rows)
         self.stats["mask_wait_s"] += t1 - t0
         self.stats["apply_s"] += time.perf_counter() - t1
         self.stats["masked_rows"] += len(rows)
@@ -195,7 +207,7 @@ class StructuredOutput(Feature):
                 engine.abort(seq.request_id, "error", GrammarError(
                     f"structured output: sampled token {tok} is not allowed by the grammar"))
                 continue
-            if st.active:
+            if st.active and st not in refill:
                 refill.append(st)
         if self._mask_pool is not None:  # next step's masks, while its forward runs
             schedule_fills(self._mask_pool, refill)

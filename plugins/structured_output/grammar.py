@@ -141,7 +141,7 @@ class GrammarCompiler:
         self._bytes = 0
         self._pending: dict[tuple[str, str], Future] = {}
         self._lock = threading.Lock()
-        self.hits = self.misses = self.errors = 0
+        self.hits = self.misses = self.errors = 0  # hits: requests that started no compilation
         self.compile_time = 0.0
 
     def submit(self, key: tuple[str, str]) -> Future:
@@ -159,6 +159,8 @@ class GrammarCompiler:
                 self.misses += 1
                 fut = self.pool.submit(self._build, key)
                 self._pending[key] = fut
+            else:  # shares the compilation already under way
+                self.hits += 1
             return fut
 
     def compile_now(self, key: tuple[str, str]) -> xgr.CompiledGrammar:

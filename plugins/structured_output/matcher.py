@@ -6,9 +6,11 @@ import time
 from collections import deque
 from concurrent.futures import Executor, Future
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
+from plugins.structured_output.bitmask import penalty_rows
 from plugins.structured_output.grammar import GrammarSpec
 
 WATCH, ACTIVE, DONE = "watch", "active", "done"
@@ -29,9 +31,17 @@ class GrammarState:
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar, spec: GrammarSpec, eos_token_ids: list[int],
-                 vocab_size: int) -> None:
+                 vocab_size: int, with_penalty: bool = False) -> None:
         self.compiled, self.spec = compiled, spec
+        self.vocab_size = vocab_size
+        self.with_penalty = with_penalty  # also expand each mask into a {0, -inf} row (CPU logits)
+        self.penalty: np.ndarray | None = None
         self.stop_token_ids = [spec.bound_token_id] if spec.bound_token_id is not None else list(eos_token_ids)
+        info = compiled.tokenizer_info
+        # tokens without text (BOS, the tokenizer's EOS when a bound token replaces it, padding ids):
+        # xgrammar would take an empty token as a no-op, so they are rejected here
+        self.textless = frozenset(info.special_token_ids) | (frozenset(info.stop_token_ids)
+                                                              - set(self.stop_token_ids))
         self.trigger = list(spec.trigger_token_ids)
         self.phase = WATCH if self.trigger else ACTIVE
         self.matcher: xgr.GrammarMatcher | None = None if self.trigger else self._new_matcher()
@@ -62,6 +72,8 @@ class GrammarState:
         """Fill ``self.mask`` for the next token (only meaningful while active)."""
         t0 = time.perf_counter()
         self.matcher.fill_next_token_bitmask(self.mask)
+        if self.with_penalty:
+            self.penalty = penalty_rows(self.mask, self.vocab_size)
         self.fill_seconds += time.perf_counter() - t0
         self.fills += 1
         self.mask_valid = True
@@ -83,12 +95,17 @@ class GrammarState:
             self.fill_mask()
         return self.mask
 
+    def next_penalty(self) -> np.ndarray:
+        """The mask as a [1, V] float32 row of 0 / -inf (``with_penalty`` states)."""
+        self.next_mask()
+        return self.penalty
+
     # ---- advancing and undoing -------------------------------------------------------------------
     def accept_token(self, token: int) -> bool:
         """Advance by one output token. False (state unchanged) if the grammar rejects it."""
         self.sync()
         if self.phase == ACTIVE:
-            if not self.matcher.accept_token(token):
+            if token in self.textless or not self.matcher.accept_token(token):
                 return False
             self.mask_valid = False
             if self.matcher.is_terminated():
