@@ -83,6 +83,7 @@ OP_SPECS: tuple[OpSpec, ...] = (
         " -> [B, V]",
         "vLLM-style repetition (on prompt and output tokens), presence and frequency penalties",
     ),
+    OpSpec("logsumexp", "(x[R, V] f32) -> [R]", "log(sum(exp(x[r]))) per row (the logprob normaliser)"),
     OpSpec(
         "sample",
         "(logits[B, V] f32, temperature[B], top_k[B], top_p[B], min_p[B], seeds[B], offsets[B]) -> [B]",

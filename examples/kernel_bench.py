@@ -63,6 +63,16 @@ def timed(fn, warmup: int = 2, reps: int = 20, budget_s: float = 2.0) -> float:
     return statistics.median(times)
 
 
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after a warm-up call); returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def rand(*shape, dtype=torch.bfloat16, scale=1.0):
     if DRY:
         return torch.empty(*shape, dtype=dtype, device=DEV)
@@ -96,10 +106,11 @@ def bench_hbm():
 #: (heads, block size, n_split (None: automatic), tile config (None: default)) per measured variant
 WS = {"kernel": "ws", "BH": 64, "BN": 64}
 #: (heads, block size, n_split (None: automatic), tile config (None: default)) per measured variant
+T256 = {"BH": 16, "BN": 64, "stages": 2, "threads": 256}
 MLA_VARIANTS = [
-    (16, 64, None, None),
+    (16, 64, None, None), (16, 64, None, T256), (16, 64, 1, T256), (16, 64, 4, T256),
     (128, 64, None, None), (128, 64, None, {"BH": 64, "BN": 64, "stages": 2, "threads": 256}),
-    (16, 64, None, None), (16, 64, 3, None), (16, 64, None, WS),
+    (16, 64, None, None), (16, 64, None, WS),
     (128, 16, None, None), (16, 16, None, None), (16, 16, None, WS),
 ]
 
@@ -159,6 +170,11 @@ def bench_moe():
             RESULTS["fused_moe"][f"{name} T={T} ms"] = {"fused": round(ms, 4), "loop": round(loop, 4),
                                                         "weights_GBps": round(wbytes / ms / 1e6, 1),
                                                         "TFLOPs": round(flops / ms / 1e9, 1)}
+            if T <= 64:  # without the host's launch overhead: the same call replayed from a CUDA graph
+                graph_ms = timed(graphed(functools.partial(fused_moe, x, w13, w2, w, ids)), reps=20)
+                log("fused_moe", f"{name} T={T} CUDA-graph replay", f"{graph_ms:.3f} ms, "
+                    f"{wbytes / graph_ms / 1e6:.0f} GB/s of expert weights, x{loop / graph_ms:.1f} vs the loop")
+                RESULTS["fused_moe"][f"{name} T={T} ms"]["graph"] = round(graph_ms, 4)
             if T in (1, 64, 8192):  # where the time goes, launch by launch
                 steps, _ = moe_steps(x, w13, w2, w, ids)
                 parts = {n: round(timed(fn, reps=10), 4) for n, fn in steps}

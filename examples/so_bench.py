@@ -8,12 +8,13 @@
 
 * ``--mask``: a 32k byte-level BPE (trained once on the Python standard library, cached under
   $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer) and JSON-Schema, regex and EBNF grammars. Each
-  constrained request-token costs a mask fill (xgrammar) and its expansion into a {0, -inf} row (both
-  on the mask worker thread in the engine) plus adding that row to the [1, 32000] float32 logits (on
-  the engine thread); they are timed over random walks through the grammars (a token drawn uniformly
-  from the allowed set each step), and the median and p99 of each part and of the sum are printed. Then
-  measured inside the engine on a random 32k-vocabulary checkpoint: the time ``process_logits``
-  spends per masked row (fills overlap the forward pass there, so this is what the step loop pays).
+  constrained request-token costs a mask fill (xgrammar) and its preparation for CPU logits (a list
+  of allowed ids, or a {0, -inf} row), both on the mask worker thread in the engine, plus applying
+  it to the [1, 32000] float32 logits row on the engine thread. They are timed over random walks
+  through the grammars (a token drawn uniformly from the allowed set each step); the median and p99
+  of each part and of the sum are printed. Then the time ``process_logits`` spends per masked row
+  is measured inside the engine on a random 32k-vocabulary checkpoint (the fills overlap the forward
+  pass there, so this is what the step loop pays).
 * ``--json200``: 200 requests over 10 schemas, temperature 0.8, seeds 0..19, one batch on one LLM;
   every output must parse (``json.loads``) and validate (``jsonschema``).
 * ``--bi``: the same workload with and without ``batch_invariant=True``, interleaved repetitions;
@@ -128,7 +129,7 @@ def bpe32k_path() -> Path:
 def bench_mask(walks: int, engine_check: bool) -> None:
     from tokenizers import Tokenizer
 
-    from plugins.structured_output.bitmask import apply_penalties
+    from plugins.structured_output.bitmask import apply_cpu_masks
     from plugins.structured_output.grammar import GrammarCompiler, parse_so_args, tokenizer_info
     from plugins.structured_output.matcher import GrammarState
 
@@ -150,13 +151,13 @@ def bench_mask(walks: int, engine_check: bool) -> None:
     tokens = 0
     for w in range(walks):
         k = w % len(specs)
-        st = GrammarState(compiled[k], specs[k], [1], V, with_penalty=True)
+        st = GrammarState(compiled[k], specs[k], [1], V, cpu_masks=True)
         for _ in range(300):
             row = logits.clone()
             t0 = time.perf_counter()
-            penalty = st.next_penalty()  # fill + expansion: the mask worker's part
+            mask = st.next_cpu_mask()  # fill + preparation: the mask worker's part
             t1 = time.perf_counter()
-            apply_penalties(row, [0], [penalty])  # the engine thread's part
+            apply_cpu_masks(row, [0], [mask])  # the engine thread's part
             t2 = time.perf_counter()
             fill.append(t1 - t0)
             apply.append(t2 - t1)
@@ -169,7 +170,7 @@ def bench_mask(walks: int, engine_check: bool) -> None:
     us = 1e6
     print(f"mask overhead per token per request, 32k vocabulary ({tokens} request-tokens over {walks} walks "
           f"through {len(specs)} grammars):")
-    for name, v in (("fill + expand (mask worker)", fill), ("apply (engine thread)", apply),
+    for name, v in (("fill + prepare (mask worker)", fill), ("apply (engine thread)", apply),
                     ("total", total)):
         print(f"  {name:<28} median {statistics.median(v) * us:6.1f} us   p99 {pct(v, 0.99) * us:7.1f} us")
     compiler.shutdown()

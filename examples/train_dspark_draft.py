@@ -232,7 +232,7 @@ def log_outcomes(draft_dir: Path, prompts: list[list[int]], gen_tokens: int, max
 
 
 def outcome_matrix(records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden [N, C], extra features [N, 3], accepted [N]) from the feature's outcome log."""
+    """(hidden [N, C], (log q, entropy, greedy) [N, 3], accepted [N]) from the feature's outcome log."""
     hs, ex, ys = [], [], []
     for h, lq, ent, greedy, _, acc in records:
         n = len(acc)
@@ -243,8 +243,13 @@ def outcome_matrix(records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.cat(hs), torch.cat(ex), torch.cat(ys)
 
 
+def head_inputs(h: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """The head's input vector: hidden state and the extra features of (log q, entropy, greedy)."""
+    return torch.cat((h, ConfidenceHead.extra_features(raw[:, 0], raw[:, 1], raw[:, 2] > 0.5)), dim=-1)
+
+
 def fit_head(h: torch.Tensor, extra: torch.Tensor, y: torch.Tensor, l2: float) -> ConfidenceHead:
-    X = torch.cat((h, extra), dim=-1).double()
+    X = head_inputs(h, extra).double()
     mu, sd = X.mean(0), X.std(0).clamp(min=1e-6)
     Z = (X - mu) / sd
     w = torch.zeros(X.shape[1], dtype=torch.float64, requires_grad=True)
@@ -283,10 +288,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("deepinfer_core/assets/default_draft"))
     p.add_argument("--minutes", type=float, default=18.0, help="wall-clock budget of the whole run")
-    p.add_argument("--num-prompts", type=int, default=512, help="prompts for the distillation data")
-    p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--outcome-prompts", type=int, default=192, help="prompts for the confidence head")
-    p.add_argument("--heldout-prompts", type=int, default=96, help="held-out prompts for calibration")
+    p.add_argument("--num-prompts", type=int, default=1536, help="prompts for the distillation data")
+    p.add_argument("--gen-tokens", type=int, default=96)
+    p.add_argument("--outcome-prompts", type=int, default=384, help="prompts for the confidence head")
+    p.add_argument("--heldout-prompts", type=int, default=128, help="held-out prompts for calibration")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-steps", type=int, default=100000)

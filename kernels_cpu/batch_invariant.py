@@ -11,24 +11,26 @@ Where batch dependence comes from, and what is done about it here:
 * **GEMMs** (``linear``, ``head_linear``, the expert GEMMs of ``fused_moe``, the two products inside
   attention). BLAS libraries pick kernels, blocking and thread partitions from the matrix shape: on
   x86 MKL a row computed in a call of 1-11 rows can differ in the last bit from the same row in a
-  call of 16. Here every call has a row count that is a multiple of a fixed *row tile* (rows are
-  zero-padded), at most a fixed *chunk* of rows per call, and the other two dimensions fixed by the
-  weight. The plan (tile, chunk, or a fixed row count per call, or one row per call as a last resort)
-  is chosen per (K, N, dtype, layout, threads) by a self-check that runs on first use: rows of random
-  data must come out bitwise equal wherever they sit in calls of many sizes. So a library or device
-  whose kernels behave differently is detected, not assumed.
-* **Reductions outside GEMMs** (RMSNorm's mean of squares, softmax sums, the MoE weight
-  normalisation) use a fixed pairwise tree over a zero-padded power-of-two width: elementwise adds in
-  an order that depends only on the reduced length.
-* **Attention** is computed per sequence with the keys in fixed splits of ``KV_SPLIT`` positions
-  counted from position 0: scores per split (a tiled GEMM with N = KV_SPLIT), one exact max over the
-  row, exponentials, per-split tree sums added split by split in order, and P·V per split added in
-  order. A query row at position p gets the same result whether its sequence has 1 or 500 query
-  rows this step (chunked prefill) and whatever the other sequences are: splits past p add exact
-  zeros.
+  call of 16, and cuBLAS picks batched algorithms by the group count. Here every call has a row
+  count that is a multiple of a fixed *row tile* (rows are zero-padded), at most a fixed *chunk* of
+  rows per call, and the other dimensions fixed by the weight. The plan (tile and chunk, or a fixed
+  row count per call, or one row per call as a last resort; for batched GEMMs also a fixed group
+  count per call) is chosen per (K, N, dtype, layout, threads) by a self-check on first use: rows of
+  random data must come out bitwise equal wherever they sit, in calls of many sizes and group
+  counts. A library or device whose kernels behave differently is detected, not assumed.
+* **Row reductions outside GEMMs** (RMSNorm's mean of squares, softmax sums, the MoE weight
+  normalisation) use torch's own row sum where a self-check shows it batch-independent for that row
+  length (on CPU it reduces a short row in an order set by its length), else a pairwise tree over a
+  zero-padded power-of-two width (element-wise adds in an order set by the length alone).
+* **Attention** (``mla_decode``; ``mla_prefill`` alike) runs sequences with equal query counts
+  together, the keys in fixed splits of ``KV_SPLIT`` positions counted from position 0: scores per
+  split (a batched GEMM with N = KV_SPLIT), a causal bias of 0 / -inf, one exact max over the row,
+  exponentials, per-split sums added split by split in order, and P·V per split added in order. A
+  query at position p gets the same result whether its sequence has 1 or 500 query rows this step
+  (chunked prefill) and whatever the other sequences are: splits past p add exact zeros. The
+  slots and bias of a step are computed once and shared by its layers.
 * **MoE**: expert GEMMs use the tiled linear whatever the number of tokens an expert receives;
   each token's expert outputs are summed in its top-k slot order.
-
 * **Element-wise transcendentals**: torch's CPU kernels run the vectorised body and the scalar tail
   of a tensor with different formulas for some functions (``sigmoid`` and ``silu`` differ in the
   last bit), and which elements fall in the tail depends on the tensor's size and thread split. SiLU
@@ -36,14 +38,14 @@ Where batch dependence comes from, and what is done about it here:
   (``exp``, ``+``, ``/``).
 
 Other element-wise ops (RoPE, penalties), copies (paged KV) and selection (top-k, argmax) are
-batch-independent already and keep the reference implementations, as does ``sample``, whose
+batch-independent already and keep the platform's implementations, as does ``sample``, whose
 counter-based RNG makes each row's draw depend only on (seed, position).
 
 Tunables (environment): ``DEEPINFER_BI_ROW_TILE`` (first row tile tried, default 4),
 ``DEEPINFER_BI_KV_SPLIT`` (attention split, default 64).
 
-The same design carries to GPUs (fixed tiles, no split-K, per-sequence fixed KV splits); the
-self-check then picks fixed-row-count calls if cuBLAS changes algorithms with M.
+The ops are plain torch, so the same set runs on a GPU (``Platform.batch_invariant_kernel_backend``
+lets a platform name a faster invariant set): the self-checks then choose the tilings cuBLAS needs.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -125,24 +127,29 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 # ---- GEMM plans -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GemmPlan:
-    """How rows are fed to the library GEMM.
+    """How rows (and, for batched GEMMs, groups) are fed to the library GEMM.
 
     ``fixed``: every call has exactly ``chunk`` rows; otherwise a call has a multiple of ``tile`` rows,
-    at most ``chunk``."""
+    at most ``chunk``. ``groups``: batched calls have exactly this many groups (zero-padded); 0 lets
+    the group count vary (libraries such as cuBLAS pick batched algorithms by the group count)."""
 
     tile: int
     chunk: int
     fixed: bool = False
+    groups: int = 0
 
     def __str__(self) -> str:
-        return f"{self.chunk} rows per call" if self.fixed else f"row tile {self.tile}, <= {self.chunk} rows"
+        rows = f"{self.chunk} rows per call" if self.fixed else f"row tile {self.tile}, <= {self.chunk} rows"
+        return rows + (f", {self.groups} groups per call" if self.groups else "")
 
 
-def _candidate_plans() -> list[GemmPlan]:
+def _candidate_plans(batched: bool = False) -> list[GemmPlan]:
     tiles = sorted({ROW_TILE, 8, 16, 32, 64})
     plans = [GemmPlan(t, max(MAX_CHUNK // t, 1) * t) for t in tiles]
     plans += [GemmPlan(t, t, fixed=True) for t in tiles]
     plans.append(GemmPlan(1, 1, fixed=True))  # one row per call: invariant by construction
+    if batched:
+        plans += [replace(p, groups=g) for g in (16, 1) for p in plans]
     return plans
 
 
@@ -172,6 +179,20 @@ def _run(plan: GemmPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _run_bmm(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a[G, T, K] @ b[G, K, N] under ``plan`` (rows of every group padded alike)."""
+    if plan.groups:
+        G, step = a.shape[0], plan.groups
+        out = []
+        for g in range(0, G, step):
+            ag, bg = a[g : g + step], b[g : g + step]
+            n = ag.shape[0]
+            if n < step:  # pad with zero groups, keeping b's layout
+                bp = torch.empty_strided((step, *bg.shape[1:]), bg.stride(), dtype=bg.dtype, device=bg.device)
+                bp.zero_()
+                bp[:n] = bg
+                ag = torch.cat((ag, ag.new_zeros(step - n, *ag.shape[1:])))
+                bg = bp
+            out.append(_run_bmm(replace(plan, groups=0), ag, bg)[:n])
+        return out[0] if len(out) == 1 else torch.cat(out)
     T = a.shape[1]
     a = _pad_rows(a, plan.chunk if plan.fixed else plan.tile)
     if a.shape[1] <= plan.chunk:
@@ -228,7 +249,7 @@ def _bmm_plan_ok(plan: GemmPlan, b: torch.Tensor) -> bool:
     return True
 
 
-def _plan_for(key: tuple, ok) -> GemmPlan:
+def _plan_for(key: tuple, ok, batched: bool = False) -> GemmPlan:
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -236,7 +257,10 @@ def _plan_for(key: tuple, ok) -> GemmPlan:
         plan = _plans.get(key)
         if plan is None:
             with torch.inference_mode():
-                plan = next(p for p in _candidate_plans() if ok(p))
+                plan = next((p for p in _candidate_plans(batched) if ok(p)), None)
+                if plan is None:
+                    raise RuntimeError(f"batch-invariant mode: no GEMM plan gives batch-independent results "
+                                       f"for {key[:4]} on this device")
             if plan.tile != ROW_TILE or plan.fixed:
                 logger.info("batch-invariant GEMM %s: %s", key[:4], plan)
             _plans[key] = plan
@@ -252,7 +276,7 @@ def gemm_plan(w: torch.Tensor) -> GemmPlan:
 def bmm_plan(b: torch.Tensor) -> GemmPlan:
     """The verified plan for batched GEMMs against b[G, K, N] of this layout (any G)."""
     key = ("bmm", tuple(b.shape[1:]), b.stride(), b.dtype, b.device.type, torch.get_num_threads())
-    return _plan_for(key, lambda p: _bmm_plan_ok(p, b))
+    return _plan_for(key, lambda p: _bmm_plan_ok(p, b), batched=True)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -387,6 +411,14 @@ def mla_prefill(q, k, v, cu_q_lens, cu_k_lens, scale):
     return out
 
 
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """Per-row log-sum-exp with the row sum of :func:`row_sum` (CUDA's own reduction changes with the
+    number of rows)."""
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return torch.log(row_sum(torch.exp(x - m))) + m[..., 0]
+
+
 def moe_route(logits, bias, top_k, scoring, n_group, topk_group, group_score, renormalize, scale):
     logits = logits.float()
     if scoring == "softmax":
@@ -448,5 +480,5 @@ class BatchInvariantKernels(KernelBackend):
     core_api_version = "1.0"
     ops = {name: f"kernels_cpu.batch_invariant:{name}" for name in (
         "linear", "head_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "mla_decode", "mla_prefill",
-        "moe_route", "fused_moe",
+        "moe_route", "fused_moe", "logsumexp",
     )}

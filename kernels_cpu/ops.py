@@ -212,6 +212,10 @@ def apply_penalties(
     return logits - presence[:, None] * (output_counts > 0).to(logits.dtype)
 
 
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(x, dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,

@@ -23,7 +23,7 @@ from tiny_models import VOCAB, kv_bytes_per_block, write_checkpoint
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
 from plugins.dspark import feature as dspark_feature
-from plugins.dspark.policy import StepCost, choose_lengths, fixed_lengths
+from plugins.dspark.policy import StepCost, choose_lengths, fixed_lengths, worth_drafting
 from plugins.dspark.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
 
 BS = 4
@@ -277,6 +277,9 @@ def test_policy_cuts_unlikely_drafts_and_respects_budget():
     assert lengths[0] == 4 and lengths[1] <= 1
     assert choose_lengths(cum, 32, 3, cost, 0.005)[0] <= 3 and sum(choose_lengths(cum, 32, 3, cost, 0.005)) <= 3
     assert fixed_lengths([5, 5, 2], 8) == [3, 3, 2]
+    # drafting deeper: worth it for a confident request, not for an unlikely one
+    assert worth_drafting([0.9], [0.95], 1, 2, 1.9, cost, 0.003, 3)
+    assert not worth_drafting([0.05], [0.2], 1, 2, 1.05, cost, 0.003, 3)
 
 
 # ---- calibration of the shipped draft's confidence head --------------------------------------------------

@@ -116,6 +116,8 @@ MLA_DECODE_CASES = [
     ("V2-Lite heads, bs16, warp-specialised (padded heads)", 16, 16, [1, 2, 1], [5, 300, 2000], None, WS),
     ("V3 heads, bs64, auto-pipelined tile kernel", 128, 64, [1, 1], [70, 900], None,
      {"BH": 64, "BN": 64, "stages": 2, "threads": 256}),
+    ("V2-Lite heads, bs64, 8 consumer warps", 16, 64, [1, 2, 1], [64, 700, 3000], None,
+     {"BH": 16, "BN": 64, "stages": 2, "threads": 256}),
 ]
 
 

@@ -172,6 +172,14 @@ class LLMEngine:
         """Validate and queue a request. Bad input raises ValueError/TypeError naming the field."""
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
+        seq = self.new_sequence(prompt, params, request_id)
+        self.pm.hook.request_added(engine=self, request=seq)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def new_sequence(self, prompt, params: SamplingParams | dict | None, request_id: str) -> Sequence:
+        """A validated, not yet queued request (also used by the DP driver, which has no model)."""
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params or SamplingParams()
@@ -182,14 +190,10 @@ class LLMEngine:
             if getattr(params, option) is not None and option not in self.claimed_options:
                 raise ValueError(f"SamplingParams.{option} is set but no enabled feature handles it "
                                  f"(enable the feature that provides {option!r}, e.g. features=[...])")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = LLMEngine._prompt_ids(self, prompt)  # explicit: the DP driver borrows this method
         seed = params.seq_seed if params.seq_seed is not None else secrets.randbits(63)
         eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
-        seq = Sequence(request_id, text, ids, params, seed, eos)
-        self.pm.hook.request_added(engine=self, request=seq)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
-        return seq
+        return Sequence(request_id, text, ids, params, seed, eos)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -385,7 +389,7 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, count: int, logits: torch.Tensor) -> None:
         targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + count], device=logits.device)
-        lse = torch.logsumexp(logits, dim=-1)
+        lse = self.kernels.logsumexp(logits)
         own = (logits.gather(1, targets[:, None])[:, 0] - lse).tolist()
         n = seq.params.prompt_logprobs
         tops = None

@@ -46,7 +46,7 @@ class Sampler:
                 torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
             )
-        lse = torch.logsumexp(raw, dim=-1)
+        lse = self.k.logsumexp(raw)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
         top: list[list[tuple[int, float]] | None] = [None] * len(seqs)
         want = [i for i, p in enumerate(params) if p.logprobs]

@@ -39,7 +39,7 @@ import weakref
 from pathlib import Path
 
 from deepinfer_core.config import ConfigError, EngineConfig
-from deepinfer_core.engine.engine import FEATURE_OPTIONS, LLMEngine
+from deepinfer_core.engine.engine import LLMEngine
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.features import load_features, make_plugin_manager
@@ -526,25 +526,12 @@ class ParallelEngine:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.validate(self.model_config.vocab_size)
-        for option in FEATURE_OPTIONS:
-            if getattr(params, option) is not None and option not in self.claimed_options:
-                raise ValueError(f"SamplingParams.{option} is set but no enabled feature handles it "
-                                 f"(enable the feature that provides {option!r}, e.g. features=[...])")
-        text, ids = LLMEngine._prompt_ids(self, prompt)  # needs only tokenizer, model_config, max_model_len
-        seed = params.seq_seed if params.seq_seed is not None else secrets.randbits(63)
-        sent = dataclasses.replace(params, seq_seed=seed)  # the rank samples with the driver's seed
-        eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
-        seq = Sequence(request_id, text, ids, params, seed, eos)
+        seq = LLMEngine.new_sequence(self, prompt, params, request_id)  # needs no model, only its config
+        sent = dataclasses.replace(seq.params, seq_seed=seq.seed)  # the rank samples with the driver's seed
         rank = self.balancer.pick()
         self._seqs[request_id] = seq
         self._owner[request_id] = rank
-        self._pending_add[rank].append((request_id, ids, sent))
+        self._pending_add[rank].append((request_id, seq.prompt_token_ids, sent))
         return seq
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

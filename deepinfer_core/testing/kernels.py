@@ -41,6 +41,7 @@ FIXED_DTYPE_OPS: dict[str, torch.dtype] = {
     "moe_route": torch.float32,
     "apply_penalties": torch.float32,
     "sample": torch.float32,
+    "logsumexp": torch.float32,
 }
 
 
@@ -255,6 +256,12 @@ def _cases_apply_penalties(g, dtype, bs):
     ))]
 
 
+def _cases_logsumexp(g, dtype, bs):
+    x = _randn(g, 6, 300, scale=4.0)
+    x[1, ::3] = float("-inf")  # masked tokens (grammars)
+    return [Case("rows", (x,)), Case("one row", (x[2:3].clone(),))]
+
+
 def _sampling_rows():
     # temperature, top_k, top_p, min_p, seed, offset
     return [
@@ -301,6 +308,7 @@ _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "moe_route": _cases_moe_route,
     "fused_moe": _cases_fused_moe,
     "apply_penalties": _cases_apply_penalties,
+    "logsumexp": _cases_logsumexp,
     "sample": _cases_sample,
 }
 

@@ -1,12 +1,14 @@
 """The confidence head: per draft position, the probability that the target accepts the draft
 token given that every earlier draft token was accepted.
 
-    logit = w_h . h + w_lp * log q(d) + w_ent * H(q) + w_g * greedy + b
+    logit = w_h . h + w_x . x(q, d, greedy) + b
     confidence = sigmoid(logit / confidence_temperature)
 
 ``h`` is the draft's final normalised hidden state at the position that proposed d (the input of
-its LM head), ``q`` the draft's raw (temperature 1) next-token distribution there, ``H`` its
-entropy and ``greedy`` 1 for temperature-0 requests. It is a single linear layer, trained by
+its LM head); ``x`` are six scalars of the draft's raw (temperature 1) next-token distribution q
+there: log q(d), q(d), the entropy H(q), ``greedy`` (1 for temperature-0 requests), greedy * log q(d)
+and greedy * q(d) (acceptance is a sharper function of q(d) for greedy requests, whose drafts are
+q's argmax, than for sampled ones). It is a single linear layer, trained by
 ``examples/train_dspark_draft.py`` (logistic regression on logged accept/reject outcomes of the
 target) and stored as safetensors next to the draft (``confidence_head.safetensors``).
 
@@ -23,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 FILENAME = "confidence_head.safetensors"
-EXTRA_FEATURES = ("draft_logprob", "draft_entropy", "greedy")
+EXTRA_FEATURES = ("draft_logprob", "draft_prob", "draft_entropy", "greedy", "greedy_x_logprob", "greedy_x_prob")
 
 
 class ConfidenceHead:
@@ -71,12 +73,19 @@ class ConfidenceHead:
         ent = -(logp.exp() * logp).sum(-1)
         return logp.gather(1, tokens[:, None])[:, 0], ent
 
+    @staticmethod
+    def extra_features(logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """[N, len(EXTRA_FEATURES)] from log q(d), H(q) and the greedy flag."""
+        q, g = logq.float().exp(), greedy.float()
+        logq = logq.float().clamp(min=-30.0)
+        return torch.stack((logq, q, entropy.float(), g, g * logq, g * q), dim=-1)
+
     def logit(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor,
               greedy: torch.Tensor) -> torch.Tensor:
         if self.w_hidden is None:
             q = logq.exp().clamp(1e-6, 1 - 1e-6)
             return torch.log(q) - torch.log1p(-q)
-        extra = torch.stack((logq, entropy, greedy.float()), dim=-1)
+        extra = self.extra_features(logq, entropy, greedy)
         return hidden.float() @ self.w_hidden + extra @ self.w_extra + self.bias
 
     def __call__(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.config import ConfigError
+from deepinfer_core.engine.engine import model_fingerprint
 from deepinfer_core.models.deepseek import DecoderLayer, MoE
 from deepinfer_core.models.loader import (
     SafetensorsReader,
@@ -76,10 +77,7 @@ class DraftModel:
         self.caches = _alloc_caches(engine, cfg.num_hidden_layers, cfg.kv_entry_dim)
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
-        h = hashlib.sha256((path / "config.json").read_bytes())
-        for shard in sorted(path.glob("*.safetensors")):
-            h.update(str(shard.stat().st_size).encode())
-        self.fingerprint = h.hexdigest()[:12]
+        self.fingerprint = model_fingerprint(path, torch.float32)[:12]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 prev_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -533,7 +533,7 @@ class DSpark(Feature):
                 c_last = confs[-1].tolist()
                 fixed = cost.overhead(n_live) + cost.draft(R) * depth
                 if not worth_drafting([cum[i] for i in live], [c_last[i] for i in live], R,
-                                      n_live + depth * R, expected, cost, fixed):
+                                      n_live + depth * R, expected, cost, fixed, K - depth):
                     break
             depth += 1
             carry, normed = self._ar_step(rows, tok, carry if src.needs_hidden else None, depth)
@@ -626,20 +626,17 @@ class DSpark(Feature):
             self.t[key] = 0.0
 
 
-def _best_time(fn, repeats: int = 5) -> float:
-    """Fastest of ``repeats`` runs after a warm-up (robust to other load on a shared machine)."""
+def _time_once(fn) -> float:
+    t = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    return time.perf_counter() - t
 
 
-def measure_step_cost(engine, feature: DSpark, ctx: int = 64) -> StepCost:
+def measure_step_cost(engine, feature: DSpark, ctx: int = 64, sweeps: int = 3) -> StepCost:
     """Time target forwards over decode batches with drafts, and draft steps, on synthetic requests
-    whose blocks are taken from the pool and given back."""
+    whose blocks are taken from the pool and given back. Every point is timed in ``sweeps``
+    interleaved sweeps and the fastest time kept, so a burst of other load on a shared machine
+    does not bend the curve."""
     blocks, runner = engine.blocks, engine.runner
     q = feature.k + 1
     seqs: list[Sequence] = []
@@ -655,8 +652,8 @@ def measure_step_cost(engine, feature: DSpark, ctx: int = 64) -> StepCost:
             seqs.append(s)
         return seqs[:n]
 
-    verify_t, verify_s, draft_b, draft_s = [], [], [], []
-    prep_s: dict[int, float] = {}
+    points: list[tuple[str, int, object]] = []  # (kind, x, fn)
+    src = feature.source
     try:
         with torch.inference_mode():
             for T in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -672,11 +669,12 @@ def measure_step_cost(engine, feature: DSpark, ctx: int = 64) -> StepCost:
                     runner.forward(runner.prepare(out, plan))
                     engine.platform.synchronize()
 
-                verify_t.append(B * per)
-                verify_s.append(_best_time(fwd))
-                if per == 1:
-                    prep_s[B] = _best_time(lambda out=out: runner.prepare(out))
-            src = feature.source
+                points.append(("verify", B * per, fwd))
+            for B in (1, 64):
+                group = make(B)
+                if len(group) == B:
+                    out = SchedulerOutput(decodes=[ScheduledSeq(s, 1) for s in group])
+                    points.append(("prepare", B, lambda out=out: runner.prepare(out)))
             for B in (1, 8, 32, 64):
                 group = make(B)
                 if len(group) < B:
@@ -690,19 +688,25 @@ def measure_step_cost(engine, feature: DSpark, ctx: int = 64) -> StepCost:
                     feature._pick(rows, src.logits(n), n, 2)
                     engine.platform.synchronize()
 
-                draft_b.append(B)
-                draft_s.append(_best_time(dstep))
+                points.append(("draft", B, dstep))
+            best = [math.inf] * len(points)
+            for _, _, fn in points:
+                fn()  # warm-up
+            for _ in range(sweeps):
+                for i, (_, _, fn) in enumerate(points):
+                    best[i] = min(best[i], _time_once(fn), _time_once(fn))
     finally:
         for s in seqs:
             blocks.release(s)
+    curve = {"verify": ([], []), "draft": ([], []), "prepare": ([], [])}
+    for (kind, x, _), t in zip(points, best):
+        curve[kind][0].append(x)
+        curve[kind][1].append(t)
     # engine bookkeeping per step outside forwards, estimated as twice the input preparation
-    p1 = prep_s.get(1, 0.0)
-    per_req = 0.0
-    if len(prep_s) > 1:
-        bmax = max(prep_s)
-        per_req = max(prep_s[bmax] - p1, 0.0) / max(bmax - 1, 1)
-    cost = StepCost(verify_t, verify_s, draft_b, draft_s, overhead_s=2 * p1, overhead_per_req_s=2 * per_req,
+    px, pt = curve["prepare"]
+    p1 = pt[0] if pt else 0.0
+    per_req = max(pt[-1] - p1, 0.0) / max(px[-1] - 1, 1) if len(pt) > 1 else 0.0
+    cost = StepCost(*curve["verify"], *curve["draft"], overhead_s=2 * p1, overhead_per_req_s=2 * per_req,
                     platform=engine.platform.name, key=f"{engine.fingerprint}-{feature.source.fingerprint}")
-    logger.info("dspark step-time curve: verify %s, draft %s", list(zip(verify_t, verify_s)),
-                list(zip(draft_b, draft_s)))
+    logger.info("dspark step-time curve: verify %s, draft %s", list(zip(*curve["verify"])), list(zip(*curve["draft"])))
     return cost

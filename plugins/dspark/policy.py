@@ -122,18 +122,25 @@ def fixed_lengths(available: list[int], budget: int) -> list[int]:
 
 
 def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tokens_so_far: float,
-                   expected_tokens: float, cost: StepCost, fixed_s: float) -> bool:
-    """Whether one more draft step pays for itself: its expected extra accepted tokens (each row's
-    P_j times its latest confidence, as a forecast of c_{j+1}) against the step's rate of tokens per
-    second, charged the draft step and the extra verify tokens.
+                   expected_tokens: float, cost: StepCost, fixed_s: float, max_more: int) -> bool:
+    """Whether drafting deeper pays for itself: the step's expected tokens per second if drafting
+    stops now, against its best value after 1..``max_more`` more draft steps. Each row's future
+    conditional confidences are forecast as its latest one, so P_{j+t} = P_j * c_j**t.
 
     ``cum_last``/``conf_last``: P_ij and c_ij of the rows that can still draft; ``rows``: rows in
-    the draft batch; ``tokens_so_far``: tokens the next verify would compute with the drafts so far;
-    ``expected_tokens``: the expected tokens of the next step with the drafts so far."""
-    if not cum_last:
+    the draft batch (each draft step runs them all); ``tokens_so_far``: tokens the next verify would
+    compute with the drafts so far; ``expected_tokens``: its expected tokens; ``fixed_s``: step time
+    spent so far outside the verify forward (overhead and draft steps)."""
+    if not cum_last or max_more <= 0:
         return False
-    gain = sum(p * c for p, c in zip(cum_last, conf_last))
-    extra = cost.draft(rows) + cost.verify(tokens_so_far + len(cum_last)) - cost.verify(tokens_so_far)
-    step = fixed_s + cost.verify(tokens_so_far)
-    rate = expected_tokens / max(step, 1e-9)
-    return gain >= rate * extra
+    n = len(cum_last)
+    best = expected_tokens / max(fixed_s + cost.verify(tokens_so_far), 1e-9)
+    gain, powers = 0.0, list(cum_last)
+    for d in range(1, max_more + 1):
+        powers = [p * c for p, c in zip(powers, conf_last)]
+        gain += sum(powers)
+        value = (expected_tokens + gain) / max(fixed_s + d * cost.draft(rows) + cost.verify(tokens_so_far + d * n),
+                                               1e-9)
+        if value > best:
+            return True
+    return False

@@ -13,7 +13,7 @@ import torch
 from deepinfer_core.config import ConfigError
 from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
-from plugins.structured_output.bitmask import apply_bitmask, apply_penalties
+from plugins.structured_output.bitmask import apply_bitmask, apply_cpu_masks
 from plugins.structured_output.grammar import GrammarCompiler, GrammarError, GrammarSpec, parse_so_args, tokenizer_info
 from plugins.structured_output.matcher import GrammarState, schedule_fills
 
@@ -78,7 +78,7 @@ class StructuredOutput(Feature):
         self.vocab_size = 0
         self.no_tokenizer_reason: str | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
-        self.penalty_rows = False  # CPU logits: masks are expanded into penalty rows by the mask worker
+        self.cpu_masks = False  # CPU logits: the mask worker also prepares each mask (bitmask.CpuMask)
         self.stats = {"requests": 0, "failed": 0, "masked_rows": 0, "mask_wait_s": 0.0, "apply_s": 0.0,
                       "fill_s": 0.0, "fills": 0}
 
@@ -90,7 +90,7 @@ class StructuredOutput(Feature):
     @hookimpl
     def engine_started(self, engine) -> None:
         self.vocab_size = engine.model_config.vocab_size
-        self.penalty_rows = engine.device.type == "cpu"
+        self.cpu_masks = engine.device.type == "cpu"
         tk = getattr(engine.tokenizer, "tk", None)
         if tk is None:
             self.no_tokenizer_reason = (f"structured output needs the model's tokenizer.json, which "
@@ -146,7 +146,7 @@ class StructuredOutput(Feature):
         if exc is not None:
             self.stats["failed"] += 1
             raise exc
-        state = GrammarState(fut.result(), pending.spec, pending.eos, self.vocab_size, self.penalty_rows)
+        state = GrammarState(fut.result(), pending.spec, pending.eos, self.vocab_size, self.cpu_masks)
         for tok in request.output_token_ids:  # resumed with output already generated
             if not state.accept_token(tok):
                 raise GrammarError(f"structured output: existing output token {tok} violates the grammar")
@@ -183,10 +183,10 @@ class StructuredOutput(Feature):
         if not rows:
             return
         t0 = time.perf_counter()
-        if self.penalty_rows and logits.device.type == "cpu" and logits.dtype == torch.float32:
-            penalties = [st.next_penalty() for st in states]  # usually ready: filled during the forward
+        if self.cpu_masks and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            masks = [st.next_cpu_mask() for st in states]  # usually ready: filled during the forward
             t1 = time.perf_counter()
-            apply_penalties(logits, rows, penalties)
+            apply_cpu_masks(logits, rows, masks)
         else:
             masks = [st.next_mask() for st in states]
             t1 = time.perf_counter()

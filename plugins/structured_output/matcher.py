@@ -6,11 +6,10 @@ import time
 from collections import deque
 from concurrent.futures import Executor, Future
 
-import numpy as np
 import torch
 import xgrammar as xgr
 
-from plugins.structured_output.bitmask import penalty_rows
+from plugins.structured_output.bitmask import CpuMask, prepare_cpu_mask
 from plugins.structured_output.grammar import GrammarSpec
 
 WATCH, ACTIVE, DONE = "watch", "active", "done"
@@ -31,11 +30,11 @@ class GrammarState:
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar, spec: GrammarSpec, eos_token_ids: list[int],
-                 vocab_size: int, with_penalty: bool = False) -> None:
+                 vocab_size: int, cpu_masks: bool = False) -> None:
         self.compiled, self.spec = compiled, spec
         self.vocab_size = vocab_size
-        self.with_penalty = with_penalty  # also expand each mask into a {0, -inf} row (CPU logits)
-        self.penalty: np.ndarray | None = None
+        self.cpu_masks = cpu_masks  # also prepare each filled mask for CPU logits (bitmask.CpuMask)
+        self.cpu_mask: CpuMask | None = None
         self.stop_token_ids = [spec.bound_token_id] if spec.bound_token_id is not None else list(eos_token_ids)
         info = compiled.tokenizer_info
         # tokens without text (BOS, the tokenizer's EOS when a bound token replaces it, padding ids):
@@ -49,6 +48,7 @@ class GrammarState:
         self.history: deque[tuple] = deque(maxlen=MAX_ROLLBACK)
         self.spans = 0  # constrained spans completed
         self.mask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._words = self.mask.numpy()[0]  # a view of the same memory
         self.mask_valid = False
         self.fill_seconds = 0.0
         self.fills = 0
@@ -72,8 +72,8 @@ class GrammarState:
         """Fill ``self.mask`` for the next token (only meaningful while active)."""
         t0 = time.perf_counter()
         self.matcher.fill_next_token_bitmask(self.mask)
-        if self.with_penalty:
-            self.penalty = penalty_rows(self.mask, self.vocab_size)
+        if self.cpu_masks:
+            self.cpu_mask = prepare_cpu_mask(self._words, self.vocab_size)
         self.fill_seconds += time.perf_counter() - t0
         self.fills += 1
         self.mask_valid = True
@@ -95,10 +95,10 @@ class GrammarState:
             self.fill_mask()
         return self.mask
 
-    def next_penalty(self) -> np.ndarray:
-        """The mask as a [1, V] float32 row of 0 / -inf (``with_penalty`` states)."""
+    def next_cpu_mask(self) -> CpuMask:
+        """The next-token mask prepared for CPU logits (``cpu_masks`` states)."""
         self.next_mask()
-        return self.penalty
+        return self.cpu_mask
 
     # ---- advancing and undoing -------------------------------------------------------------------
     def accept_token(self, token: int) -> bool:
