@@ -1,20 +1,26 @@
 """Paged MLA decode (absorbed form), FlashMLA-style, in TileLang.
 
-One CTA handles one query token and ``BH`` of its heads (h_kv = 1, so every head of the token reads the
-same latent rows); the rows of a CTA are the heads, and the key axis is walked in tiles of ``BN``
-cached tokens gathered from the paged cache through the block table. Scores use the full 576-wide
-key (latent + rope); values are the first ``dv`` (512) columns of the same shared-memory tile, so each
-cache row is read from HBM once per CTA.
+h_kv = 1: every head of a query token reads the same latent rows, so a CTA takes one query token and
+a tile of its heads as the rows of the score matrix, and walks the key axis in tiles of cached tokens
+gathered through the block table. Scores use the whole 576-wide key (latent + rope); values are the
+first ``dv`` (512) columns of the same shared-memory tile, so each cache row is read once per CTA.
 
-Long contexts with few CTAs split the key axis (``n_split`` CTAs per token and head block, each
-writing an fp32 partial output and its log-sum-exp); a second kernel combines them.
+Two kernels:
+
+* :func:`build_decode_ws` (64-head multiples, e.g. V3's 128): warp-specialised like FlashMLA, see its
+  docstring; keys gathered with cp.async, any page size dividing or divisible by 64.
+* :func:`build_decode` (fewer heads, e.g. V2-Lite's 16): TileLang's automatic TMA pipeline with
+  16/32-head tiles on mma.sync; a key tile is one page or a slice of one.
+
+Long contexts with few CTAs split the key axis (``n_split`` CTAs per token and head tile, each writing
+an fp32 partial output and its log-sum-exp; at least 256 keys per split); :func:`build_combine`
+merges them.
 
 Causality inside a multi-token query block (speculative verification, MTP) needs no mask: query j of
-a sequence with q_len queries sees the first ``seq_len - q_len + j + 1`` keys, so each CTA just
-stops there.
+a sequence with q_len queries sees the first ``seq_len - q_len + j + 1`` keys, so each CTA just stops
+there. Nothing synchronises with the host (ragged token -> sequence maps are computed on the device),
+so the op can be captured in a CUDA graph.
 """
-
-
 
 import torch
 
