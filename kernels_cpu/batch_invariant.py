@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.kernels import KernelBackend
+from kernels_cpu import ops as reference
 
 logger = logging.getLogger("deepinfer.kernels.batch_invariant")
 
@@ -427,21 +428,8 @@ def moe_route(logits, bias, top_k, scoring, n_group, topk_group, group_score, re
         scores = sigmoid(logits)
     else:
         raise ValueError(f"moe_route: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-    choice = scores if bias is None else scores + bias.float()
-    T, E = choice.shape
-    if n_group > 1 and topk_group < n_group:
-        grouped = choice.view(T, n_group, E // n_group)
-        if group_score == "max":
-            gscore = grouped.amax(-1)
-        elif group_score == "top2sum":
-            top2 = grouped.topk(2, dim=-1).values
-            gscore = top2[..., 0] + top2[..., 1]
-        else:
-            raise ValueError(f"moe_route: group_score must be 'max' or 'top2sum', got {group_score!r}")
-        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gscore.topk(topk_group, dim=-1).indices,
-                                                                   True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
+    ids = reference.select_experts(scores if bias is None else scores + bias.float(), top_k, n_group, topk_group,
+                                   group_score)
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (row_sum(weights)[:, None] + 1e-20)

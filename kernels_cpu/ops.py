@@ -133,6 +133,23 @@ def mla_prefill(
     return out
 
 
+def select_experts(choice: torch.Tensor, top_k: int, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """Top-k expert ids of ``choice`` [T, E], restricted to the best ``topk_group`` of ``n_group`` groups."""
+    T, E = choice.shape
+    if n_group > 1 and topk_group < n_group:
+        grouped = choice.view(T, n_group, E // n_group)
+        if group_score == "max":
+            gscore = grouped.amax(-1)
+        elif group_score == "top2sum":
+            top2 = grouped.topk(2, dim=-1).values
+            gscore = top2[..., 0] + top2[..., 1]
+        else:
+            raise ValueError(f"moe_route: group_score must be 'max' or 'top2sum', got {group_score!r}")
+        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gscore.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    return choice.topk(top_k, dim=-1).indices
+
+
 def moe_route(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -151,21 +168,7 @@ def moe_route(
         scores = logits.sigmoid()
     else:
         raise ValueError(f"moe_route: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-    choice = scores if bias is None else scores + bias.float()
-    T, E = choice.shape
-    if n_group > 1 and topk_group < n_group:
-        grouped = choice.view(T, n_group, E // n_group)
-        if group_score == "max":
-            gscore = grouped.amax(-1)
-        elif group_score == "top2sum":
-            gscore = grouped.topk(2, dim=-1).values.sum(-1)
-        else:
-            raise ValueError(f"moe_route: group_score must be 'max' or 'top2sum', got {group_score!r}")
-        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(
-            1, gscore.topk(topk_group, dim=-1).indices, True
-        )
-        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
+    ids = select_experts(scores if bias is None else scores + bias.float(), top_k, n_group, topk_group, group_score)
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
