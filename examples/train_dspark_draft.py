@@ -234,7 +234,7 @@ def log_outcomes(draft_dir: Path, prompts: list[list[int]], gen_tokens: int, max
 def outcome_matrix(records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden [N, C], (log q, entropy, greedy) [N, 3], accepted [N]) from the feature's outcome log."""
     hs, ex, ys = [], [], []
-    for h, lq, ent, greedy, _, acc in records:
+    for h, lq, ent, greedy, _, acc, *_ in records:
         n = len(acc)
         hs.append(h[:n].float().clone())
         ex.append(torch.stack((lq[:n].float().clone(), ent[:n].float().clone(), torch.full((n,), float(greedy))),
@@ -298,7 +298,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads while training")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head-only", action="store_true",
+                   help="keep the draft already in --out and fit its confidence head again (phases 3-4)")
     return p.parse_args()
+
+
+def fit_temperature(head: ConfidenceHead, h, extra, y) -> float:
+    """The calibration temperature minimising log-loss on outcomes the head was not fitted on."""
+    logit = head.logit(h, extra[:, 0], extra[:, 1], extra[:, 2] > 0.5).double()
+    yd = y.double()
+    grid = [0.5 + 0.02 * i for i in range(126)]  # 0.5 .. 3.0
+    losses = [float(F.binary_cross_entropy_with_logits(logit / t, yd)) for t in grid]
+    return grid[min(range(len(grid)), key=losses.__getitem__)]
 
 
 def main() -> None:
@@ -316,31 +327,56 @@ def main() -> None:
     prompts = snippet_prompts(corpus.train, args.num_prompts, tok, rng, (48, 128))
     outcome_prompts = snippet_prompts(corpus.train, args.outcome_prompts, tok, rng, (48, 128))
     heldout_prompts = snippet_prompts(corpus.heldout, args.heldout_prompts, tok, rng, (48, 128))
-    gen_deadline = t0 + args.minutes * 60 * 0.3
-    data = collect_targets(llm, prompts, args.gen_tokens, args.max_num_seqs, t0, gen_deadline)
     target_fingerprint = model_fingerprint(target_dir, torch.float32)
-    llm.shutdown()
-    del llm
-    ids, tidx, tp, mask = to_tensors(data, max_len=128 + args.gen_tokens + 1)
-    n_eval = max(len(data) // 10, 8)
-    log(f"distillation data: {len(data)} sequences, {int(mask.sum())} labelled positions", t0)
+    out = args.out
+    report: dict = {}
+    if args.head_only:
+        # keep the draft in --out, refit its confidence head only
+        llm.shutdown()
+        del llm
+        report = json.loads((out / "training_report.json").read_text()) if (out / "training_report.json").is_file() \
+            else {}
+        if report.get("target_fingerprint") not in (None, target_fingerprint):
+            raise RuntimeError(f"the draft in {out} was trained for another target; train it again")
+        tmp = Path(tempfile.mkdtemp(prefix="dspark_draft_"))
+        for f in out.iterdir():
+            if f.is_file():
+                shutil.copy(f, tmp / f.name)
+    else:
+        gen_deadline = t0 + args.minutes * 60 * 0.3
+        data = collect_targets(llm, prompts, args.gen_tokens, args.max_num_seqs, t0, gen_deadline)
+        llm.shutdown()
+        del llm
+        ids, tidx, tp, mask = to_tensors(data, max_len=128 + args.gen_tokens + 1)
+        n_eval = max(len(data) // 10, 8)
+        log(f"distillation data: {len(data)} sequences, {int(mask.sum())} labelled positions", t0)
 
-    torch.set_num_threads(args.threads)
-    cfg, student = build_student(target_dir)
-    n_params = sum(p.numel() for p in student.parameters())
-    agree0 = agreement(student, ids[:n_eval], tidx[:n_eval], mask[:n_eval])
-    train_deadline = t0 + args.minutes * 60 * 0.72
-    stats = distill(student, ids[n_eval:], tidx[n_eval:], tp[n_eval:], mask[n_eval:], args, t0, train_deadline)
-    agree1 = agreement(student, ids[:n_eval], tidx[:n_eval], mask[:n_eval])
-    log(f"top-1 agreement with the target on {n_eval} unseen sequences: {agree0:.3f} (init) -> {agree1:.3f}", t0)
+        torch.set_num_threads(args.threads)
+        cfg, student = build_student(target_dir)
+        agree0 = agreement(student, ids[:n_eval], tidx[:n_eval], mask[:n_eval])
+        train_deadline = t0 + args.minutes * 60 * 0.72
+        stats = distill(student, ids[n_eval:], tidx[n_eval:], tp[n_eval:], mask[n_eval:], args, t0, train_deadline)
+        agree1 = agreement(student, ids[:n_eval], tidx[:n_eval], mask[:n_eval])
+        log(f"top-1 agreement with the target on {n_eval} unseen sequences: {agree0:.3f} (init) -> {agree1:.3f}", t0)
+        tmp = Path(tempfile.mkdtemp(prefix="dspark_draft_"))
+        save_draft(cfg, student, target_dir, tmp)
+        report.update({
+            "draft_command": shlex.join(["python", *sys.argv]),
+            "draft_parameters": sum(p.numel() for p in student.parameters()),
+            "distillation_sequences": len(data),
+            "distillation_positions": int(mask.sum()),
+            "distillation": stats,
+            "top1_agreement_init": round(agree0, 4),
+            "top1_agreement": round(agree1, 4),
+            "draft_seconds": round(time.time() - t0, 1),
+        })
 
-    tmp = Path(tempfile.mkdtemp(prefix="dspark_draft_"))
-    save_draft(cfg, student, target_dir, tmp)
+    # the confidence head: fitted on 3/4 of the outcome prompts, its temperature on the other 1/4
+    t_head = time.time()
     torch.set_num_threads(1)
-    records = log_outcomes(tmp, outcome_prompts, 96, args.max_num_seqs)
-    h, extra, y = outcome_matrix(records)
+    n_fit = len(outcome_prompts) * 3 // 4
+    h, extra, y = outcome_matrix(log_outcomes(tmp, outcome_prompts[:n_fit], 96, args.max_num_seqs))
     log(f"outcomes: {len(y)} verified draft positions, accept rate {float(y.mean()):.3f}", t0)
-    # L2 strength by log-loss on a validation split of the outcomes, then a refit on all of them
     g = torch.Generator().manual_seed(args.seed)
     perm = torch.randperm(len(y), generator=g)
     val, fit = perm[: len(y) // 5], perm[len(y) // 5 :]
@@ -352,39 +388,37 @@ def main() -> None:
     l2 = min(scores, key=scores.get)
     log(f"confidence head L2 {l2} (validation log-loss {scores})", t0)
     head = fit_head(h, extra, y, l2)
-    head.save(tmp / FILENAME, hidden_size=str(h.shape[1]))
+    th, te, ty = outcome_matrix(log_outcomes(tmp, outcome_prompts[n_fit:], 96, args.max_num_seqs))
+    temp = fit_temperature(head, th, te, ty)
+    head = ConfidenceHead(head.w_hidden / temp, head.w_extra / temp, head.bias / temp)  # folded in
+    log(f"calibration temperature {temp:.2f} (fitted on {len(ty)} positions of other prompts)", t0)
+    head.save(tmp / FILENAME, hidden_size=str(h.shape[1]), fitted_temperature=str(temp))
     train_cal = calibration(head, h, extra, y)
-    ho = log_outcomes(tmp, heldout_prompts, 64, args.max_num_seqs)
-    hh, he, hy = outcome_matrix(ho)
+    hh, he, hy = outcome_matrix(log_outcomes(tmp, heldout_prompts, 64, args.max_num_seqs))
     held_cal = calibration(head, hh, he, hy)
     log(f"held-out calibration: max decile gap {held_cal['max_decile_gap']}, ECE {held_cal['ece']}", t0)
 
-    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     for f in tmp.iterdir():
         shutil.copy(f, out / f.name)
     shutil.rmtree(tmp, ignore_errors=True)
     files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "training_report.json")
-    report = {
+    report.update({
         "command": shlex.join(["python", *sys.argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "torch_version": torch.__version__,
         "target": str(target_dir),
         "target_fingerprint": target_fingerprint,
-        "draft_parameters": n_params,
-        "distillation_sequences": len(data),
-        "distillation_positions": int(mask.sum()),
-        "distillation": stats,
-        "top1_agreement_init": round(agree0, 4),
-        "top1_agreement": round(agree1, 4),
         "confidence_head_features": ["hidden", *EXTRA_FEATURES],
         "confidence_head_l2": l2,
         "confidence_head_validation_logloss": scores,
+        "confidence_head_temperature": temp,
         "calibration_train": train_cal,
         "calibration_heldout": held_cal,
+        "head_seconds": round(time.time() - t_head, 1),
         "wall_seconds": round(time.time() - t0, 1),
         "files": {p.name: p.stat().st_size for p in files},
-    }
+    })
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     log(f"wrote {out} ({total / 1e6:.2f} MB)", t0)

@@ -76,7 +76,7 @@ class _State:
     """Per-request draft state (``seq.feature_state['dspark']``)."""
 
     __slots__ = ("epoch", "done", "drafts", "cum", "conf", "q", "base_len", "fed", "feats",
-                 "verified", "accepted", "decode_steps")
+                 "verified", "accepted", "decode_steps", "recent_conf")
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
@@ -89,6 +89,7 @@ class _State:
         self.fed = 0  # drafts whose draft KV was written (valid when accepted)
         self.feats = None  # (hidden, logq, entropy) when outcomes are logged
         self.verified = self.accepted = self.decode_steps = 0
+        self.recent_conf: float | None = None  # its last first-draft confidence (is its text predictable now?)
 
 
 class _Rows:
@@ -139,7 +140,11 @@ class DSpark(Feature):
         self.cost: StepCost | None = None
         self.outcome_log: list | None = None  # set to a list to log (features, accepted) per verified draft
         self.last_depth = 0
-        self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0)
+        self.mean_conf = 0.6  # running mean of the drafts' confidences (decides whether to draft at all)
+        self.skipped = 0  # consecutive steps without drafting
+        self.explore_every = 64  # skipped steps between exploratory drafts (doubles while they do not pay)
+        self.exploring = False
+        self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0)
         self.t = dict(draft=0.0, verify=0.0, schedule=0.0)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -357,8 +362,11 @@ class DSpark(Feature):
             if self.outcome_log is not None and st.feats is not None:
                 h, lq, ent = st.feats
                 n_log = min(a + 1, m)
+                # (hidden, log q, entropy, greedy, confidences and outcomes of the positions the target
+                #  decided, P_1..P_m of all verified positions, accepted count)
                 self.outcome_log.append((h[:n_log], lq[:n_log], ent[:n_log], seq.params.temperature <= 0,
-                                         st.conf[:n_log], [1.0] * min(a, n_log) + [0.0] * (n_log - min(a, n_log))))
+                                         st.conf[:n_log], [1.0] * min(a, n_log) + [0.0] * (n_log - min(a, n_log)),
+                                         st.cum[:m], a))
             st.drafts, st.q, st.feats = [], None, None
         engine.append_tokens(seqs, tokens, logprobs, tops)
         for seq, st, _ in drafted:
@@ -386,6 +394,8 @@ class DSpark(Feature):
         mtp = src.needs_hidden
         items = []  # (seq, st, lo, hi, cap)
         n_live = sum(1 for s in scheduled.prefills + scheduled.decodes if not s.seq.is_finished)
+        if self.varlen and not self._worth_speculating(scheduled, n_live):
+            return  # a plain step: the draft catches up when drafting pays again
         for s in scheduled.prefills + scheduled.decodes:
             seq = s.seq
             if seq.is_finished:
@@ -445,6 +455,37 @@ class DSpark(Feature):
         lr = torch.tensor(last_rows, device=dev)
         self._draft_loop(_Rows([it[0] for it in drafting], [it[4] for it in drafting], bs, dev),
                          [it[1] for it in drafting], carry[lr], normed[lr], n_live)
+
+    def _worth_speculating(self, scheduled: SchedulerOutput, n_live: int) -> bool:
+        """Whether drafting for the next step can pay at this batch size at all, given the drafts'
+        running mean confidence and each request's latest first-draft confidence. After 64 skipped
+        steps it drafts once anyway to refresh them, waiting twice as long after each such try that
+        does not make drafting pay."""
+        ready = [s.seq for s in scheduled.prefills + scheduled.decodes
+                 if not s.seq.is_finished and s.seq.num_computed_tokens == s.seq.num_tokens - 1
+                 and s.seq.feature_state.get(KEY) is not False]
+        if not ready:
+            return False
+        R = len(ready)
+        states = [seq.feature_state.get(KEY) for seq in ready]
+        conf = [st.recent_conf if st and st.recent_conf is not None else self.mean_conf for st in states]
+        worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.cost, self.cost.overhead(n_live), self.k)
+        if worth:
+            self.skipped, self.exploring, self.explore_every = 0, False, 64
+            return True
+        if self.exploring:  # the last exploratory draft did not make drafting pay: wait longer
+            self.exploring, self.explore_every = False, min(self.explore_every * 2, 4096)
+        if self.skipped >= self.explore_every:
+            self.skipped, self.exploring = 0, True
+            return True
+        self.skipped += 1
+        for st in states:
+            if st:
+                st.drafts, st.q, st.feats = [], None, None
+                if st.recent_conf is not None:  # drift back to the mean while not drafting
+                    st.recent_conf = 0.8 * st.recent_conf + 0.2 * self.mean_conf
+        self.n["skipped_steps"] += 1
+        return False
 
     def _reserve(self, engine, seq: Sequence, L: int, cap: int, n_live: int) -> int:
         """Allocate blocks for the last token and ``cap`` drafts (fewer when memory is short, keeping
@@ -555,6 +596,9 @@ class DSpark(Feature):
         self.n["depth"] += depth
         tok_m = torch.stack(toks, dim=1).tolist()
         conf_m = torch.stack(confs, dim=1).tolist()
+        produced = [v for i, row in enumerate(conf_m) for v in row[: min(depth, rows.caps[i])]]
+        if produced:
+            self.mean_conf = 0.9 * self.mean_conf + 0.1 * (sum(produced) / len(produced))
         q_m = None if rows.all_greedy else torch.stack(qs, dim=1)  # [R, depth, V]
         log = self.outcome_log is not None
         if log:
@@ -567,6 +611,7 @@ class DSpark(Feature):
             st.q = None if rows.greedy_list[i] or q_m is None else q_m[i, :n]
             st.base_len = seq.num_tokens
             st.fed = n - 1
+            st.recent_conf = conf_m[i][0]
             if log:
                 st.feats = (h_m[i, :n].float().cpu(), lq_m[i, :n].cpu(), ent_m[i, :n].cpu())
             if n < rows.caps[i]:
@@ -615,6 +660,7 @@ class DSpark(Feature):
             "dspark_decode_steps": n["decode_steps"], "dspark_verified": n["verified"],
             "dspark_accepted": n["accepted"],
             "dspark_mean_draft_depth": n["depth"] / n["proposals"] if n["proposals"] else 0.0,
+            "dspark_steps_without_drafts": n["skipped_steps"],
             "dspark_draft_time": self.t["draft"], "dspark_verify_time": self.t["verify"],
             "dspark_schedule_time": self.t["schedule"],
         }
@@ -632,18 +678,25 @@ def _time_once(fn) -> float:
     return time.perf_counter() - t
 
 
-def measure_step_cost(engine, feature: DSpark, ctx: int = 64, sweeps: int = 3) -> StepCost:
+def measure_step_cost(engine, feature: DSpark, ctx: int = 128, sweeps: int = 3) -> StepCost:
     """Time target forwards over decode batches with drafts, and draft steps, on synthetic requests
-    whose blocks are taken from the pool and given back. Every point is timed in ``sweeps``
+    whose blocks are taken from the pool and given back. Their tokens are seeded random ids, so that
+    MoE layers route them to as many experts as real text does. Every point is timed in ``sweeps``
     interleaved sweeps and the fastest time kept, so a burst of other load on a shared machine
     does not bend the curve."""
     blocks, runner = engine.blocks, engine.runner
     q = feature.k + 1
+    ctx = max(1, min(ctx, engine.max_model_len - q - 1))
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
     seqs: list[Sequence] = []
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(2, V, (n,), generator=gen).tolist() if V > 2 else [0] * n
 
     def make(n: int) -> list[Sequence]:
         while len(seqs) < n:
-            s = Sequence(f"__dspark_calibrate_{len(seqs)}", None, [2] * (ctx + 1), SamplingParams(max_tokens=1),
+            s = Sequence(f"__dspark_calibrate_{len(seqs)}", None, rand(ctx + 1), SamplingParams(max_tokens=1),
                          0, [])
             if blocks.blocks_needed(s, ctx + q) > blocks.num_free:
                 break
@@ -663,7 +716,7 @@ def measure_step_cost(engine, feature: DSpark, ctx: int = 64, sweeps: int = 3) -
                 if len(group) < B or ctx + per >= engine.max_model_len:
                     break
                 out = SchedulerOutput(decodes=[ScheduledSeq(s, 1) for s in group])
-                plan = {s.request_id: [2] * (per - 1) for s in group} if per > 1 else None
+                plan = {s.request_id: rand(per - 1) for s in group} if per > 1 else None
 
                 def fwd(out=out, plan=plan):
                     runner.forward(runner.prepare(out, plan))
@@ -680,7 +733,7 @@ def measure_step_cost(engine, feature: DSpark, ctx: int = 64, sweeps: int = 3) -
                 if len(group) < B:
                     break
                 rows = _Rows(group, [q - 1] * B, engine.block_size, engine.device)
-                tok = torch.full((B,), 2, dtype=torch.long, device=engine.device)
+                tok = torch.tensor(rand(B), dtype=torch.long, device=engine.device)
                 carry = torch.zeros(B, src.hidden_size, dtype=engine.dtype, device=engine.device)
 
                 def dstep(rows=rows, tok=tok, carry=carry):
