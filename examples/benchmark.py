@@ -3,6 +3,7 @@ optionally `transformers`' batched `generate` on the same checkpoint, side by si
 
     python examples/benchmark.py --shape v3-tiny --compare-transformers      # the CPU target
     python examples/benchmark.py --model DIR --decode-batches 1,8,64
+    python examples/benchmark.py --dp 2 --ep 2 [--eplb]                        # CPU DP/EP: tok/s, moe_lb
 
 Engine overhead is everything in a step but the model forward (scheduling, input preparation,
 sampling, bookkeeping), reported as a share of step time.
@@ -121,6 +122,13 @@ def measure_decode(llm: LLM, batch: int, context: int, vocab: int, warmup: int, 
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a.split("=")[0] in ("--dp", "--ep") for a in argv):
+        # data/expert-parallel runs: tokens/s and moe_lb from the multi-process engine
+        from eplb_bench import main as eplb_main
+
+        eplb_main(["throughput", *argv])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a random --shape checkpoint)")
     ap.add_argument("--shape", default="v3-tiny", choices=sorted(SHAPES))
