@@ -237,22 +237,27 @@ def random_init(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) ->
     model.post_load()
 
 
-def build_model(k, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                **moe_kw) -> DeepseekForCausalLM:
-    """An uninitialised model with weights in ``dtype`` on ``device`` (router weights in float32)."""
+def construct(make, dtype: torch.dtype, device: torch.device):
+    """``make()`` with its weights created in ``dtype`` on ``device``, router weights kept in float32."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DeepseekForCausalLM(k, cfg, max_positions=max_positions, **moe_kw)
+            module = make()
     finally:
         torch.set_default_dtype(previous)
-    for m in model.modules():
+    for m in module.modules():
         if isinstance(m, MoE):
             m.gate.data = m.gate.data.float()
             if m.e_score_correction_bias is not None:
                 m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
-    return model
+    return module
+
+
+def build_model(k, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                **moe_kw) -> DeepseekForCausalLM:
+    """An uninitialised model with weights in ``dtype`` on ``device`` (router weights in float32)."""
+    return construct(lambda: DeepseekForCausalLM(k, cfg, max_positions=max_positions, **moe_kw), dtype, device)
 
 
 def load_model(k, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -21,10 +21,11 @@ from torch import nn
 
 from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.engine import model_fingerprint
-from deepinfer_core.models.deepseek import DecoderLayer, MoE
+from deepinfer_core.models.deepseek import DecoderLayer
 from deepinfer_core.models.loader import (
     SafetensorsReader,
     assign_weights,
+    construct,
     dequantize_fp8,
     iter_checkpoint,
     load_model,
@@ -129,18 +130,7 @@ class MTPDraft:
                               "model path instead")
         self.target = engine.model
         k, dtype, dev = engine.kernels, engine.dtype, engine.device
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(dev):
-                layer = DecoderLayer(k, cfg, N)
-        finally:
-            torch.set_default_dtype(previous)
-        for m in layer.modules():
-            if isinstance(m, MoE):
-                m.gate.data = m.gate.data.float()
-                if m.e_score_correction_bias is not None:
-                    m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+        layer = construct(lambda: DecoderLayer(k, cfg, N), dtype, dev)
         reader = SafetensorsReader(engine.model_dir)
         prefix = f"model.layers.{N}."
         assign_weights(_LayerHolder(layer, N), iter_checkpoint(reader, replace(cfg, num_hidden_layers=N + 1),
