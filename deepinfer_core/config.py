@@ -44,8 +44,10 @@ class EngineConfig:
     seed: int = 0
     dp: int = 1
     ep: int = 1
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None  # None: on where the platform supports overlap
+    enforce_eager: bool = False  # True: never replay device graphs (every step runs eagerly)
+    graph_batch_sizes: list | None = None  # decode batch sizes captured as graphs; None: the default set
+    async_scheduling: bool | None = None  # None: on where the platform supports overlap (engine.py docstring)
+    measure_device_idle: bool = False  # engine.metrics() reports the device idle time between steps
     batch_invariant: bool = False
     log_level: str = "WARNING"
     worker_timeout_s: float = 120.0  # dp/ep > 1: a rank silent this long in a step is declared hung
@@ -63,10 +65,12 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "kv_cache_memory": (int, float, type(None)), "enable_prefix_caching": (bool,),
     "compute_quota_limit": (int, float, type(None)), "cost_model": (str, type(None)), "scheduler": (str,),
     "features": (list,), "kv_store": (dict, type(None)), "seed": (int,), "dp": (int,), "ep": (int,),
-    "enforce_eager": (bool,), "async_scheduling": (bool, type(None)), "batch_invariant": (bool,),
+    "enforce_eager": (bool,), "graph_batch_sizes": (list, type(None)), "async_scheduling": (bool, type(None)),
+    "measure_device_idle": (bool,), "batch_invariant": (bool,),
     "log_level": (str,), "worker_timeout_s": (int, float), "load_format": (str,),
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_INT_LISTS = {"graph_batch_sizes"}  # list keys whose items are integers (parsed as such from the environment)
 # Environment variables read elsewhere (features, tools); known so that typos can be flagged.
 OTHER_ENV = {"DEEPINFER_CONFIG", "DEEPINFER_HF_MODEL_DIR", "DEEPINFER_ENABLE_MTP_VARLEN",
              "DEEPINFER_SO_BUILDER_CPUS", "DEEPINFER_CACHE_DIR",
@@ -112,7 +116,14 @@ def _parse_env(key: str, raw: str) -> Any:
         except ValueError:
             pass
     if list in expected:
-        return [p.strip() for p in text.split(",") if p.strip()]
+        items = [p.strip() for p in text.split(",") if p.strip()]
+        if key in _INT_LISTS:
+            try:
+                return [int(p) for p in items]
+            except ValueError:
+                raise ConfigError(f"environment variable DEEPINFER_{key.upper()}={raw!r} is not a comma-separated "
+                                  f"list of integers for {key!r}") from None
+        return items
     if str in expected:
         return text
     raise ConfigError(f"environment variable DEEPINFER_{key.upper()}={raw!r} is not a valid value for {key!r}")
@@ -179,3 +190,23 @@ def _validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"config key 'worker_timeout_s' must be positive, got {cfg.worker_timeout_s}")
     if cfg.kv_cache_memory is not None and cfg.kv_cache_memory <= 0:
         raise ConfigError(f"config key 'kv_cache_memory' must be positive, got {cfg.kv_cache_memory}")
+    _validate_graph_batch_sizes(cfg)
+
+
+def _validate_graph_batch_sizes(cfg: EngineConfig) -> None:
+    sizes = cfg.graph_batch_sizes
+    if sizes is None:
+        return
+    if not sizes:
+        raise ConfigError("config key 'graph_batch_sizes' is an empty list; leave it unset for the default sizes, "
+                          "or set enforce_eager = true to run every step eagerly")
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    if bad:
+        raise ConfigError(f"config key 'graph_batch_sizes' must be a list of integers >= 1, got {sizes!r} "
+                          f"(bad: {bad!r})")
+    if len(set(sizes)) != len(sizes):
+        raise ConfigError(f"config key 'graph_batch_sizes' lists a size more than once: {sizes!r}")
+    over = [s for s in sizes if s > cfg.max_num_seqs]
+    if over:
+        raise ConfigError(f"config key 'graph_batch_sizes' has sizes {over} above max_num_seqs={cfg.max_num_seqs} "
+                          "(a decode batch never holds more sequences); remove them or raise max_num_seqs")

@@ -65,19 +65,50 @@ def blocks_evicted(engine, block_hashes, block_ids) -> None:
 @hookspec(firstresult=True)
 def execute_step(engine, scheduled) -> bool | None:
     """Run the model work of a scheduled step yourself (speculative decoding): prepare, forward,
-    sample, then ``engine.finish_step(...)``-style bookkeeping through the engine's helpers.
-    Return True when done, or None to let the engine run the step normally."""
+    then ``engine._postprocess`` / ``engine.append_tokens`` for the bookkeeping. Return True when
+    done, or None to let the engine run the step normally. Only called on synchronous steps (see
+    ``step_needs_sync``): every request's tokens are on the host and no step is in flight."""
+
+
+# ---- async scheduling -------------------------------------------------------------------------
+# With ``async_scheduling`` on, the engine launches step N+1 before it post-processes step N: while
+# step N+1 is scheduled, prepared and its ``process_logits`` runs, the token each request sampled in
+# step N is still on the device (a placeholder in ``request.token_ids``; ``request.output_token_ids``
+# holds the known tokens only), and ``tokens_sampled`` for step N runs after step N+1 was launched.
+# A feature that needs the last token on the host before the next step (a grammar mask built from
+# it, penalties over the output) or that runs steps itself says so through the two hooks below;
+# the engine then runs those steps synchronously (it first post-processes the step in flight). The
+# rule is the same for every feature and never depends on its name. A feature that implements
+# ``execute_step`` but not ``step_needs_sync`` is assumed to take over every step (all synchronous).
+
+
+@hookspec
+def request_needs_sync(engine, request) -> bool | None:
+    """Return True if this request's steps need its previous token on the host before they are
+    prepared (e.g. its logits mask depends on it). While it is unfinished every step runs
+    synchronously. Called once per request, after ``request_added``."""
+
+
+@hookspec
+def step_needs_sync(engine) -> bool | None:
+    """Return True to run the coming step synchronously (called before it is scheduled, every step,
+    only with async scheduling on; keep it cheap). A feature implementing ``execute_step`` returns
+    True for the steps it may take over."""
 
 
 @hookspec
 def process_logits(engine, batch, logits) -> None:
     """Edit next-token logits in place before sampling (e.g. grammar masks).
-    ``logits`` is [rows, vocab]; ``batch.logit_rows`` maps rows to requests."""
+    ``logits`` is [rows, vocab]; ``batch.logit_rows`` maps rows to requests. With async scheduling
+    this runs when the step is launched, before ``tokens_sampled`` of the previous step (see
+    ``request_needs_sync``)."""
 
 
 @hookspec
 def tokens_sampled(engine, batch, token_ids) -> None:
-    """Tokens were appended to requests (advance grammar matchers, count accepts)."""
+    """Tokens were appended to requests (advance grammar matchers, count accepts). With async
+    scheduling this runs after the next step was launched; requests that had already stopped are
+    left out of ``batch.sample_seqs`` and ``token_ids`` (their extra token is discarded)."""
 
 
 @hookspec

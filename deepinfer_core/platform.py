@@ -93,7 +93,8 @@ class Platform(ABC):
         return contextlib.nullcontext()
 
     def event(self, enable_timing: bool = False) -> Any:
-        """A device event with ``record()``, ``synchronize()`` and ``elapsed_time()``."""
+        """A device event with ``record(stream=None)``, ``synchronize()``, ``query()`` and
+        ``elapsed_time()``; on platforms with streams also ``wait()`` (the current stream waits)."""
         return HostEvent()
 
     # ---- graphs -------------------------------------------------------------------------
@@ -101,8 +102,14 @@ class Platform(ABC):
         """Whether decode steps can be captured and replayed as device graphs."""
         return False
 
+    def graph_capture_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Activation dtypes whose decode ops (this platform's kernel backend) never synchronise with
+        the host, so a decode step in them can be captured. Empty where graphs are unsupported."""
+        return self.preferred_dtypes() if self.supports_graph_capture() else ()
+
     def graph(self) -> Any:
-        """A graph object (torch.cuda.CUDAGraph-like) with ``replay()``; only if supported."""
+        """A graph object (torch.cuda.CUDAGraph-like) with ``replay()`` and, once captured, ``pool()``
+        (its memory pool, passed to later captures to share it); only if supported."""
         raise NotImplementedError(f"platform {self.name!r} does not support graph capture")
 
     def graph_capture(self, graph: Any, pool: Any = None) -> AbstractContextManager:
@@ -119,13 +126,15 @@ class Platform(ABC):
         return False
 
     def supports_pinned_memory(self) -> bool:
-        """Whether host tiers should pin their buffers for faster copies."""
+        """Whether host buffers should be pinned for faster, asynchronous copies (host KV tiers, and the
+        engine's per-step inputs and results)."""
         return False
 
     def supports_async_overlap(self) -> bool:
         """Whether kernel launches return before the work is done, so the CPU may run ahead.
 
-        When True the engine overlaps ``schedule(N+1)`` with ``forward(N)``."""
+        When True the engine overlaps ``schedule(N+1)`` with ``forward(N)`` by default (config
+        ``async_scheduling`` overrides it; see ``deepinfer_core/engine/engine.py``)."""
         return False
 
     def describe(self) -> dict[str, Any]:

@@ -4,6 +4,8 @@ optionally `transformers`' batched `generate` on the same checkpoint, side by si
     python examples/benchmark.py --shape v3-tiny --compare-transformers      # the CPU target
     python examples/benchmark.py --model DIR --decode-batches 1,8,64
     python examples/benchmark.py --dp 2 --ep 2 [--eplb]                        # CPU DP/EP: tok/s, moe_lb
+    python examples/benchmark.py --suite h200 --shape v2-lite --out DIR        # the full-model GPU suite:
+                                                   # rooflines, CUDA graphs, transformers (h200_suite.py)
 
 Engine overhead is everything in a step but the model forward (scheduling, input preparation,
 sampling, bookkeeping), reported as a share of step time.
@@ -123,6 +125,11 @@ def measure_decode(llm: LLM, batch: int, context: int, vocab: int, warmup: int, 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a.split("=")[0] == "--suite" for a in argv):
+        from h200_suite import run  # the GPU suite (its own options; --scale tiny runs on a CPU)
+
+        run(argv)
+        return
     if any(a.split("=")[0] in ("--dp", "--ep") for a in argv):
         # data/expert-parallel runs: tokens/s and moe_lb from the multi-process engine
         from eplb_bench import main as eplb_main

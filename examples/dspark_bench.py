@@ -88,7 +88,7 @@ def spec_metrics(llm: LLM) -> dict:
     m = llm.metrics()
     keys = ("dspark_verified_per_step", "dspark_mean_accepted_len", "dspark_accept_rate", "dspark_tokens_per_step",
             "dspark_mean_draft_depth", "dspark_decode_steps", "dspark_draft_time", "dspark_verify_time",
-            "dspark_schedule_time")
+            "dspark_schedule_time", "dspark_cost_verify_scale", "dspark_cost_draft_scale", "dspark_cost_extra_overhead")
     return {k.removeprefix("dspark_"): (round(m[k], 4) if isinstance(m[k], float) else m[k]) for k in keys}
 
 

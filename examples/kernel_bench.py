@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_timing  # noqa: E402
+from gpu_timing import graphed, measure_ceilings  # noqa: E402
 
 from kernels_cpu import ops as ref  # noqa: E402
 from kernels_cuda.mla_decode import mla_decode  # noqa: E402
@@ -42,35 +45,11 @@ RESULTS: dict = {}
 
 
 def timed(fn, warmup: int = 2, reps: int = 20, budget_s: float = 2.0) -> float:
-    """Median milliseconds of ``fn()`` over up to ``reps`` runs (fewer when each is slow)."""
+    """Median milliseconds of ``fn()`` (``gpu_timing.timed``); in ``--dry`` mode one call and NaN."""
     if DRY:
         fn()
         return float("nan")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    t_end = time.perf_counter() + budget_s
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-        if time.perf_counter() > t_end and len(times) >= 3:
-            break
-    return statistics.median(times)
-
-
-def graphed(fn):
-    """``fn`` captured once in a CUDA graph (after a warm-up call); returns the replay."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return gpu_timing.timed(fn, warmup, reps, budget_s)
 
 
 def rand(*shape, dtype=torch.bfloat16, scale=1.0):
@@ -88,18 +67,10 @@ def log(section: str, key: str, value) -> None:
 def bench_hbm():
     if DRY:
         return
-    n = 2 * 1024**3  # bf16 elements: 4 GiB
-    src = torch.randn(n // 1024, 1024, device=DEV).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = timed(functools.partial(dst.copy_, src), reps=10)
-    log("hbm", "copy_read+write_GBps", round(2 * src.numel() * 2 / ms / 1e6, 1))
-    ms = timed(functools.partial(src.sum, dtype=torch.float32), reps=10)
-    log("hbm", "sum_read_GBps", round(src.numel() * 2 / ms / 1e6, 1))
-    del src, dst
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    ms = timed(functools.partial(torch.matmul, a, b), reps=10)
-    log("hbm", "matmul_bf16_8192_TFLOPs", round(2 * 8192**3 / ms / 1e9, 1))
+    c = measure_ceilings(DEV)
+    log("hbm", "copy_read+write_GBps", c["copy_GBps"])
+    log("hbm", "sum_read_GBps", c["read_GBps"])
+    log("hbm", "matmul_bf16_8192_TFLOPs", c["matmul_TFLOPs"])
 
 
 # ---- (b) MLA decode -------------------------------------------------------------------------------

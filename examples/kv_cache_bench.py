@@ -4,7 +4,12 @@
 1. Time to first token for one long prompt in a cold process (a real subprocess each time):
    a full miss (empty store; the process writes its KV blocks on finish) vs a warm store (a new
    process that fetches the prompt's blocks instead of computing them). The tokens must match.
-2. The store's read throughput while fetching, vs plain sequential reads of the same files.
+2. The store's read throughput while fetching (the whole fetch: records read, checked and handed
+   to the host tier), vs plain sequential reads of the same files in the same order, each side in
+   its own fresh process with the same page-cache state, alternating, ``--reps`` times.
+   ``--page-cache warm`` (default): the files are in the page cache for both sides (they were just
+   written and read); ``cold``: each side first syncs them and drops them from the page cache
+   (``posix_fadvise(DONTNEED)``), so both read from the disk.
 3. GC churn: many distinct prefixes into a store sized for a tenth of them; usage must stay under
    the high watermark.
 
@@ -12,6 +17,7 @@ The model is a random dense DeepSeek-V3-shaped checkpoint written to a temporary
 download), big enough that prefilling the prompt on CPU takes seconds.
 
     python examples/kv_cache_bench.py                 # hidden 768, 6 layers, a 2,048-token prompt
+    python examples/kv_cache_bench.py --page-cache cold --reps 7
     python examples/kv_cache_bench.py --hidden 1024 --layers 8 --prompt-len 2048 --block-size 16
 """
 
@@ -21,6 +27,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,12 +46,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--io-threads", default="auto", help="store read threads (default: the store's 'auto')")
+    p.add_argument("--reps", type=int, default=5, help="warm-store runs, each paired with a plain-read run")
+    p.add_argument("--miss-reps", type=int, default=3,
+                   help="extra full-miss runs (each into an empty store of its own), spread among the warm runs")
+    p.add_argument("--page-cache", choices=("warm", "cold"), default="warm",
+                   help="page-cache state of the store files before each warm run and each plain read")
     p.add_argument("--churn-prefixes", type=int, default=10_000)
     p.add_argument("--churn-capacity-prefixes", type=int, default=1_000)
     p.add_argument("--workdir", default=None, help="where the model and stores go (default: a temp dir)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--plain-read", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -104,6 +117,7 @@ def child(args: argparse.Namespace) -> None:
         "error": repr(out.error) if out.error else None, "fetch": m["fetch"],
         "store_read_bytes": m["persistent"]["read_bytes"], "written": m["offload"]["written"],
         "keys": tiers_keys(prompt, args.block_size), "store_root": tiers.store.root,
+        "io_threads": tiers.store.io_threads, "host_pool_bytes": m["host"]["pool_allocated_bytes"],
     }))
 
 
@@ -125,6 +139,41 @@ def run_child(args: argparse.Namespace, model: Path, store: Path) -> dict:
 
 
 # ---- read throughput --------------------------------------------------------------------------
+
+def drop_from_page_cache(files: list[str]) -> None:
+    """Write the files back and evict them from the page cache (only them: nothing else is touched)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def plain_child(list_file: str) -> None:
+    """In a fresh process: read the listed files once, in order, each with one ``readinto`` into
+    its slot of a buffer allocated and touched beforehand (as the host tier's pool is)."""
+    files = Path(list_file).read_text().split()
+    size = max(os.path.getsize(f) for f in files)
+    dest = memoryview(bytearray(len(files) * size))  # zero-filled: its pages are faulted in
+    total = 0
+    t = time.perf_counter()
+    for i, f in enumerate(files):
+        with open(f, "rb", buffering=0) as fh:
+            total += fh.readinto(dest[i * size : (i + 1) * size])
+    print(json.dumps({"seconds": time.perf_counter() - t, "bytes": total}))
+
+
+def run_plain(files: list[str], work: Path) -> dict:
+    listing = work / "files.txt"
+    listing.write_text("\n".join(files))
+    proc = subprocess.run([sys.executable, __file__, "--plain-read", str(listing)], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"plain read failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 
 def plain_read(files: list[str], dest: memoryview | None = None) -> float:
     """Seconds to read the files one after another with ``readinto``: each into its own slot of
@@ -159,12 +208,15 @@ def steady_read(store_path: Path, root: str, keys: list[int], io_threads, reps: 
     size = max(os.path.getsize(f) for f in files)
     dest = memoryview(torch.zeros(len(files) * size, dtype=torch.uint8).numpy()).cast("B")
     store_t, plain_t, reused_t = [], [], []
-    for _ in range(reps):
+    for rep in range(reps):  # alternating which goes first: the second finds the files' pages in the CPU cache
+        if rep % 2:
+            plain_t.append(plain_read(files, dest))
         t = time.perf_counter()
         got = store.get_many(keys, out=staging)
         store_t.append(time.perf_counter() - t)
         assert all(g is not None for g in got)
-        plain_t.append(plain_read(files, dest))
+        if rep % 2 == 0:
+            plain_t.append(plain_read(files, dest))
         reused_t.append(plain_read(files))
     store.close()
     return statistics.median(store_t), statistics.median(plain_t), statistics.median(reused_t), files
@@ -204,10 +256,18 @@ def churn(path: Path, prefixes: int, capacity_prefixes: int, blocks_per_prefix: 
 
 # ---- main -------------------------------------------------------------------------------------
 
+def spread(values: list[float], fmt: str = "{:.0%}") -> str:
+    """median (min-max) of ``values``"""
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
         child(args)
+        return
+    if args.plain_read:
+        plain_child(args.plain_read)
         return
     sys.path.insert(0, str(REPO))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kv_bench_"))
@@ -216,36 +276,63 @@ def main(argv=None) -> None:
     store = work / "store"
 
     miss = run_child(args, model, store)  # empty store: computes everything, writes its blocks
-    warm = run_child(args, model, store)  # a new process: fetches the blocks
-    for name, r in (("miss", miss), ("warm", warm)):
-        if r["error"]:
-            raise SystemExit(f"{name} run failed: {r['error']}")
-    same = miss["tokens"] == warm["tokens"]
-
-    store_s, plain_s, reused_s, files = steady_read(store, warm["store_root"], warm["keys"], args.io_threads)
+    if miss["error"]:
+        raise SystemExit(f"miss run failed: {miss['error']}")
+    root = miss["store_root"]
+    files = [f"{root}/{hx[:2]}/{hx}.kvb" for hx in (f"{k:016x}" for k in miss["keys"])]
     file_bytes = sum(os.path.getsize(f) for f in files)
-    fetch_store_bps = warm["store_read_bytes"] / warm["fetch"]["store_read_seconds"]
-    fetch_all_bps = warm["store_read_bytes"] / warm["fetch"]["seconds"]
-    plain_bps = file_bytes / plain_s
+    warms, plains, misses = [], [], [miss]
+    for rep in range(args.reps):  # pairs of fresh processes, alternating which side goes first
+        if rep < args.miss_reps:  # more misses, at the same (shared-machine) load as the warm runs
+            extra = run_child(args, model, work / f"miss{rep}")
+            shutil.rmtree(work / f"miss{rep}", ignore_errors=True)
+            if extra["error"] or extra["tokens"] != miss["tokens"]:
+                raise SystemExit(f"miss run {rep} failed or differs: {extra['error']}")
+            misses.append(extra)
+        for side in ("warm", "plain") if rep % 2 == 0 else ("plain", "warm"):
+            if args.page_cache == "cold":
+                drop_from_page_cache(files)
+            if side == "warm":
+                r = run_child(args, model, store)  # a new process: fetches the blocks
+                if r["error"]:
+                    raise SystemExit(f"warm run failed: {r['error']}")
+                warms.append(r)
+            else:
+                plains.append(run_plain(files, work))
+    same = all(w["tokens"] == miss["tokens"] for w in warms)
+    full = all(w["store_read_bytes"] == file_bytes for w in warms)
+    plain_bps = [p["bytes"] / p["seconds"] for p in plains]
+    fetch_bps = [w["store_read_bytes"] / w["fetch"]["seconds"] for w in warms]
+    read_bps = [w["store_read_bytes"] / w["fetch"]["store_read_seconds"] for w in warms]
+    fetch_ratio = [f / p for f, p in zip(fetch_bps, plain_bps)]
+    read_ratio = [f / p for f, p in zip(read_bps, plain_bps)]
+    miss_ttft = statistics.median(m["ttft"] for m in misses)
+    ttft_x = [miss_ttft / w["ttft"] for w in warms]
+
+    store_s, plain_s, reused_s, _ = steady_read(store, root, miss["keys"], args.io_threads)
     c = churn(work / "churn", args.churn_prefixes, args.churn_capacity_prefixes)
 
     gb = 1e9
+    w0 = warms[0]
     rows = [
-        ("TTFT, full miss (cold process, empty store)", f"{miss['ttft'] * 1e3:9.1f} ms", ""),
-        ("TTFT, warm store (cold process)", f"{warm['ttft'] * 1e3:9.1f} ms",
-         f"{miss['ttft'] / warm['ttft']:.1f}x faster (target >= 5x)"),
-        ("  prompt tokens reused / by tier", f"{warm['cached']:>9d}", json.dumps(warm["by_tier"])),
-        ("  same generated token", f"{str(same):>9s}", ""),
-        ("Store read during the fetch (cold process)", f"{fetch_store_bps / gb:9.2f} GB/s",
-         f"{fetch_store_bps / plain_bps:.0%} of plain reads"),
-        ("  whole fetch incl. host-tier insert", f"{fetch_all_bps / gb:9.2f} GB/s",
-         f"{fetch_all_bps / plain_bps:.0%} of plain reads"),
-        (f"Store read, steady state (median of {STEADY_REPS})", f"{file_bytes / store_s / gb:9.2f} GB/s",
-         f"{plain_s / store_s:.0%} of plain reads (target >= 70%)"),
-        ("Plain sequential reads, same files", f"{plain_bps / gb:9.2f} GB/s",
-         f"{len(files)} files, {file_bytes / 2**20:.1f} MiB, readinto a preallocated buffer"),
-        ("  same, all into one reused buffer", f"{file_bytes / reused_s / gb:9.2f} GB/s",
-         f"cache-resident upper bound; the store reaches {reused_s / store_s:.0%} of it"),
+        (f"TTFT, full miss (cold process, empty store, {len(misses)} runs)", f"{miss_ttft * 1e3:9.1f} ms",
+         spread([m["ttft"] * 1e3 for m in misses], "{:.0f}") + " ms"),
+        (f"TTFT, warm store (cold process, {args.reps} runs)",
+         f"{statistics.median(w['ttft'] for w in warms) * 1e3:9.1f} ms",
+         f"{spread(ttft_x, '{:.1f}x')} faster than the median miss (target >= 5x)"),
+        ("  prompt tokens reused / by tier", f"{w0['cached']:>9d}", json.dumps(w0["by_tier"])),
+        ("  same generated token, every run", f"{str(same):>9s}", ""),
+        ("Fetch during the warm run (read, check, into host tier)", f"{statistics.median(fetch_bps) / gb:9.2f} GB/s",
+         f"{spread(fetch_ratio)} of plain reads, per pair (target >= 70%)"),
+        ("  store reads alone", f"{statistics.median(read_bps) / gb:9.2f} GB/s",
+         f"{spread(read_ratio)} of plain reads"),
+        ("Plain sequential reads, same files (fresh process)", f"{statistics.median(plain_bps) / gb:9.2f} GB/s",
+         f"{len(files)} files, {file_bytes / 2**20:.1f} MiB, page cache {args.page_cache}; readinto a "
+         f"pre-faulted buffer; every block fetched: {full}"),
+        (f"Store read, steady state in one process (median of {STEADY_REPS})",
+         f"{file_bytes / store_s / gb:9.2f} GB/s",
+         f"{plain_s / store_s:.0%} of plain reads in that process ({file_bytes / plain_s / gb:.2f} GB/s), "
+         f"{reused_s / store_s:.0%} of reads into one cache-resident buffer"),
         (f"GC churn: {c['prefixes']:,} prefixes, room for {args.churn_capacity_prefixes:,}",
          f"{c['peak'] / c['capacity']:9.2%}", f"peak usage of capacity ({c['peak']:,} <= high watermark "
          f"{c['high']:,.0f} bytes: {c['peak'] <= c['high']}); {c['gc_runs']} GC runs, {c['evictions']:,} "
@@ -257,8 +344,10 @@ def main(argv=None) -> None:
     print()
     for name, value, note in rows:
         print(f"{name:<{width}}  {value}  {note}")
-    print(f"\nmodel: hidden {args.hidden}, {args.layers} layers, prompt {args.prompt_len} tokens, block "
-          f"{args.block_size}; store {store} (page cache warm: the store files were just written)")
+    print("\nper pair: fetch/plain " + " ".join(f"{r:.0%}" for r in fetch_ratio)
+          + "; TTFT speed-up " + " ".join(f"{x:.1f}x" for x in ttft_x))
+    print(f"model: hidden {args.hidden}, {args.layers} layers, prompt {args.prompt_len} tokens, block "
+          f"{args.block_size}; store {store}; io_threads {w0['io_threads']}")
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
 
 

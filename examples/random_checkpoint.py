@@ -24,7 +24,7 @@ SHAPES = {
                     num_attention_heads=16, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
                     first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400, topk_method="greedy",
-                    n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
+                    n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax"),
     "v3-slice": dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
                      num_attention_heads=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
                      n_group=8, topk_group=4, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
@@ -43,12 +43,23 @@ def shape_config(shape: str) -> dict:
     return cfg
 
 
-def make_random_checkpoint(out: Path, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
-                           std: float = 0.05) -> Path:
-    """Write ``config`` and seeded random weights to ``out``; copy the embedded tokenizer when its
-    vocabulary fits."""
+def write_config(out: Path, config: dict) -> Path:
+    """Write ``config`` as config.json to ``out``, and the embedded tokenizer when its vocabulary fits
+    (enough for an engine with ``load_format="random"``)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    tok = EMBEDDED_MODEL / "tokenizer.json"
+    if tok.is_file() and json.loads(tok.read_text())["model"].get("vocab") is not None:
+        if len(json.loads(tok.read_text())["model"]["vocab"]) <= config["vocab_size"]:
+            shutil.copy(tok, out / "tokenizer.json")
+            shutil.copy(EMBEDDED_MODEL / "tokenizer_config.json", out / "tokenizer_config.json")
+    return out
+
+
+def make_random_checkpoint(out: Path, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
+                           std: float = 0.05) -> Path:
+    """Write ``config`` (``write_config``) and seeded random weights to ``out``."""
+    write_config(out, config)
     cfg = ModelConfig.from_dict(config)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -59,9 +70,4 @@ def make_random_checkpoint(out: Path, config: dict, seed: int = 0, dtype: torch.
             t = torch.randn(shape, generator=g) * std
         tensors[name] = t.to(dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok = EMBEDDED_MODEL / "tokenizer.json"
-    if tok.is_file() and json.loads(tok.read_text())["model"].get("vocab") is not None:
-        if len(json.loads(tok.read_text())["model"]["vocab"]) <= cfg.vocab_size:
-            shutil.copy(tok, out / "tokenizer.json")
-            shutil.copy(EMBEDDED_MODEL / "tokenizer_config.json", out / "tokenizer_config.json")
     return out

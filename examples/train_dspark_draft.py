@@ -22,6 +22,12 @@ Output (safetensors only, no pickle): ``config.json``, ``model.safetensors`` (bf
 ``confidence_head.safetensors``, the target's tokenizer files and ``training_report.json``.
 
     python examples/train_dspark_draft.py --out deepinfer_core/assets/default_draft --minutes 18
+
+``--kind mtp`` trains an MTP module for the target instead (``dspark_mtp_train.py``: phase 2 is
+teacher-forced on the target's hidden states, depths 1 and 2); output ``mtp.safetensors``, the
+confidence head (on the MTP's normalised hidden state) and the report:
+
+    python examples/train_dspark_draft.py --kind mtp --out deepinfer_core/assets/default_mtp --minutes 13
 """
 
 from __future__ import annotations
@@ -218,6 +224,27 @@ def save_draft(cfg, student, target_dir: Path, out: Path) -> None:
         shutil.copy(target_dir / name, out / name)
 
 
+def train_mtp_kind(args, cfg, student, target_dir: Path, ids, tidx, tp, mask, n_eval: int, t0: float):
+    """Phase 2 for ``--kind mtp``: (temporary dir holding ``mtp.safetensors``, report entries)."""
+    from dspark_mtp_train import MTPModule, mtp_agreement, save_mtp, target_hidden, train_mtp
+
+    H = target_hidden(target_dir, ids)
+    log(f"target hidden states {tuple(H.shape)}", t0)
+    mod = MTPModule(student, cfg.rms_norm_eps)
+    agree0 = mtp_agreement(mod, ids[:n_eval], H[:n_eval], tidx[:n_eval], mask[:n_eval])
+    stats = train_mtp(mod, ids[n_eval:], H[n_eval:], tidx[n_eval:], tp[n_eval:], mask[n_eval:], args,
+                      t0 + args.minutes * 60 * 0.72, lambda m: log(m, t0))
+    agree1 = mtp_agreement(mod, ids[:n_eval], H[:n_eval], tidx[:n_eval], mask[:n_eval])
+    log(f"MTP depth-1 top-1 agreement on {n_eval} unseen sequences: {agree0:.3f} (init) -> {agree1:.3f}", t0)
+    tmp = Path(tempfile.mkdtemp(prefix="dspark_mtp_"))
+    n_layers = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]  # the target's
+    save_mtp(mod, n_layers, tmp, to_deepseek_state_dict)
+    trainable = sum(p.numel() for p in mod.parameters() if p.requires_grad)
+    return tmp, {"kind": "mtp", "draft_parameters": trainable, "distillation": stats,
+                 "top1_agreement_init": round(agree0, 4), "top1_agreement": round(agree1, 4),
+                 "top1_agreement_note": "depth 1: the MTP predicts token p + 2 from h_p and token p + 1"}
+
+
 # ---- phases 3 and 4: outcomes and the confidence head ----------------------------------------------
 def log_outcomes(draft_dir: Path, prompts: list[list[int]], gen_tokens: int, max_num_seqs: int) -> list:
     llm = LLM(features=["dspark"], dspark={"draft": str(draft_dir), "k": 5, "budget_policy": "fixed"},
@@ -286,7 +313,10 @@ def calibration(head: ConfidenceHead, h, extra, y, bins: int = 10) -> dict:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("deepinfer_core/assets/default_draft"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="default deepinfer_core/assets/default_draft (--kind model) or default_mtp (--kind mtp)")
+    p.add_argument("--kind", choices=("model", "mtp"), default="model",
+                   help="a separate draft model, or an MTP module fed the target's hidden states")
     p.add_argument("--minutes", type=float, default=18.0, help="wall-clock budget of the whole run")
     p.add_argument("--num-prompts", type=int, default=1536, help="prompts for the distillation data")
     p.add_argument("--gen-tokens", type=int, default=96)
@@ -314,6 +344,8 @@ def fit_temperature(head: ConfidenceHead, h, extra, y) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.out is None:
+        args.out = Path("deepinfer_core/assets") / ("default_mtp" if args.kind == "mtp" else "default_draft")
     t0 = time.time()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -353,6 +385,13 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         cfg, student = build_student(target_dir)
+        if args.kind == "mtp":
+            tmp, stats = train_mtp_kind(args, cfg, student, target_dir, ids, tidx, tp, mask, n_eval, t0)
+            report.update(stats, distillation_sequences=len(data), distillation_positions=int(mask.sum()),
+                          draft_command=shlex.join(["python", *sys.argv]), draft_seconds=round(time.time() - t0, 1))
+        else:
+            tmp = None
+    if tmp is None:
         agree0 = agreement(student, ids[:n_eval], tidx[:n_eval], mask[:n_eval])
         train_deadline = t0 + args.minutes * 60 * 0.72
         stats = distill(student, ids[n_eval:], tidx[n_eval:], tp[n_eval:], mask[n_eval:], args, t0, train_deadline)

@@ -73,6 +73,11 @@ class AscendPlatform(Platform):
     def supports_graph_capture(self) -> bool:
         return True
 
+    def graph_capture_dtypes(self) -> tuple[torch.dtype, ...]:
+        # kernels_ascend has no mla_decode / fused_moe yet: the reference ops read lengths and expert
+        # counts on the host, so a decode step cannot be captured
+        return ()
+
     def graph(self) -> Any:
         return _torch_npu().NPUGraph()
 

@@ -57,6 +57,11 @@ class NvidiaPlatform(Platform):
     def supports_graph_capture(self) -> bool:
         return True
 
+    def graph_capture_dtypes(self) -> tuple[torch.dtype, ...]:
+        # kernels_cuda runs the tensor-core kernels for these; float32 takes the reference ops, which
+        # read lengths and expert counts on the host
+        return (torch.bfloat16, torch.float16)
+
     def graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 

@@ -13,7 +13,7 @@ Two kernels:
   16/32-head tiles on mma.sync; a key tile is one page or a slice of one.
 
 Long contexts with few CTAs split the key axis (``n_split`` CTAs per token and head tile, each writing
-an fp32 partial output and its log-sum-exp; at least 256 keys per split); :func:`build_combine`
+an fp32 partial output and its log-sum-exp; at least 64 keys per split); :func:`build_combine`
 merges them.
 
 Causality inside a multi-token query block (speculative verification, MTP) needs no mask: query j of
@@ -140,12 +140,17 @@ def build_decode(H: int, D: int, DV: int, BS: int, BH: int, BN: int, stages: int
     return mla_decode_kernel
 
 
+MAX_SPLIT = 64  # most key splits per (token, head tile): the combine stages the split scores in registers
+
+
 def build_combine(H: int, DV: int, dtype: str = "bfloat16"):
-    """out[t, h] = sum_s exp2(lse_s - lse) * o_s over the splits that saw any key."""
+    """out[t, h] = sum_s exp2(lse_s - lse) * o_s over the splits that saw any key. The split scores are
+    loaded in one parallel pass (a serial loop of dependent loads costs ~0.1 us per split)."""
     T = _tl.language()
     NT, n_split = T.dynamic("NT"), T.dynamic("NSPLIT")
     threads = 128
     accum = "float32"
+    S = MAX_SPLIT
 
     @T.prim_func
     def mla_decode_combine(
@@ -154,20 +159,25 @@ def build_combine(H: int, DV: int, dtype: str = "bfloat16"):
         Out: T.Tensor((NT, H, DV), dtype),
     ):
         with T.Kernel(H, NT, threads=threads) as (h, t):
+            lse = T.alloc_fragment((1, S), accum)
+            wts = T.alloc_fragment((1, S), accum)
+            mx = T.alloc_fragment((1,), accum)
+            total = T.alloc_fragment((1,), accum)
+            w_s = T.alloc_shared((S,), accum)
             o = T.alloc_fragment((DV,), accum)
-            lse_max = T.alloc_var(accum)
-            total = T.alloc_var(accum)
-            lse_max = -T.infinity(accum)
-            for s in T.serial(n_split):
-                lse_max = T.max(lse_max, LsePart[t, h, s])
-            total = 0
-            for s in T.serial(n_split):
-                total += T.exp2(LsePart[t, h, s] - lse_max)
+            for i, s in T.Parallel(1, S):
+                lse[i, s] = T.if_then_else(s < n_split, LsePart[t, h, T.min(s, n_split - 1)], -T.infinity(accum))
+            T.reduce_max(lse, mx, dim=1)
+            for i, s in T.Parallel(1, S):
+                wts[i, s] = T.if_then_else(lse[i, s] > -T.infinity(accum), T.exp2(lse[i, s] - mx[i]), 0.0)
+            T.reduce_sum(wts, total, dim=1)
+            for i, s in T.Parallel(1, S):
+                w_s[s] = wts[i, s] / total[i]
             T.fill(o, 0)
             for s in T.serial(n_split):
-                if LsePart[t, h, s] > -T.infinity(accum):
+                if w_s[s] > 0:
                     for i in T.Parallel(DV):
-                        o[i] += T.exp2(LsePart[t, h, s] - lse_max) / total * OPart[t, h, s, i]
+                        o[i] += w_s[s] * OPart[t, h, s, i]
             T.copy(o, Out[t, h, :])
 
     return mla_decode_combine
@@ -403,7 +413,7 @@ def choose_split(n_ctas: int, sms: int) -> int:
     shared-memory tiles take most of it): about one CTA per SM in total."""
     if n_ctas >= sms * 0.75:
         return 1
-    return int(min(64, max(1, round(sms / n_ctas))))
+    return int(min(MAX_SPLIT, max(1, round(sms / n_ctas))))
 
 
 def _pad_last(x: torch.Tensor, widths: list[tuple[int, int]]) -> torch.Tensor:
@@ -449,6 +459,8 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
     n_ctas = (h_p // c["BH"]) * T_
     if n_split is None:
         n_split = choose_split(n_ctas, _tl.num_sms(q.device.index or 0))
+    if not 1 <= n_split <= MAX_SPLIT:
+        raise ValueError(f"mla_decode: n_split={n_split} is outside 1..{MAX_SPLIT}")
     if c.get("kernel") == "ws":
         kern = _decode_ws_kernel(h_p, Dp, dv_p, BS, n_split > 1, ragged, _tl.tl_dtype(q.dtype))
     else:
@@ -467,7 +479,8 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
     else:
         o_part = torch.empty(1, h_p, 1, dv_p, dtype=torch.float32, device=dev)
         lse_part = torch.empty(1, h_p, 1, dtype=torch.float32, device=dev)
-    min_blocks = max(1, 256 // BN) if n_split > 1 else 1  # at least 256 keys per split
+    # at least 64 keys per split: shorter splits cost more in partial outputs than they save
+    min_blocks = max(1, 64 // BN) if n_split > 1 else 1
     kern(q, cache, block_tables.to(torch.int32).contiguous(), cu_q_lens.to(torch.int64).contiguous(),
          seq_lens.to(torch.int64).contiguous(), tok_seq, out, o_part, lse_part, float(scale * LOG2E), min_blocks)
     if n_split > 1:

@@ -239,8 +239,8 @@ def moe_steps(x, w13, w2, weights, ids, *, cfg: dict | None = None):
     dev = x.device
     nblk = (NS + BM - 1) // BM + min(E, NS)
     cap = nblk * BM
-    ids_flat = ids.reshape(-1).to(torch.int64).contiguous()
     ids2 = ids.to(torch.int64).contiguous()
+    ids_flat = ids2.view(-1)
     wts = weights.to(torch.float32).contiguous()
     row_slot = torch.empty(cap, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nblk, dtype=torch.int32, device=dev)

@@ -312,7 +312,8 @@ def test_host_store_lru_eviction_and_stats():
     st = s.stats()
     assert (st.hits, st.misses, st.puts, st.evictions) == (1, 1, 6, 2)
     assert (st.read_bytes, st.write_bytes) == (256, 5 * 256)
-    assert st.extra == {"bytes": 512, "blocks": 2, "capacity_bytes": 768, "pinned": False}
+    assert st.extra == {"bytes": 512, "blocks": 2, "capacity_bytes": 768, "pinned": False, "pool_free_bytes": 0,
+                        "pool_allocated_bytes": 0}  # no block_shape: nothing pooled
     assert s.used_bytes == 512 and len(s) == 2
     assert torch.equal(s.get(5), block(5)) and s.get(5).device.type == "cpu"
     s.close()

@@ -23,7 +23,7 @@ from tiny_models import VOCAB, kv_bytes_per_block, write_checkpoint
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
 from plugins.dspark import feature as dspark_feature
-from plugins.dspark.policy import StepCost, choose_lengths, fixed_lengths, worth_drafting
+from plugins.dspark.policy import LiveCost, StepCost, choose_lengths, fixed_lengths, worth_drafting
 from plugins.dspark.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
 
 BS = 4
@@ -91,7 +91,7 @@ def cheap_drafts(llm: LLM) -> None:
     """A step-time curve on which drafting always pays (these random models' drafts are rarely
     confident), so that the variable-length path drafts, verifies and cuts."""
     feat = next(f for f in llm.engine.features if f.name == "dspark")
-    feat.cost = StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1e-6, 1e-5])
+    feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1e-6, 1e-5]), adapt=False)
 
 
 def rand_ids(n: int, seed: int) -> list[int]:
@@ -147,11 +147,16 @@ def test_no_drafting_when_it_does_not_pay(tiny_v3_path, tiny_draft, reference):
     """With drafts that cost as much as a target step, the throughput policy decodes plainly."""
     llm = make(tiny_v3_path, dspark={"draft": tiny_draft})
     feat = next(f for f in llm.engine.features if f.name == "dspark")
-    feat.cost = StepCost([1, 1024], [0.01, 1.0], [1, 1024], [0.01, 1.0])
+    feat.live = LiveCost(StepCost([1, 1024], [0.01, 1.0], [1, 1024], [0.01, 1.0]), adapt=False)
+    feat.explore_every = 3  # exploratory drafts every few skipped steps, each for a few requests only
+    rows = []
+    loop = feat._draft_loop
+    feat._draft_loop = lambda r, states, *a: (rows.append(len(states)), loop(r, states, *a))
     outs = run(llm, PROMPTS, greedy(20, logprobs=0))
     assert [o.outputs[0].token_ids for o in outs] == reference
     m = llm.metrics()
     assert m["dspark_steps_without_drafts"] > 0 and m["dspark_verified_per_step"] < 0.5
+    assert rows and max(rows) <= dspark_feature.EXPLORE_ROWS < len(PROMPTS)
     llm.engine.blocks.check_no_leaks()
 
 
@@ -301,6 +306,90 @@ def test_policy_cuts_unlikely_drafts_and_respects_budget():
     # drafting deeper: worth it for a confident request, not for an unlikely one
     assert worth_drafting([0.9], [0.95], 1, 2, 1.9, cost, 0.003, 3)
     assert not worth_drafting([0.05], [0.2], 1, 2, 1.05, cost, 0.003, 3)
+
+
+def test_live_cost_follows_measured_times():
+    """The policy's costs follow the real step times: scales converge to measured/predicted, one
+    stall moves them little, idle gaps (cycle None) are not counted as overhead."""
+    base = StepCost([1, 8], [0.010, 0.017], [1, 8], [0.002, 0.004])
+    live = LiveCost(base)
+    for _ in range(200):  # the machine runs 1.5x slower than at start-up; 3 ms per step outside forwards
+        live.observe(tokens=4, verify_s=1.5 * base.verify(4), rows=1, steps=2, steps_s=1.5 * 2 * 0.002,
+                     catchup_s=0.004, requests=1, cycle_s=1.5 * base.verify(4) + 0.006 + 0.004 + 0.003)
+    assert live.verify_scale == pytest.approx(1.5, rel=0.02) and live.draft_scale == pytest.approx(1.5, rel=0.02)
+    assert live.verify(8) == pytest.approx(1.5 * 0.017, rel=0.02)  # not seen: the scaled curve
+    assert live.verify(4) == pytest.approx(1.5 * base.verify(4), rel=0.02)  # seen: its own running time
+    for _ in range(100):  # verifying 2 tokens costs as much as 4 here, unlike the start-up curve's shape
+        live.observe(2, 1.5 * base.verify(4), 1, 0, 0.0, 0.0, 1, None)
+    assert live.verify(2) == pytest.approx(live.verify(4), rel=0.02) and live.verify(1) < live.verify(2)
+    guess = live.verify(3)
+    live.observe(3, 0.8 * guess, 1, 0, 0.0, 0.0, 1, None)  # a size's first sample replaces the curve's guess
+    assert live.verify(3) == pytest.approx(0.8 * guess)
+    assert live.catchup(1) == pytest.approx(0.004, rel=0.02)
+    assert live.overhead(1) == pytest.approx(0.003, rel=0.05)
+    assert live.drafting(1, 3) == pytest.approx(0.004 + 2 * 0.003, rel=0.02)
+    before = (live.verify_scale, live.extra_overhead_s)
+    live.observe(4, 50 * base.verify(4), 1, 2, 0.006, 0.004, 1, cycle_s=None)  # a stall, then an idle gap
+    assert live.verify_scale < 1.1 * before[0] and live.extra_overhead_s == before[1]
+    frozen = LiveCost(base, adapt=False)
+    frozen.observe(4, 1.0, 1, 2, 1.0, 1.0, 1, 1.0)
+    assert frozen.verify(4) == base.verify(4) and frozen.overhead(1) == base.overhead(1)
+
+
+@pytest.mark.parametrize("arch", ["v3", "v2_without_q_lora"])
+def test_lean_draft_decode_matches_forward(tiny_v3_path, tmp_path, arch):
+    """The lean draft path (folded weights, one GEMM per projection) equals the draft's generic
+    forward: a 3-token catch-up span and single tokens of two requests of different lengths."""
+    from plugins.dspark.draft import DraftModel
+    from plugins.dspark.lean import context_slot_table
+
+    path = tiny_v3_path if arch == "v3" else str(write_checkpoint(tmp_path, "v2", seed=3, q_lora_rank=None)[0])
+    llm = make(path, features=False)
+    eng = llm.engine
+    src = DraftModel(eng, Path(path))  # the 2-layer model drafting for itself: a dense and an MoE layer
+    dev = eng.device
+    from deepinfer_core.engine.sequence import Sequence
+
+    seqs = []
+    for i, n in enumerate((23, 15)):
+        s = Sequence(f"r{i}", None, rand_ids(n, 90 + i), greedy(1), 0, [])
+        eng.blocks.allocate(s, n)
+        seqs.append(s)
+    bs = eng.block_size
+
+    def run_both(items):
+        ids = [s.token_ids[p] for s, _, lo, hi, _ in items for p in range(lo, hi)]
+        pos = [p for _, _, lo, hi, _ in items for p in range(lo, hi)]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, _, lo, hi, _ in items for p in range(lo, hi)]
+        ids_t, pos_t = torch.tensor(ids), torch.tensor(pos)
+        pre = [it for it in items if it[2] == 0]
+        dec = [it for it in items if it[2] > 0]
+        ref = src.forward(ids_t, pos_t, dspark_feature.DSpark._meta(pre, dec, slots, dev))[1]
+        if pre:
+            return None
+        table = context_slot_table(dspark_feature.DSpark._meta_tables(dec, dev), bs)
+        which = torch.tensor([i for i, (_, _, lo, hi, _) in enumerate(dec) for _ in range(hi - lo)])
+        lean = src.decode(ids_t, pos_t, torch.tensor(slots), table[which, : max(it[3] for it in dec)],
+                          masked=len(ids) > 1)
+        torch.testing.assert_close(lean, ref, rtol=1e-4, atol=1e-4)
+        return lean
+
+    with torch.inference_mode():
+        run_both([(seqs[0], None, 0, 20, 0), (seqs[1], None, 0, 12, 0)])  # prefill the draft cache
+        run_both([(seqs[0], None, 20, 23, 0), (seqs[1], None, 12, 13, 0)])  # catch-up spans of 3 and 1
+        run_both([(seqs[1], None, 13, 14, 0)])  # one token, no mask
+        run_both([(seqs[0], None, 22, 23, 0), (seqs[1], None, 14, 15, 0)])
+
+
+def test_fast_confidence_matches_head():
+    from plugins.dspark.confidence import EXTRA_FEATURES, ConfidenceHead
+
+    g = torch.Generator().manual_seed(0)
+    head = ConfidenceHead(torch.randn(16, generator=g), torch.randn(len(EXTRA_FEATURES), generator=g), 0.3, 1.3)
+    h, logq, ent = torch.randn(6, 16, generator=g), -torch.rand(6, generator=g) * 40, torch.rand(6, generator=g)
+    greedy_rows = torch.tensor([True, False, True, True, False, False])
+    torch.testing.assert_close(head.fast(h, logq, ent, greedy_rows, head.per_row(greedy_rows)),
+                               head(h, logq, ent, greedy_rows))
 
 
 # ---- calibration of the shipped draft's confidence head --------------------------------------------------

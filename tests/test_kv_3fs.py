@@ -87,6 +87,27 @@ def test_get_many_and_bf16(tmp_path):
     s.close()
 
 
+def test_get_many_reads_into_the_callers_buffers(tmp_path):
+    """``out`` as a 4-D tensor or a list of block tensors: blocks land in that memory (no copy);
+    a buffer of the wrong shape is replaced by fresh memory, a missing key leaves its buffer alone."""
+    s = ThreeFSStore(path=str(tmp_path), layout=LAYOUT, io_threads=2)
+    keys = [7, 8, 9]
+    for k in keys:
+        assert s.put(k, block(k))
+    slab = torch.full((4, *LAYOUT.block_shape), -1.0)
+    got = s.get_many(keys, out=slab)
+    assert all(g.data_ptr() == slab[i].data_ptr() and torch.equal(g, block(k)) for i, (g, k) in
+               enumerate(zip(got, keys)))
+    bufs = [torch.full(LAYOUT.block_shape, -1.0), torch.zeros(3), torch.full(LAYOUT.block_shape, -1.0)]
+    got = s.get_many([8, 9, 404], out=bufs)
+    assert got[0] is bufs[0] and torch.equal(got[0], block(8))
+    assert got[1] is not bufs[1] and torch.equal(got[1], block(9))
+    assert got[2] is None and bool((bufs[2] == -1).all())
+    with pytest.raises(ValueError, match="2 output tensors for 3 keys"):
+        s.get_many(keys, out=bufs[:2])
+    s.close()
+
+
 # ---- faults --------------------------------------------------------------------------------------
 
 def _rewrite_header(path: Path, **changes) -> None:

@@ -309,6 +309,25 @@ def test_evicted_device_blocks_move_to_host_and_store(tiny_v3_path, reference, t
     llm.shutdown()
 
 
+def test_fetch_reads_into_the_host_pool(tiny_v3_path, reference, tmp_path):
+    """Fetched blocks are read straight into the host tier's pre-faulted buffers: no memory is
+    allocated for them and they are not counted as host hits."""
+    p = prompt(45, 41)
+    a = make_llm(tiny_v3_path, tmp_path)
+    run(a, [p])
+    a.shutdown()
+    b = make_llm(tiny_v3_path, tmp_path)
+    before = tier_metrics(b)["host"]
+    assert before["pool_free_bytes"] == before["pool_allocated_bytes"] > 10 * BLOCK_BYTES
+    tokens, cached, by_tier = run(b, [p])[0]
+    assert tokens == reference(p) and by_tier == {"persistent": cached} and cached == full_blocks(p)
+    m = tier_metrics(b)
+    assert m["fetch"]["blocks"] == cached // BS and m["host"]["blocks"] == cached // BS
+    assert m["host"]["pool_allocated_bytes"] == before["pool_allocated_bytes"]
+    assert m["host"]["hits"] == 0 and m["persistent"]["hits"] == cached // BS
+    b.shutdown()
+
+
 def test_traffic_class_sets_the_records_ttl(tiny_v3_path, tmp_path):
     llm = make_llm(tiny_v3_path, tmp_path, kv={"ttl": {"agent": "90m", "chatbot": "2d"}})
     pa, pc = prompt(50, 13), prompt(51, 13)

@@ -107,11 +107,13 @@ class BlockManager(KVStore):
         self._stats.misses += len(hashes) - n
         return n
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks that became full and computed, so later requests can share them."""
+    def register_full_blocks(self, seq: Sequence, upto: int | None = None) -> None:
+        """Hash the blocks that became full and computed, so later requests can share them. Only
+        real tokens count (never async scheduling's placeholders), and at most ``upto`` tokens."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        n = min(seq.num_computed_tokens, seq.num_known_tokens)
+        full = (n if upto is None else min(n, upto)) // self.block_size
         bs = self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
         for i in range(len(seq.block_hashes), full):

@@ -2,18 +2,43 @@
 
     step():  schedule -> prepare -> forward -> sample -> postprocess
 
-The phases are kept separate so that a platform with asynchronous execution can run
-``schedule(N+1)`` while ``forward(N)`` is still on the device.
+Async scheduling (``async_scheduling``; on by default where ``Platform.supports_async_overlap()``)
+pipelines the loop one step deep. While the device runs forward(N) and sample(N), the host runs
+schedule(N+1), launches forward(N+1), and only then post-processes N:
+
+    step N+1:  schedule(N+1) -> prepare(N+1) -> launch forward+sample(N+1) -> complete(N)
+
+* Placeholders. Launching a step advances the requests' scheduling state at once: their
+  ``num_computed_tokens``, and for each request that samples, a placeholder id ``-(i + 1)`` (``i``: its
+  row in the step's sampled-token tensor) appended to ``token_ids``. schedule(N+1) thus sees the right
+  lengths and block needs. prepare(N+1) turns placeholders into step N's tokens on the device
+  (``ModelRunner.prepare(prev_tokens=...)``: one gather and ``torch.where``); complete(N) writes the
+  real tokens over them once the asynchronous copy to the host (pinned buffer + event) has landed.
+* Stops are found one step late. A request that stopped at N (eos, stop strings, stop_token_ids) was
+  already launched in N+1: that extra token is discarded, never emitted, and the request's KV blocks
+  are released when it finishes (the in-flight step's writes are ordered before any later reuse on
+  the stream). Stops known on the host (max_tokens, max_model_len) are not scheduled at all: the
+  request is marked ``last_token_pending`` when its last token is launched. Prefix-cache blocks are
+  registered only from real tokens and only up to what the completed step computed, exactly as in
+  synchronous mode, so outputs and cache contents are the same as with ``async_scheduling = false``.
+* Synchronous steps. A request whose next step needs its previous token on the host (penalties count
+  output tokens; the ``request_needs_sync`` hook, e.g. a grammar mask) makes every step run
+  synchronously while it is unfinished, and so does any step for which a feature's ``step_needs_sync``
+  hook says so, or a feature that implements ``execute_step`` without ``step_needs_sync`` (assumed to
+  take over every step). Such a step first completes the step in flight, so every token is on the
+  host before it is scheduled. ``_postprocess`` and ``append_tokens`` keep their synchronous meaning
+  for features that run steps themselves.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,10 +46,12 @@ from deepinfer_core import plugins
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.cost_model import CostModel, default_path
+from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
-from deepinfer_core.engine.sampler import Sampler
+from deepinfer_core.engine.sampler import DeviceSample, Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.tokenizer import HFTokenizer
+from deepinfer_core.engine.transfer import HostCopy, to_device
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
 from deepinfer_core.models.loader import (
@@ -48,15 +75,30 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineStats:
     steps: int = 0
     step_time: float = 0.0  # wall time inside step()
-    forward_time: float = 0.0  # model forward + logits, synchronised
+    forward_time: float = 0.0  # launching the forward + waiting for the step's results on the host
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    launched_steps: int = 0  # steps whose forward was launched by the engine
+    completed_steps: int = 0  # of those, steps whose results were post-processed
+    overlapped_steps: int = 0  # steps launched while the previous one was still on the device
+    discarded_tokens: int = 0  # tokens sampled for requests that had stopped (async scheduling)
     extra: dict = field(default_factory=dict)
 
     @property
     def overhead_share(self) -> float:
         return 0.0 if self.step_time == 0 else 1.0 - self.forward_time / self.step_time
+
+
+@dataclass
+class InflightStep:
+    """A launched step whose results are not yet post-processed."""
+
+    batch: StepBatch
+    sample: DeviceSample | None
+    copy: HostCopy  # the sampled tokens, logprobs and prompt logprobs on their way to the host
+    computed: list[int]  # per batch.scheduled: its num_computed_tokens after this step
+    prompt_lp: list[tuple[Sequence, int]]  # (request, first position) per prompt-logprob block
 
 
 def model_fingerprint(model_dir, dtype: torch.dtype) -> str:
@@ -114,7 +156,14 @@ class LLMEngine:
         self.scheduler.admit_prefix = self._admit_prefix
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, self.device,
                                   batch_invariant=cfg.batch_invariant)
-        self.sampler = Sampler(self.kernels, mc.vocab_size, self.device)
+        self._pin = self.platform.supports_pinned_memory()
+        self.runner.pin_memory = self._pin
+        self.sampler = Sampler(self.kernels, mc.vocab_size, self.device, pin_memory=self._pin)
+        self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
+                                 else self.platform.supports_async_overlap())
+        self._inflight: InflightStep | None = None
+        self._sync_requests: set[str] = set()  # unfinished requests whose steps must run synchronously
+        self._idle = DeviceIdleMeter(self.platform) if cfg.measure_device_idle else None
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._next_id = 0
@@ -124,6 +173,15 @@ class LLMEngine:
 
             self.pm.register(TieredKVCache(self, dict(cfg.kv_store)), name="kv_tiers")
         self.pm.hook.engine_started(engine=self)
+        if self.async_scheduling and self._takeover_features():
+            logger.info("async scheduling: feature(s) %s run steps themselves (execute_step); steps run "
+                        "synchronously", [type(p).__name__ for p in self._takeover_features()])
+        # after the features: they may hook the model (route_hook) or allocate device memory
+        self.runner.setup_graphs(self.platform, cfg, self.max_model_len)
+        # The model, caches and plugins live as long as the engine: keep the cyclic GC from rescanning
+        # them. Otherwise the first full collection (~0.2 s for a freshly loaded engine) stalls every
+        # thread at some early request, e.g. mid KV fetch. Undone in shutdown() so they can be freed.
+        gc.freeze()
 
     # ---- construction -------------------------------------------------------------------
     def build_model(self, expert_range=None):
@@ -174,6 +232,8 @@ class LLMEngine:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         seq = self.new_sequence(prompt, params, request_id)
         self.pm.hook.request_added(engine=self, request=seq)
+        if has_penalty(seq) or any(self.pm.hook.request_needs_sync(engine=self, request=seq)):
+            self._sync_requests.add(request_id)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -221,11 +281,14 @@ class LLMEngine:
             self._finish(seq, reason, error=error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests wait or run, or a launched step is still to be post-processed."""
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---- hooks the scheduler calls ------------------------------------------------------
     def _is_ready(self, seq: Sequence) -> bool:
         if seq.is_finished:  # failed by a feature (e.g. in _fail_stuck) and not yet dropped: never schedule it
+            return False
+        if seq.last_token_pending:  # preempted while its last token is sampled: it finishes when that lands
             return False
         try:
             ready = self.pm.hook.request_ready(engine=self, request=seq)
@@ -266,73 +329,191 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it (with async scheduling, the ones
+        found finished when the previous step's results were post-processed)."""
         t0 = time.perf_counter()
+        overlap = self._can_overlap()
+        if not overlap:
+            self._drain()
         out = self.scheduler.schedule()
+        if not out and self._inflight is not None:  # nothing new to launch: finish the step in flight
+            self._drain()
+            out = self.scheduler.schedule()
         finished = [s for s in self._seqs.values() if s.is_finished]
         if not out:
             self._drop(finished)
             if self.scheduler.has_work() and not finished:
                 self._fail_stuck()
+            if self._idle is not None:
+                self._idle.break_chain()
             return finished
         now = time.perf_counter()
         for s in out.prefills:
             self.stats.prefill_tokens += s.num_new_tokens
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
-        if not self.pm.hook.execute_step(engine=self, scheduled=out):
-            batch = self.runner.prepare(out)
-            tf = time.perf_counter()
-            logits = self.runner.forward(batch)
-            self.platform.synchronize()
-            self.stats.forward_time += time.perf_counter() - tf
-            self._postprocess(batch, out, logits)
+        if overlap:
+            prev = self._inflight
+            self._inflight = self._launch(out, prev)
+            if prev is not None:
+                self.stats.overlapped_steps += 1
+                self._complete(prev)
+        elif not self.pm.hook.execute_step(engine=self, scheduled=out):
+            self._complete(self._launch(out))
         finished += [s for s in self._seqs.values() if s.is_finished and s not in finished]
         self._drop(finished)
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
         self.stats.step_time += time.perf_counter() - t0
+        if self._idle is not None and not self.has_unfinished():
+            self._idle.break_chain()
         self.pm.hook.step_finished(engine=self, step_stats=self.stats)
         return finished
 
-    def _postprocess(self, batch: StepBatch, out: SchedulerOutput, logits: torch.Tensor) -> None:
+    # ---- async scheduling ---------------------------------------------------------------
+    def _takeover_features(self) -> list:
+        """Features that run steps themselves (execute_step) and do not say when (step_needs_sync)."""
+        aware = {id(h.plugin) for h in self.pm.hook.step_needs_sync.get_hookimpls()}
+        return [h.plugin for h in self.pm.hook.execute_step.get_hookimpls() if id(h.plugin) not in aware]
+
+    def _can_overlap(self) -> bool:
+        """Whether the coming step may be launched before the one in flight is post-processed."""
+        if not self.async_scheduling or self._sync_requests or self._takeover_features():
+            return False
+        return not any(self.pm.hook.step_needs_sync(engine=self))
+
+    def _drain(self) -> None:
+        """Post-process the step in flight, if any: afterwards every token is on the host."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._complete(step)
+
+    def _launch(self, out: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
+        """prepare + forward + sampling of a scheduled step, queued without waiting for the device.
+        ``prev``: the step still in flight, whose sampled tokens fill this step's placeholders."""
+        prev_tokens = prev.sample.tokens if prev is not None and prev.sample is not None else None
+        batch = self.runner.prepare(out, prev_tokens=prev_tokens)
+        start = self._idle.start() if self._idle is not None else None
+        tf = time.perf_counter()
+        logits = self.runner.forward(batch)
+        self.stats.forward_time += time.perf_counter() - tf
+        step = self._submit(batch, logits)
+        if self._idle is not None:
+            self._idle.end(start)
+        return step
+
+    def _submit(self, batch: StepBatch, logits: torch.Tensor) -> InflightStep:
+        """Queue a step's device work after its forward (prompt logprobs, ``process_logits``, sampling,
+        the copy of the results to the host) and advance its requests' scheduling state: computed
+        tokens, and a placeholder for each token being sampled."""
+        tensors: list[torch.Tensor | None] = []
+        prompt_lp = []
         for seq, first, count, start in batch.prompt_lp:
-            self._record_prompt_logprobs(seq, first, count, logits[start : start + count])
-        sample_logits = logits[batch.sample_rows] if batch.sample_seqs else None
-        if sample_logits is not None:
+            prompt_lp.append((seq, first))
+            tensors += self._prompt_logprob_tensors(seq, first, count, logits[start : start + count])
+        sample = None
+        if batch.sample_seqs:
+            if batch.sample_rows == list(range(logits.shape[0])):
+                sample_logits = logits
+            else:
+                sample_logits = logits[to_device(batch.sample_rows, torch.long, self.device, self._pin)]
             self.pm.hook.process_logits(engine=self, batch=batch, logits=sample_logits)
+            sample = self.sampler.sample(sample_logits, batch.sample_seqs, [s.num_tokens for s in batch.sample_seqs])
+            tensors = sample.tensors() + tensors
+        copy = HostCopy(tensors, self.platform, self._pin)
+        computed = []
         for s in batch.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
-                s.seq.metrics.num_computed_prompt_tokens += s.num_new_tokens
-            self.blocks.register_full_blocks(s.seq)
-        if sample_logits is None:
-            return
-        result = self.sampler(sample_logits, batch.sample_seqs, [s.num_tokens for s in batch.sample_seqs])
-        self.append_tokens(batch.sample_seqs, [[t] for t in result.tokens], [[lp] for lp in result.logprobs],
-                           [[tp] for tp in result.top])
-        self.pm.hook.tokens_sampled(engine=self, batch=batch, token_ids=result.tokens)
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                seq.metrics.num_computed_prompt_tokens += s.num_new_tokens
+            computed.append(seq.num_computed_tokens)
+        for i, seq in enumerate(batch.sample_seqs):
+            seq.token_ids.append(-(i + 1))
+            seq.num_pending_tokens += 1
+            max_tokens = seq.params.max_tokens
+            if ((max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens)
+                    or seq.num_tokens >= self.max_model_len):
+                seq.last_token_pending = True
+        self.stats.launched_steps += 1
+        return InflightStep(batch, sample, copy, computed, prompt_lp)
+
+    def _complete(self, step: InflightStep) -> None:
+        """Wait for a launched step's results on the host and post-process them: prompt logprobs,
+        prefix-cache blocks, the sampled tokens over their placeholders, stop checks, hooks. Requests
+        that finished since the step was launched (stopped one step earlier, aborted) are skipped:
+        their tokens are discarded."""
+        tw = time.perf_counter()
+        host = step.copy.wait()
+        self.stats.forward_time += time.perf_counter() - tw
+        base = 4 if step.sample is not None else 0
+        for j, (seq, first) in enumerate(step.prompt_lp):
+            if not seq.is_finished:
+                self._add_prompt_logprobs(seq, first, *host[base + 3 * j : base + 3 * j + 3])
+        for s, computed in zip(step.batch.scheduled, step.computed):
+            if not s.seq.is_finished:
+                self.blocks.register_full_blocks(s.seq, computed)
+        if step.sample is not None:
+            self._complete_tokens(step, host)
+        self.stats.completed_steps += 1
+
+    def _complete_tokens(self, step: InflightStep, host: list[torch.Tensor | None]) -> None:
+        res = Sampler.to_result(step.sample.want, host[:4])
+        now = time.perf_counter()
+        kept: list[int] = []
+        for i, seq in enumerate(step.batch.sample_seqs):
+            if seq.is_finished:
+                self.stats.discarded_tokens += 1
+                continue
+            if seq.num_pending_tokens <= 0:
+                raise RuntimeError(f"request {seq.request_id}: a sampled token has no placeholder")
+            seq.token_ids[seq.num_known_tokens] = res.tokens[i]
+            seq.num_pending_tokens -= 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            self._accept_token(seq, res.tokens[i], res.logprobs[i], res.top[i])
+            kept.append(i)
+        batch = step.batch
+        if len(kept) < len(batch.sample_seqs):
+            batch = replace(batch, sample_seqs=[batch.sample_seqs[i] for i in kept],
+                            sample_rows=[batch.sample_rows[i] for i in kept])
+        self.pm.hook.tokens_sampled(engine=self, batch=batch, token_ids=[res.tokens[i] for i in kept])
+
+    def _postprocess(self, batch: StepBatch, out: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Sample and post-process a step whose forward has run, synchronously (for features that
+        run steps themselves; the pipeline is drained on such steps)."""
+        self._complete(self._submit(batch, logits))
 
     def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]],
                       tops: list[list] | None = None) -> None:
         """Append accepted tokens to requests and finish those that stop (also used by speculation)."""
         now = time.perf_counter()
         for i, seq in enumerate(seqs):
+            if seq.num_pending_tokens:
+                raise RuntimeError(f"append_tokens: request {seq.request_id} has tokens still being sampled "
+                                   "(async scheduling); such steps must run synchronously")
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             for j, tok in enumerate(tokens[i]):
                 seq.token_ids.append(tok)
-                seq.sum_logprob += logprobs[i][j]
-                self.stats.decode_tokens += 1
-                if seq.params.logprobs is not None:
-                    entry = {tok: Logprob(logprobs[i][j])}
-                    for rank, (t, lp) in enumerate((tops[i][j] if tops else None) or [], start=1):
-                        entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
-                    seq.output_logprobs.append(entry)
-                reason = self._stop_reason(seq, tok)
-                if reason is not None:
-                    self._finish(seq, *reason)
+                if self._accept_token(seq, tok, logprobs[i][j], tops[i][j] if tops else None):
                     break
+
+    def _accept_token(self, seq: Sequence, tok: int, logprob: float, top: list | None) -> bool:
+        """Account for a real token just placed in ``seq.token_ids``; finish the request if it stops
+        there (True)."""
+        seq.sum_logprob += logprob
+        self.stats.decode_tokens += 1
+        if seq.params.logprobs is not None:
+            entry = {tok: Logprob(logprob)}
+            for rank, (t, lp) in enumerate(top or [], start=1):
+                entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
+            seq.output_logprobs.append(entry)
+        reason = self._stop_reason(seq, tok)
+        if reason is not None:
+            self._finish(seq, *reason)
+            return True
+        return False
 
     def _stop_reason(self, seq: Sequence, tok: int):
         p = seq.params
@@ -347,12 +528,14 @@ class LLMEngine:
                     return "stop", s
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if seq.num_known_tokens >= self.max_model_len:
             return "length", None
         return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None, error: BaseException | None = None,
                 remove_from_scheduler: bool = True) -> None:
+        seq.drop_pending()  # tokens still being sampled for it are discarded
+        self._sync_requests.discard(seq.request_id)
         seq.status = Status.FINISHED
         seq.finish_reason, seq.stop_reason, seq.error = reason, stop_reason, error
         seq.metrics.finished_time = time.perf_counter()
@@ -387,17 +570,28 @@ class LLMEngine:
                 f"request {seq.request_id} needs {need} KV blocks but the cache has {self.blocks.num_blocks}; "
                 "raise kv_cache_memory"))
 
-    def _record_prompt_logprobs(self, seq: Sequence, first: int, count: int, logits: torch.Tensor) -> None:
-        targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + count], device=logits.device)
+    def _prompt_logprob_tensors(self, seq: Sequence, first: int, count: int,
+                                logits: torch.Tensor) -> list[torch.Tensor | None]:
+        """On the device: logprob of prompt tokens first+1 .. first+count, and their top-N."""
+        targets = to_device(seq.token_ids[first + 1 : first + 1 + count], torch.long, self.device, self._pin)
         lse = self.kernels.logsumexp(logits)
-        own = (logits.gather(1, targets[:, None])[:, 0] - lse).tolist()
+        own = logits.gather(1, targets[:, None])[:, 0] - lse
         n = seq.params.prompt_logprobs
-        tops = None
-        if n:
-            vals, idx = logits.topk(n, dim=-1)
-            tops = (idx.tolist(), (vals - lse[:, None]).tolist())
-        for j, tok in enumerate(targets.tolist()):
-            entry = {tok: Logprob(own[j])}
+        if not n:
+            return [own, None, None]
+        vals, idx = logits.topk(n, dim=-1)
+        return [own, idx, vals - lse[:, None]]
+
+    def _add_prompt_logprobs(self, seq: Sequence, first: int, own: torch.Tensor, top_ids: torch.Tensor | None,
+                             top_lps: torch.Tensor | None) -> None:
+        """Record prompt logprobs from the host copies. Positions already recorded are skipped (a
+        request preempted and re-admitted while its earlier chunk was in flight scores them twice)."""
+        lps = own.tolist()
+        tops = (top_ids.tolist(), top_lps.tolist()) if top_ids is not None else None
+        for j, tok in enumerate(seq.token_ids[first + 1 : first + 1 + len(lps)]):
+            if first + j < len(seq.prompt_logprobs) - 1:
+                continue
+            entry = {tok: Logprob(lps[j])}
             if tops:
                 for rank, (t, lp) in enumerate(zip(tops[0][j], tops[1][j]), start=1):
                     entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
@@ -409,11 +603,16 @@ class LLMEngine:
             "steps": self.stats.steps, "prefill_tokens": self.stats.prefill_tokens,
             "decode_tokens": self.stats.decode_tokens, "preemptions": self.stats.preemptions,
             "overhead_share": self.stats.overhead_share, "kv_blocks_free": self.blocks.num_free,
-            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_total": self.blocks.num_blocks, "async_scheduling": self.async_scheduling,
+            "overlapped_steps": self.stats.overlapped_steps, "discarded_tokens": self.stats.discarded_tokens,
         }
+        if self._idle is not None:
+            out.update(self._idle.metrics())
         for extra in self.pm.hook.collect_metrics(engine=self):
             out.update(extra or {})
         return out
 
     def shutdown(self) -> None:
+        self._drain()
         self.pm.hook.engine_shutdown(engine=self)
+        gc.unfreeze()

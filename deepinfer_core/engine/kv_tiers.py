@@ -17,7 +17,8 @@ tiers (metadata only) and, when the persistent store holds blocks beyond what de
 memory hold, starts fetching them into host memory on a background thread; the request waits
 (``request_ready`` returns False) until they are resident. ``match_external_prefix`` then reports
 the leading blocks host memory holds, and ``load_external_blocks`` copies them into the request's
-device blocks, layer by layer, as non-blocking copies on a side stream where the platform has one.
+device blocks, layer by layer, as non-blocking copies on a side stream where the platform has one;
+the next step's layer i waits only for layer i's copies (``ModelRunner.swap_in_events``).
 ``RequestMetrics.num_cached_tokens_by_tier`` says which tier each reused token came from.
 
 Every failure below the device tier (a missing, corrupt or unreadable record, a full or read-only
@@ -27,7 +28,6 @@ store) is a miss: the request recomputes those tokens.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import inspect
 import logging
@@ -104,8 +104,6 @@ class _Counters:
     fetch_bytes: int = 0
     fetch_seconds: float = 0.0  # wall time of fetch jobs (store reads plus host-tier inserts)
     store_read_seconds: float = 0.0  # wall time inside the store's reads
-    staged_gets: int = 0  # host-tier gets of blocks just fetched (not host hits of their own)
-    staged_bytes: int = 0
     offload_host: int = 0
     offload_queued: int = 0
     offload_written: int = 0
@@ -148,7 +146,8 @@ class TieredKVCache:
         self.platform = engine.platform
         self.pinned = bool(engine.platform.supports_pinned_memory())
         host_cls = plugins.load("deepinfer.kv_stores", "host", what="KV store")
-        self.host: KVStore = host_cls(capacity_bytes=host_capacity, pin_memory=self.pinned)
+        self.host: KVStore = host_cls(capacity_bytes=host_capacity, pin_memory=self.pinned,
+                                      block_shape=self.layout.block_shape, dtype=self.layout.dtype)
         store_cls = plugins.load("deepinfer.kv_stores", backend, what="KV store")
         kwargs = dict(cfg, layout=self.layout)
         if self.pinned and "pin_memory" in inspect.signature(store_cls).parameters:
@@ -161,16 +160,14 @@ class TieredKVCache:
         get_many = getattr(self.store, "get_many", None)
         params = inspect.signature(get_many).parameters if get_many is not None else {}
         self._get_many, self._get_many_ttl, self._get_many_out = get_many, "ttl_class" in params, "out" in params
-        # Fetches read into reusable, pre-faulted (pinned where possible) staging buffers: filling
-        # fresh pages costs more than the read itself.
+        # Fetches read straight into the host tier's pooled buffers (no staging copy). Part of the
+        # pool is allocated and faulted in now: filling fresh pages during a fetch costs more than
+        # the read itself.
         block_bytes = math.prod(self.layout.block_shape) * self.layout.dtype.itemsize
         self._chunk = max(1, min(256, fetch_buffer // fetch_threads // block_bytes))
-        self._staging: queue.Queue = queue.Queue()
-        if self._get_many_out:
-            for _ in range(fetch_threads):
-                buf = torch.empty((self._chunk, *self.layout.block_shape), dtype=self.layout.dtype,
-                                  pin_memory=self.pinned)
-                self._staging.put(buf.zero_())
+        self._allocate = getattr(self.host, "allocate", None) if self._get_many_out else None
+        if self._allocate is not None and hasattr(self.host, "prefault"):
+            self.host.prefault(min(fetch_buffer, block_bytes * min(engine.blocks.num_blocks, 1 << 14)))
         self._ttl_of = getattr(self.store, "ttl_seconds", None)
 
         self._lock = threading.Lock()
@@ -183,6 +180,7 @@ class TieredKVCache:
         self._tier_tokens = {"device": 0, "host": 0, "persistent": 0}
         self._rates: dict[str, tuple[float, int, int]] = {}
         self._stream = engine.platform.stream(engine.device) if self.pinned else None
+        self._loading: list[tuple[object, list]] = []  # (event, host tensors) of copies maybe in flight
         self._fetch_pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="kv-fetch")
         self._writes: queue.Queue = queue.Queue(maxsize=max_pending)
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload", daemon=True)
@@ -281,45 +279,56 @@ class TieredKVCache:
     def _fetch(self, keys: list[int], cls: str | None) -> dict[int, torch.Tensor]:
         t0 = time.perf_counter()
         got: dict[int, torch.Tensor] = {}
-        buf = self._staging.get() if self._get_many_out else None
         c = self.counters
         try:
             for start in range(0, len(keys), self._chunk):
-                part = keys[start : start + self._chunk]
-                t1 = time.perf_counter()
-                if self._get_many is None:
-                    blocks = [self.store.get(k) for k in part]
-                else:
-                    kw = {"ttl_class": cls} if self._get_many_ttl else {}
-                    if buf is not None:
-                        kw["out"] = buf
-                    blocks = self._get_many(part, **kw)
-                c.store_read_seconds += time.perf_counter() - t1
-                for k, block in zip(part, blocks):
-                    if not self._valid(block):
-                        return got  # the chain stops at the first block the store could not supply
-                    self.host.put(k, block)
-                    self._known.add(k)
-                    if buf is not None:  # the staging buffer is reused: hold the host tier's copy
-                        held = self.host.get(k)
-                        c.staged_gets += held is not None
-                        c.staged_bytes += 0 if held is None else held.numel() * held.element_size()
-                        block = held if held is not None else block.clone()
-                    got[k] = block
+                if not self._fetch_part(keys[start : start + self._chunk], cls, got):
+                    break  # the chain stops at the first block the store (or host memory) could not supply
         except Exception as exc:  # a store failure is a miss, never a crash
             logger.warning("KV fetch of %d blocks from %r failed: %s", len(keys), self.backend, exc)
         finally:
-            if buf is not None:
-                self._staging.put(buf)
             with self._lock:
                 fut = self._inflight.get(keys[0])
                 for k in keys:
-                    if self._inflight.get(k) is fut:
+                    if fut is not None and self._inflight.get(k) is fut:
                         del self._inflight[k]
                 c.fetch_blocks += len(got)
                 c.fetch_bytes += sum(b.numel() * b.element_size() for b in got.values())
                 c.fetch_seconds += time.perf_counter() - t0
         return got
+
+    def _fetch_part(self, part: list[int], cls: str | None, got: dict) -> bool:
+        """Read ``part`` into host memory (into the host tier's own buffers where it has a pool);
+        False when the chain broke in it."""
+        bufs: list[torch.Tensor] = []
+        if self._allocate is not None:
+            while len(bufs) < len(part) and (buf := self._allocate()) is not None:
+                bufs.append(buf)  # where the host tier has no room left, the store allocates
+        t1 = time.perf_counter()
+        try:
+            if self._get_many is None:
+                blocks = [self.store.get(k) for k in part]
+            else:
+                kw = {"ttl_class": cls} if self._get_many_ttl else {}
+                if bufs:
+                    kw["out"] = bufs + [None] * (len(part) - len(bufs))
+                blocks = self._get_many(part, **kw)
+            self.counters.store_read_seconds += time.perf_counter() - t1
+            for i, (k, block) in enumerate(zip(part, blocks)):
+                if not self._valid(block):
+                    return False
+                if i < len(bufs) and block is bufs[i]:
+                    self.host.adopt(k, block)  # the buffer now belongs to the host tier
+                    bufs[i] = None
+                else:
+                    self.host.put(k, block)
+                self._known.add(k)
+                got[k] = block
+            return True
+        finally:
+            for buf in bufs:
+                if buf is not None:
+                    self.host.recycle(buf)
 
     # ---- admission (host -> device) -----------------------------------------------------
     @hookimpl
@@ -348,15 +357,30 @@ class TieredKVCache:
         st.pending = None
         if list(block_hashes) != keys[: len(block_hashes)] or len(block_ids) != len(block_hashes):
             raise RuntimeError("kv_tiers: load_external_blocks does not match the prefix it matched")
+        events = []
+        if self._stream is not None:
+            # the copies start after the work already queued: a step still in flight (async
+            # scheduling) may write the KV of a finished request into blocks reused here
+            queued = self.platform.event()
+            queued.record()
         with self.platform.stream_context(self._stream):
+            if self._stream is not None:
+                queued.wait()
             for layer, cache in enumerate(engine.kv_caches):
                 for b, block in zip(block_ids, tensors):
                     cache[b].copy_(block[layer], non_blocking=True)
-        if self._stream is not None:
-            done = self.platform.event()
-            done.record(self._stream)
-            wait = getattr(done, "wait", None)
-            wait() if wait is not None else done.synchronize()  # the forward's stream waits for the copies
+                if self._stream is not None:  # layer by layer: the forward's layer i waits for these only
+                    events.append(self.platform.event())
+                    events[-1].record(self._stream)
+        if events:
+            if all(hasattr(e, "wait") for e in events):
+                engine.runner.swap_in_events(events)
+            else:
+                events[-1].synchronize()
+            # the host buffers stay referenced until the copies are done, so the host tier cannot
+            # recycle them under an in-flight copy
+            self._loading = [(e, t) for e, t in self._loading if not e.query()]
+            self._loading.append((events[-1], tensors))
         by_tier = request.metrics.num_cached_tokens_by_tier
         for tier in tiers[: len(block_ids)]:
             by_tier[tier] = by_tier.get(tier, 0) + self.block_size
@@ -444,9 +468,8 @@ class TieredKVCache:
         return True
 
     # ---- metrics and shutdown -----------------------------------------------------------
-    def _store_metrics(self, name: str, s: KVStoreStats, staged: tuple[int, int] = (0, 0)) -> dict:
+    def _store_metrics(self, name: str, s: KVStoreStats) -> dict:
         now = time.monotonic()
-        s = dataclasses.replace(s, hits=s.hits - staged[0], read_bytes=s.read_bytes - staged[1])
         t, r, w = self._rates.get(name, (now, s.read_bytes, s.write_bytes))
         dt = now - t
         self._rates[name] = (now, s.read_bytes, s.write_bytes)
@@ -466,7 +489,7 @@ class TieredKVCache:
     def collect_metrics(self, engine):
         c = self.counters
         return {"kv_tiers": {
-            "host": self._store_metrics("host", self.host.stats(), (c.staged_gets, c.staged_bytes)),
+            "host": self._store_metrics("host", self.host.stats()),
             "persistent": {"backend": self.backend, **self._store_metrics("persistent", self.store.stats())},
             "fetch": {"jobs": c.fetch_jobs, "blocks": c.fetch_blocks, "bytes": c.fetch_bytes,
                       "seconds": c.fetch_seconds, "store_read_seconds": c.store_read_seconds,

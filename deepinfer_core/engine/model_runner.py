@@ -7,13 +7,24 @@ prefill row of requests that asked for prompt logprobs.
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer_core.engine.graph_runner import DecodeGraphs, default_batch_sizes
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, PrefillMeta
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
+
+if TYPE_CHECKING:
+    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.platform import Platform
+
+logger = logging.getLogger("deepinfer.runner")
 
 
 @dataclass
@@ -30,19 +41,19 @@ class StepBatch:
     prompt_lp: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # (seq, first, count, start)
     keep_hidden: bool = False  # forward() keeps every row's final hidden state in ``hidden`` (MTP drafts)
     hidden: torch.Tensor | None = None
+    logit_index: torch.Tensor | None = None  # ``logit_rows`` on the device (set by prepare)
 
 
-def _block_table_tensor(seqs: list[Sequence], device) -> torch.Tensor:
+def _block_table_tensor(seqs: list[Sequence], device, pin: bool = False) -> torch.Tensor:
     width = max(len(s.block_table) for s in seqs)
-    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                        dtype=torch.int32, device=device)
+    return to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32, device, pin)
 
 
-def _cumsum(lens: list[int], device) -> torch.Tensor:
+def _cumsum(lens: list[int], device, pin: bool = False) -> torch.Tensor:
     out = [0]
     for n in lens:
         out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.long, device=device)
+    return to_device(out, torch.long, device, pin)
 
 
 class ModelRunner:
@@ -52,13 +63,73 @@ class ModelRunner:
         #: Batch-invariant mode: prefill chunks go through the decode (absorbed MLA) path too, so a
         #: token's result does not depend on how its prompt was chunked.
         self.batch_invariant = batch_invariant
+        #: prepare() builds its host tensors in pinned memory (set by the engine from the platform).
+        self.pin_memory = False
+        #: Pure-decode steps replay device graphs through these (set by :meth:`setup_graphs`).
+        self.graphs: DecodeGraphs | None = None
+        #: Why every step runs eagerly, while ``graphs`` is None.
+        self.graphs_off_reason = "setup_graphs() was not called"
+        #: Per layer, events of KV swap-ins the next prepared step must wait for (see swap_in_events).
+        self.layer_ready: list[list] | None = None
+
+    def swap_in_events(self, events: list) -> None:
+        """KV blocks are being copied into the cache on a side stream, ``events[i]`` recorded after
+        layer i's copies: the next prepared step's layer i waits for them, so the copies of later
+        layers overlap the compute of earlier ones."""
+        if self.layer_ready is None:
+            self.layer_ready = [[] for _ in self.kv_caches]
+        for ready, event in zip(self.layer_ready, events):
+            ready.append(event)
+
+    def graphs_unavailable(self, platform: Platform, cfg: EngineConfig) -> str | None:
+        """Why decode steps cannot be captured as graphs here, or None when they can."""
+        dtype = self.model.embed_tokens.dtype
+        if cfg.enforce_eager:
+            return "enforce_eager is set"
+        if not platform.supports_graph_capture():
+            return f"platform {platform.name!r} does not support graph capture"
+        if dtype not in platform.graph_capture_dtypes():
+            return (f"platform {platform.name!r} captures graphs for "
+                    f"{[str(d) for d in platform.graph_capture_dtypes()]} only, not {dtype}")
+        if self.batch_invariant:
+            return "batch_invariant kernels read sequence lengths on the host"
+        for m in self.model.modules():
+            if getattr(m, "expert_parallel", None) is not None:
+                return "expert-parallel MoE layers exchange host-sized all-to-alls"
+            if getattr(m, "route_hook", None) is not None:
+                return "a feature hooks MoE routing (route_hook)"
+        return None
+
+    def setup_graphs(self, platform: Platform, cfg: EngineConfig, max_model_len: int, *,
+                     capture: bool = True) -> None:
+        """Capture the pure-decode graphs (after the KV cache exists and features are set up).
+
+        ``capture=False`` (tests) sets up the same padded static buffers on any platform, run eagerly."""
+        if capture:
+            reason = self.graphs_unavailable(platform, cfg)
+            if reason is not None:
+                self.graphs_off_reason = reason
+                logger.info("decode graphs off: %s; every step runs eagerly", reason)
+                return
+        sizes = cfg.graph_batch_sizes or default_batch_sizes(cfg.max_num_seqs)
+        # +1: a speculative request may hold a block for draft slots past max_model_len
+        max_blocks = math.ceil(max_model_len / self.block_size) + 1
+        graphs = DecodeGraphs(self.model, self.kv_caches, sizes, max_blocks, self.device, platform, capture)
+        seconds = graphs.capture()
+        self.graphs, self.graphs_off_reason = graphs, ""
+        if capture:
+            logger.info("captured decode graphs for batch sizes %s in %.2f s", graphs.sizes, seconds)
 
     def prepare(self, out: SchedulerOutput, draft_tokens: dict[str, list[int]] | None = None,
-                keep_hidden: bool = False) -> StepBatch:
+                keep_hidden: bool = False, prev_tokens: torch.Tensor | None = None) -> StepBatch:
         """``draft_tokens`` (speculative decoding): tokens appended after a decode request's query
         token, verified in the same forward. Their KV slots must be allocated; the request's logit
-        rows are then its query row and every draft row, consecutive from its sample row."""
-        bs, dev = self.block_size, self.device
+        rows are then its query row and every draft row, consecutive from its sample row.
+
+        ``prev_tokens`` (async scheduling): the previous step's sampled tokens, still on the device.
+        A placeholder id ``-(i + 1)`` in a request's tokens is resolved to ``prev_tokens[i]`` here,
+        on the device. No host copy in here waits for queued device work."""
+        bs, dev, pin = self.block_size, self.device, self.pin_memory
         drafts = draft_tokens or {}
         ids: list[int] = []
         pos: list[int] = []
@@ -67,10 +138,12 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         prompt_lp = []
+        placeholders = False
         for i, s in enumerate(out.prefills + out.decodes):
             seq, n = s.seq, s.num_new_tokens
             c = seq.num_computed_tokens
             row0 = len(ids)
+            placeholders = placeholders or (seq.num_pending_tokens > 0 and c + n > seq.num_known_tokens)
             ids.extend(seq.token_ids[c : c + n])
             extra = drafts.get(seq.request_id, ()) if drafts and i >= len(out.prefills) else ()
             ids.extend(extra)
@@ -98,34 +171,47 @@ class ModelRunner:
             q_lens = [s.num_new_tokens for s in prefills]
             k_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills]
             prefill = PrefillMeta(
-                cu_q_lens=_cumsum(q_lens, dev), cu_k_lens=_cumsum(k_lens, dev),
-                seq_lens=torch.tensor(k_lens, dtype=torch.long, device=dev),
-                block_tables=_block_table_tensor(seqs, dev),
+                cu_q_lens=_cumsum(q_lens, dev, pin), cu_k_lens=_cumsum(k_lens, dev, pin),
+                seq_lens=to_device(k_lens, torch.long, dev, pin),
+                block_tables=_block_table_tensor(seqs, dev, pin),
                 has_prefix=any(s.seq.num_computed_tokens > 0 for s in prefills),
             )
         if decodes:
             seqs = [s.seq for s in decodes]
             q_lens = [s.num_new_tokens + len(drafts.get(s.seq.request_id, ())) for s in decodes]
             decode = DecodeMeta(
-                cu_q_lens=_cumsum(q_lens, dev),
-                seq_lens=torch.tensor([s.seq.num_computed_tokens + q for s, q in zip(decodes, q_lens)],
-                                      dtype=torch.long, device=dev),
-                block_tables=_block_table_tensor(seqs, dev), max_q_len=max(q_lens),
+                cu_q_lens=_cumsum(q_lens, dev, pin),
+                seq_lens=to_device([s.seq.num_computed_tokens + q for s, q in zip(decodes, q_lens)], torch.long,
+                                   dev, pin),
+                block_tables=_block_table_tensor(seqs, dev, pin), max_q_len=max(q_lens),
             )
         num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
-        meta = AttentionMetadata(num_prefill_tokens, torch.tensor(slots, dtype=torch.long, device=dev),
-                                 prefill, decode)
-        return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
-                         torch.tensor(pos, dtype=torch.long, device=dev), meta, out.prefills + out.decodes,
-                         logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden)
+        meta = AttentionMetadata(num_prefill_tokens, to_device(slots, torch.long, dev, pin), prefill, decode,
+                                 layer_ready=self.layer_ready)
+        self.layer_ready = None
+        input_ids = to_device(ids, torch.long, dev, pin)
+        if placeholders:
+            if prev_tokens is None:
+                raise RuntimeError("prepare: a request holds a placeholder token but prev_tokens was not given")
+            input_ids = torch.where(input_ids < 0, prev_tokens[(-input_ids - 1).clamp(min=0)], input_ids)
+        return StepBatch(input_ids, to_device(pos, torch.long, dev, pin), meta, out.prefills + out.decodes,
+                         logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden,
+                         logit_index=to_device(logit_rows, torch.long, dev, pin) if logit_rows else None)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [len(batch.logit_rows), vocab] float32."""
+        """Logits [len(batch.logit_rows), vocab] float32. Pure-decode steps of at most the largest
+        captured size replay a graph; every other step runs eagerly."""
+        if self.graphs is not None and self.graphs.accepts(batch):
+            for event in (e for ready in batch.meta.layer_ready or [] for e in ready):
+                event.wait()
+            return self.graphs.run(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
         if batch.keep_hidden:
             batch.hidden = hidden
         if not batch.logit_rows:
             return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
-        rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)
+        rows = batch.logit_index
+        if rows is None:  # a batch built by hand
+            rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)
         return self.model.logits(hidden[rows])

@@ -1,4 +1,9 @@
-"""Turn logits rows into tokens: penalties, the fused ``sample`` op, and logprobs."""
+"""Turn logits rows into tokens: penalties, the fused ``sample`` op, and logprobs.
+
+:meth:`Sampler.sample` leaves everything on the device (no host synchronisation, so async
+scheduling can queue the next step behind it); :meth:`Sampler.to_result` turns the copied-back
+tensors into lists. ``Sampler(...)`` does both at once.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kernels import Kernels
 
 
@@ -17,50 +23,85 @@ class SampleResult:
     top: list[list[tuple[int, float]] | None]  # top-N (token, logprob) where requested
 
 
-def _has_penalty(seq: Sequence) -> bool:
+@dataclass
+class DeviceSample:
+    """A step's draws, still on the device."""
+
+    tokens: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor  # [R] float32
+    top_ids: torch.Tensor | None  # [len(want), n] int64: top-n of the rows that asked for logprobs
+    top_lps: torch.Tensor | None  # [len(want), n] float32
+    want: list[tuple[int, int]]  # (row, how many top entries it asked for)
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.tokens, self.logprobs, self.top_ids, self.top_lps]
+
+
+def has_penalty(seq: Sequence) -> bool:
     p = seq.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class Sampler:
-    def __init__(self, k: Kernels, vocab_size: int, device: torch.device) -> None:
-        self.k, self.V, self.device = k, vocab_size, device
+    def __init__(self, k: Kernels, vocab_size: int, device: torch.device, pin_memory: bool = False) -> None:
+        self.k, self.V, self.device, self.pin = k, vocab_size, device, pin_memory
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> SampleResult:
         """logits[R, V] float32 for R requests; ``positions[i]`` is the index of the token to draw."""
+        d = self.sample(logits, seqs, positions)
+        return self.to_result(d.want, d.tensors())
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> DeviceSample:
+        """Draw on the device without waiting for it. Penalties read the requests' output tokens on
+        the host, so those must be known (the engine runs such requests synchronously)."""
         params = [s.params for s in seqs]
         raw = logits
-        if any(_has_penalty(s) for s in seqs):
+        if any(has_penalty(s) for s in seqs):
             logits = self._penalise(logits.clone(), seqs)
-        dev = self.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        if bool((temperature == 0).all()):
+
+        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(values, dtype, self.device, self.pin)
+
+        if all(p.temperature == 0 for p in params):
             tokens = logits.argmax(-1)
         else:
             tokens = self.k.sample(
                 logits,
-                temperature,
-                torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=dev),
-                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-                torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
+                dev([p.temperature for p in params], torch.float32),
+                dev([max(p.top_k, 0) for p in params], torch.long),
+                dev([p.top_p for p in params], torch.float32),
+                dev([p.min_p for p in params], torch.float32),
+                dev([s.seed for s in seqs], torch.long),
+                dev(positions, torch.long),
             )
         lse = self.k.logsumexp(raw)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
-        top: list[list[tuple[int, float]] | None] = [None] * len(seqs)
-        want = [i for i, p in enumerate(params) if p.logprobs]
+        want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs]
+        top_ids = top_lps = None
         if want:
-            n = max(params[i].logprobs for i in want)
-            vals, idx = raw[want].topk(min(n, self.V), dim=-1)
-            vals = vals - lse[want, None]
-            for j, i in enumerate(want):
-                m = params[i].logprobs
-                top[i] = list(zip(idx[j, :m].tolist(), vals[j, :m].tolist()))
+            n = min(max(m for _, m in want), self.V)
+            if len(want) == len(params):
+                rows_raw, rows_lse = raw, lse
+            else:
+                idx = dev([i for i, _ in want], torch.long)
+                rows_raw, rows_lse = raw[idx], lse[idx]
+            top_lps, top_ids = rows_raw.topk(n, dim=-1)
+            top_lps = top_lps - rows_lse[:, None]
+        return DeviceSample(tokens, chosen, top_ids, top_lps, want)
+
+    @staticmethod
+    def to_result(want: list[tuple[int, int]], host: list[torch.Tensor | None]) -> SampleResult:
+        """Lists from the host copies of :meth:`DeviceSample.tensors`."""
+        tokens, chosen, top_ids, top_lps = host
+        top: list[list[tuple[int, float]] | None] = [None] * tokens.shape[0]
+        if want:
+            ids, lps = top_ids.tolist(), top_lps.tolist()
+            for j, (i, m) in enumerate(want):
+                top[i] = list(zip(ids[j][:m], lps[j][:m]))
         return SampleResult(tokens.tolist(), chosen.tolist(), top)
 
     def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [i for i, s in enumerate(seqs) if _has_penalty(s)]
+        rows = [i for i, s in enumerate(seqs) if has_penalty(s)]
         R, dev = len(rows), logits.device
         prompt_mask = torch.zeros(R, self.V, dtype=torch.bool, device=dev)
         counts = torch.zeros(R, self.V, dtype=torch.float32, device=dev)

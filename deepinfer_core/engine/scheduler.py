@@ -58,8 +58,8 @@ class FcfsScheduler(Scheduler):
 
         # 1. decodes, oldest first; preempt the newest to make room
         for seq in list(self.running):
-            if seq.status != Status.RUNNING or seq.in_prefill:
-                continue
+            if seq.status != Status.RUNNING or seq.in_prefill or seq.last_token_pending:
+                continue  # (last_token_pending: its final token is being sampled, nothing left to run)
             if tokens_left <= 0:
                 break
             n = seq.num_tokens - seq.num_computed_tokens

@@ -20,6 +20,12 @@ class Sequence:
 
     ``num_computed_tokens`` tokens have KV in the cache. A step computes ``num_new_tokens`` more;
     when that reaches ``num_tokens`` the step samples the next token.
+
+    With async scheduling the token a step samples is appended as a placeholder (a negative id, see
+    ``LLMEngine``) as soon as the step is launched, so the next step is scheduled with the right
+    length; the engine replaces it with the real token once it is on the host. ``token_ids`` and
+    ``num_tokens`` include these ``num_pending_tokens`` trailing placeholders; ``num_known_tokens``,
+    ``num_output_tokens`` and ``output_token_ids`` count real tokens only.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -45,18 +51,32 @@ class Sequence:
         self.sum_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.feature_state: dict = {}  # per-request state owned by feature plugins
+        self.num_pending_tokens = 0  # trailing placeholders in token_ids (sampled, not yet on the host)
+        self.last_token_pending = False  # a placeholder is its last token (max_tokens/max_model_len): not scheduled
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens known on the host (``num_tokens`` less the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_known_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens : self.num_known_tokens]
+
+    def drop_pending(self) -> None:
+        """Forget the placeholders (the request finished: their tokens are discarded)."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens :]
+        self.num_pending_tokens = 0
+        self.last_token_pending = False
 
     @property
     def is_finished(self) -> bool:

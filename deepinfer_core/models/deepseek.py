@@ -76,13 +76,18 @@ class MLA(nn.Module):
         entry = torch.cat((self.kv_a_layernorm(latent), k.rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
         k.paged_kv_write(cache, meta.slot_mapping, entry)  # entry: [T, L + R]
 
-        out = x.new_empty(T, self.H, self.V)
         P = meta.num_prefill_tokens
-        if meta.prefill is not None:
+        if meta.prefill is None and meta.decode is None:  # no tokens (an idle expert-parallel rank)
+            out = x.new_empty(T, self.H, self.V)
+        elif meta.decode is None:
+            out = self._prefill(q_nope, q_pe, entry, meta, cache)
+        elif meta.prefill is None:
+            out = self._decode(q_nope, q_pe, meta, cache)
+        else:  # a mixed step: prefill chunks' rows first
+            out = x.new_empty(T, self.H, self.V)
             out[:P] = self._prefill(q_nope[:P], q_pe[:P], entry[:P], meta, cache)
-        if meta.decode is not None:
             out[P:] = self._decode(q_nope[P:], q_pe[P:], meta, cache)
-        return k.linear(out.view(T, self.H * self.V), self.o_proj)
+        return k.linear(out.reshape(T, self.H * self.V), self.o_proj)
 
     def _prefill(self, q_nope, q_pe, entry, meta: AttentionMetadata, cache) -> torch.Tensor:
         """Expanded form: K/V for the whole context from kv_b_proj, causal attention per sequence."""
@@ -160,7 +165,8 @@ class MoE(nn.Module):
         if self.expert_parallel is not None:
             out = self.expert_parallel.run(self, x, weights, ids)
         else:
-            out = self.k.fused_moe(x, self.w13, self.w2, weights.to(x.dtype), ids - self.expert_start)
+            local = ids - self.expert_start if self.expert_start else ids
+            out = self.k.fused_moe(x, self.w13, self.w2, weights.to(x.dtype), local)
         return out if self.shared is None else out + self.shared(x)
 
 
@@ -205,7 +211,10 @@ class DeepseekForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.embed_tokens[input_ids]  # [T, C]
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if meta.layer_ready is not None:
+                for event in meta.layer_ready[i]:
+                    event.wait()  # this layer's swapped-in KV blocks have landed
             x, residual = layer(x, residual, positions, self.cos_sin, meta, cache)
         x, _ = self.k.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x

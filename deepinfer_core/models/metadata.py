@@ -35,3 +35,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot per token (-1: do not write)
     prefill: PrefillMeta | None
     decode: DecodeMeta | None
+    #: per layer, device events that layer must wait for before it touches its cache: KV blocks being
+    #: swapped in from host memory on a side stream (layer i computes while layer i+1's copy runs)
+    layer_ready: list[list] | None = None

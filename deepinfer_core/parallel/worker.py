@@ -195,17 +195,18 @@ class RankWorker:
             if rid not in self._reported:
                 continue
             n_tok, n_olp, n_plp = self._reported[rid]
-            if not (s.is_finished or s.num_tokens > n_tok or len(s.output_logprobs) > n_olp
+            known = s.num_known_tokens  # not async scheduling's placeholders
+            if not (s.is_finished or known > n_tok or len(s.output_logprobs) > n_olp
                     or len(s.prompt_logprobs) > n_plp):
                 continue
-            up: dict[str, Any] = {"tokens": s.token_ids[n_tok:], "out_lp": s.output_logprobs[n_olp:],
+            up: dict[str, Any] = {"tokens": s.token_ids[n_tok:known], "out_lp": s.output_logprobs[n_olp:],
                                   "prompt_lp": s.prompt_logprobs[n_plp:], "metrics": s.metrics,
                                   "sum_logprob": s.sum_logprob, "finished": s.is_finished}
             if s.is_finished:
                 up.update(finish_reason=s.finish_reason, stop_reason=s.stop_reason, error=portable(s.error))
                 del self._reported[rid]
             else:
-                self._reported[rid] = (s.num_tokens, len(s.output_logprobs), len(s.prompt_logprobs))
+                self._reported[rid] = (known, len(s.output_logprobs), len(s.prompt_logprobs))
             out[rid] = up
         return out
 

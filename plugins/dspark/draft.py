@@ -32,6 +32,7 @@ from deepinfer_core.models.loader import (
     load_model_config,
 )
 from deepinfer_core.models.metadata import AttentionMetadata
+from plugins.dspark.lean import LeanDecoder
 
 logger = logging.getLogger("deepinfer.dspark")
 
@@ -79,6 +80,12 @@ class DraftModel:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.fingerprint = model_fingerprint(path, torch.float32)[:12]
+        self.lean = LeanDecoder(self.model)
+
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+               ctx_slots: torch.Tensor, masked: bool = True) -> torch.Tensor:
+        """The lean decode path (``plugins.dspark.lean``): normalised hidden states of the tokens."""
+        return self.lean.forward(ids, positions, write_slots, ctx_slots, self.caches, masked)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 prev_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +96,9 @@ class DraftModel:
         return self.model.logits(normed)
 
 
+MTP_FILENAME = "mtp.safetensors"  # an MTP layer shipped apart from its target (``MTPDraft(engine, path)``)
+
+
 def has_mtp(model_dir: Path, num_hidden_layers: int) -> bool:
     try:
         names = SafetensorsReader(Path(model_dir)).names()
@@ -96,6 +106,11 @@ def has_mtp(model_dir: Path, num_hidden_layers: int) -> bool:
         return False
     p = f"model.layers.{num_hidden_layers}."
     return all(p + n in names for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"))
+
+
+def is_mtp_dir(path: Path) -> bool:
+    """A directory holding a separately trained MTP layer (``mtp.safetensors``, no ``config.json``)."""
+    return (Path(path) / MTP_FILENAME).is_file() and not (Path(path) / "config.json").is_file()
 
 
 class _LayerHolder(nn.Module):
@@ -115,26 +130,38 @@ class MTPDraft:
         x = eh_proj([enorm(embed(token_{p+1})) ; hnorm(h_p)]);  h' = decoder_layer(x)
         logits = lm_head(shared_head.norm(h'))
 
-    ``h_p`` is the target's final hidden state at position p (for later draft steps, the MTP's own
-    ``h'``); the embedding and LM head are the target's. Applied recursively for k > 1."""
+    ``h_p`` is the target's final (normalised) hidden state at position p; for later draft steps it
+    is the MTP's own ``h'`` before ``shared_head.norm``. The embedding and LM head are the target's.
+    Applied recursively for k > 1.
+
+    ``path``: a directory whose ``mtp.safetensors`` holds the layer (trained apart from the target,
+    e.g. the embedded model's, by ``examples/train_dspark_draft.py --kind mtp``); else the target
+    checkpoint's own. The layer's MLP is dense when the file holds ``mlp.gate_proj`` (MoE otherwise)."""
 
     needs_hidden = True
     kind = "mtp"
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, path: Path | None = None) -> None:
         cfg = engine.model_config
         N = cfg.num_hidden_layers
-        if not has_mtp(engine.model_dir, N):
-            raise ConfigError(f"[dspark] draft 'mtp': checkpoint {str(engine.model_dir)!r} has no MTP layer "
+        src = Path(path) if path is not None else Path(engine.model_dir)
+        if path is not None and not is_mtp_dir(src):
+            raise ConfigError(f"[dspark] draft {str(src)!r} holds no {MTP_FILENAME} (or is a draft model checkpoint)")
+        if not has_mtp(src, N):
+            raise ConfigError(f"[dspark] draft 'mtp': checkpoint {str(src)!r} has no MTP layer "
                               f"(model.layers.{N}.{{enorm,hnorm,eh_proj,shared_head.norm}}); give a draft "
                               "model path instead")
         self.target = engine.model
         k, dtype, dev = engine.kernels, engine.dtype, engine.device
-        layer = construct(lambda: DecoderLayer(k, cfg, N), dtype, dev)
-        reader = SafetensorsReader(engine.model_dir)
+        reader = SafetensorsReader(src)
         prefix = f"model.layers.{N}."
+        if prefix + "mlp.gate_proj.weight" in reader.names():  # a dense MTP layer
+            cfg = replace(cfg, first_k_dense_replace=N + 1)
+        layer = construct(lambda: DecoderLayer(k, cfg, N), dtype, dev)
         assign_weights(_LayerHolder(layer, N), iter_checkpoint(reader, replace(cfg, num_hidden_layers=N + 1),
                                                                dtype, prefix=prefix))
+        if path is not None:
+            self.path = src  # its confidence head and training report lie beside it
         self.layer = layer
         self.k, self.eps = k, cfg.rms_norm_eps
 
@@ -157,6 +184,9 @@ class MTPDraft:
         self.vocab_size = cfg.vocab_size
         self.max_positions = engine.max_model_len
         self.fingerprint = f"mtp-{engine.fingerprint}"
+        if path is not None:
+            h = hashlib.sha256((src / MTP_FILENAME).read_bytes()).hexdigest()[:12]
+            self.fingerprint = f"mtp-{engine.fingerprint}-{h}"
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 prev_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

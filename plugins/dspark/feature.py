@@ -22,7 +22,9 @@ through the engine's normal post-processing; drafted ones through rejection samp
 (``plugins.dspark.rejection``), ``engine.append_tokens``, and a KV roll-back of rejected tokens.
 Finally the draft catches up on the tokens the target computed (prefill chunks, accepted tokens)
 and proposes up to k drafts per request for the next step, with a confidence per draft; under
-the throughput policy it stops drafting when one more draft step no longer pays for itself.
+the throughput policy it stops drafting when one more draft step no longer pays for itself. A draft
+model's decode steps run on a lean path (``plugins.dspark.lean``); the policy's step-time curve is
+corrected by every step's measured times (``policy.LiveCost``).
 
 Requests using penalties or feature-owned options (``so_args``) are decoded without drafts.
 
@@ -55,8 +57,9 @@ from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, Prefil
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 from plugins.dspark import confidence as conf_mod
-from plugins.dspark.draft import DraftModel, MTPDraft, has_mtp
-from plugins.dspark.policy import StepCost, choose_lengths, fixed_lengths, worth_drafting
+from plugins.dspark.draft import DraftModel, MTPDraft, has_mtp, is_mtp_dir
+from plugins.dspark.lean import context_slot_table
+from plugins.dspark.policy import LiveCost, StepCost, choose_lengths, fixed_lengths, worth_drafting
 from plugins.dspark.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
 
 logger = logging.getLogger("deepinfer.dspark")
@@ -65,7 +68,10 @@ MAX_K = 16
 DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_temperature": 1.0,
             "verify_budget": 0}
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
+DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 DECODE_SPAN = MAX_K + 1  # catch-up spans up to this long use the decode (absorbed) attention path
+EXPLORE_ROWS = 4  # requests drafting in an exploratory step while drafting does not pay
+EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
 
 
 def varlen_enabled() -> bool:
@@ -112,6 +118,16 @@ class _Rows:
         self.params = None if self.all_greedy else SamplingRows.from_params([s.params for s in seqs], device)
         self.block_size = block_size
         self.row_idx = torch.arange(R, device=device)
+        self.base_max = max(s.num_tokens for s in seqs)
+        self.head_rows: tuple | None = None  # the confidence head's per-row coefficients, once computed
+        self._ctx: torch.Tensor | None = None
+
+    @property
+    def ctx(self) -> torch.Tensor:
+        """[R, W * block_size] cache slot of every position of each row (the lean draft path)."""
+        if self._ctx is None:
+            self._ctx = context_slot_table(self.block_tables, self.block_size)
+        return self._ctx
 
 
 class DSpark(Feature):
@@ -137,14 +153,18 @@ class DSpark(Feature):
         self.engine = None
         self.source = None
         self.head = None
-        self.cost: StepCost | None = None
+        self.cost: StepCost | None = None  # the start-up measurement
+        self.live: LiveCost | None = None  # it, corrected by each step's measured times (what the policy uses)
+        self._pending: tuple | None = None  # the last decode step's times, until the next step starts
+        self._drafted = (0, 0, 0.0)  # (rows, draft steps after the first token, their seconds) this step
         self.outcome_log: list | None = None  # set to a list to log (features, accepted) per verified draft
         self.last_depth = 0
         self.mean_conf = 0.6  # running mean of the drafts' confidences (decides whether to draft at all)
         self.skipped = 0  # consecutive steps without drafting
         self.explore_every = 64  # skipped steps between exploratory drafts (doubles while they do not pay)
         self.exploring = False
-        self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0)
+        self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0,
+                      plans=0)
         self.t = dict(draft=0.0, verify=0.0, schedule=0.0)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -163,6 +183,7 @@ class DSpark(Feature):
             self.head = conf_mod.ConfidenceHead.fallback(temp)
         self._check_trained_for(engine)
         self.cost = self._load_or_measure_cost(engine)
+        self.live = LiveCost(self.cost)
         logger.info("dspark: draft %s, k=%d, %s length, confidence head %s", self.source.kind, self.k,
                     "variable" if self.varlen else "fixed", "trained" if self.head.trained else "q(d)")
 
@@ -186,6 +207,8 @@ class DSpark(Feature):
         mc = engine.model_config
         if draft == "auto":
             embedded = Path(engine.model_dir).resolve() == EMBEDDED_MODEL.resolve()
+            if embedded and is_mtp_dir(DEFAULT_MTP):
+                return MTPDraft(engine, DEFAULT_MTP)
             if embedded and (DEFAULT_DRAFT / "config.json").is_file():
                 return DraftModel(engine, DEFAULT_DRAFT)
             if has_mtp(engine.model_dir, mc.num_hidden_layers):
@@ -199,6 +222,8 @@ class DSpark(Feature):
         path = Path(draft).expanduser()
         if not path.is_dir():
             raise ConfigError(f"[dspark] draft {draft!r} is not 'auto', 'mtp' or an existing directory")
+        if is_mtp_dir(path):
+            return MTPDraft(engine, path)
         return DraftModel(engine, path)
 
     # ---- the step -------------------------------------------------------------------------
@@ -212,6 +237,10 @@ class DSpark(Feature):
 
     def _step(self, engine, scheduled: SchedulerOutput) -> None:
         t0 = time.perf_counter()
+        if self._pending is not None:  # the previous decode step's times, with its whole cycle
+            *obs, start, contiguous = self._pending
+            self.live.observe(*obs, cycle_s=t0 - start if contiguous else None)
+            self._pending = None
         plan, drafted = self._plan(engine, scheduled)
         t1 = time.perf_counter()
         self.t["schedule"] += t1 - t0
@@ -234,11 +263,17 @@ class DSpark(Feature):
         else:
             engine._postprocess(batch, scheduled, logits)
         td = time.perf_counter()
+        self._drafted = (0, 0, 0.0)
         self._propose(engine, scheduled, batch, rowmap)
         engine.platform.synchronize()
-        dt = time.perf_counter() - td
-        engine.stats.forward_time += dt
-        self.t["draft"] += dt
+        dd = time.perf_counter() - td
+        engine.stats.forward_time += dd
+        self.t["draft"] += dd
+        if not scheduled.prefills and scheduled.decodes:
+            live = sum(1 for s in scheduled.decodes if not s.seq.is_finished)
+            rows, steps, steps_s = self._drafted
+            self._pending = (batch.input_ids.shape[0], dt, rows, steps, steps_s, dd - steps_s if rows else 0.0,
+                             len(scheduled.decodes), t0, live > 0)
 
     def _state(self, seq: Sequence) -> _State | None:
         st = seq.feature_state.get(KEY)
@@ -282,9 +317,16 @@ class DSpark(Feature):
         if self.opts["verify_budget"]:
             budget = min(budget, self.opts["verify_budget"])
         if self.varlen:
-            fixed = self.cost.overhead(len(scheduled.decodes)) + self.cost.draft(len(cands)) * self.last_depth
+            fixed = self.live.overhead(len(scheduled.decodes)) + self.live.drafting(len(cands), self.last_depth)
             lengths = choose_lengths([st.cum[:c] for (_, st), c in zip(cands, caps)], scheduled.num_tokens,
-                                     budget, self.cost, fixed)
+                                     budget, self.live, fixed)
+            self.n["plans"] += 1
+            if self.n["plans"] % EXPLORE_VERIFY_EVERY == 0 and sum(lengths) < budget:
+                # one draft more than chosen, on the request whose next draft is likeliest: the live
+                # cost model then sees the step time of the next verify size too
+                more = [(st.cum[m], i) for i, ((_, st), c, m) in enumerate(zip(cands, caps, lengths)) if m < c]
+                if more:
+                    lengths[max(more)[1]] += 1
         else:
             lengths = fixed_lengths(caps, budget)
         plan, drafted = {}, []
@@ -394,11 +436,12 @@ class DSpark(Feature):
         mtp = src.needs_hidden
         items = []  # (seq, st, lo, hi, cap)
         n_live = sum(1 for s in scheduled.prefills + scheduled.decodes if not s.seq.is_finished)
-        if self.varlen and not self._worth_speculating(scheduled, n_live):
+        allowed = self._worth_speculating(scheduled, n_live) if self.varlen else True
+        if allowed is False:
             return  # a plain step: the draft catches up when drafting pays again
         for s in scheduled.prefills + scheduled.decodes:
             seq = s.seq
-            if seq.is_finished:
+            if seq.is_finished or (allowed is not True and seq.request_id not in allowed):
                 continue
             st = self._state(seq)
             if st is None:
@@ -442,10 +485,17 @@ class DSpark(Feature):
             if cap > 0:
                 last_rows.append(len(pos) - 1)
         dev = engine.device
-        meta = self._meta(pre, dec, slots, dev)
-        prev = batch.hidden[torch.tensor(hid_rows, device=dev)] if mtp else None
-        carry, normed = src.forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                                    torch.tensor(pos, dtype=torch.long, device=dev), meta, prev)
+        ids_t, pos_t = torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev)
+        if not pre and ids and hasattr(src, "decode"):  # lean path: short catch-up spans only
+            table = context_slot_table(self._meta_tables(dec, dev), bs)
+            which = torch.tensor([i for i, it in enumerate(dec) for _ in range(it[3] - it[2])], device=dev)
+            S = max(it[3] for it in dec)
+            carry = normed = src.decode(ids_t, pos_t, torch.tensor(slots, dtype=torch.long, device=dev),
+                                        table[which, :S], masked=len(ids) > 1)
+        else:
+            meta = self._meta(pre, dec, slots, dev)
+            prev = batch.hidden[torch.tensor(hid_rows, device=dev)] if mtp else None
+            carry, normed = src.forward(ids_t, pos_t, meta, prev)
         for _, st, _, hi, _ in items:
             st.done = hi
             st.drafts, st.q, st.feats = [], None, None
@@ -456,11 +506,13 @@ class DSpark(Feature):
         self._draft_loop(_Rows([it[0] for it in drafting], [it[4] for it in drafting], bs, dev),
                          [it[1] for it in drafting], carry[lr], normed[lr], n_live)
 
-    def _worth_speculating(self, scheduled: SchedulerOutput, n_live: int) -> bool:
+    def _worth_speculating(self, scheduled: SchedulerOutput, n_live: int) -> bool | set[str]:
         """Whether drafting for the next step can pay at this batch size at all, given the drafts'
         running mean confidence and each request's latest first-draft confidence. After 64 skipped
         steps it drafts once anyway to refresh them, waiting twice as long after each such try that
-        does not make drafting pay."""
+        does not make drafting pay. Such a try drafts for the ``EXPLORE_ROWS`` requests with the
+        least draft catch-up (their ids are returned): a sample refreshes the estimates, and the
+        draft does not have to catch up on every request's skipped tokens."""
         ready = [s.seq for s in scheduled.prefills + scheduled.decodes
                  if not s.seq.is_finished and s.seq.num_computed_tokens == s.seq.num_tokens - 1
                  and s.seq.feature_state.get(KEY) is not False]
@@ -469,7 +521,8 @@ class DSpark(Feature):
         R = len(ready)
         states = [seq.feature_state.get(KEY) for seq in ready]
         conf = [st.recent_conf if st and st.recent_conf is not None else self.mean_conf for st in states]
-        worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.cost, self.cost.overhead(n_live), self.k)
+        worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live,
+                               self.live.overhead(n_live) + self.live.catchup(R) - self.live.draft(R), self.k)
         if worth:
             self.skipped, self.exploring, self.explore_every = 0, False, 64
             return True
@@ -477,7 +530,12 @@ class DSpark(Feature):
             self.exploring, self.explore_every = False, min(self.explore_every * 2, 4096)
         if self.skipped >= self.explore_every:
             self.skipped, self.exploring = 0, True
-            return True
+            order = sorted(range(R), key=lambda i: ready[i].num_tokens - (states[i].done if states[i] else 0))
+            chosen = {ready[i].request_id for i in order[:EXPLORE_ROWS]}
+            for seq, st in zip(ready, states):
+                if st and seq.request_id not in chosen:
+                    st.drafts, st.q, st.feats = [], None, None
+            return chosen
         self.skipped += 1
         for st in states:
             if st:
@@ -504,7 +562,13 @@ class DSpark(Feature):
         return cap
 
     @staticmethod
-    def _meta(pre: list, dec: list, slots: list[int], dev) -> AttentionMetadata:
+    def _meta_tables(its: list, dev) -> torch.Tensor:
+        width = max(len(it[0].block_table) for it in its)
+        return torch.tensor([it[0].block_table + [0] * (width - len(it[0].block_table)) for it in its],
+                            dtype=torch.int32, device=dev)
+
+    @classmethod
+    def _meta(cls, pre: list, dec: list, slots: list[int], dev) -> AttentionMetadata:
         def cumsum(lens):
             out = [0]
             for n in lens:
@@ -512,9 +576,7 @@ class DSpark(Feature):
             return torch.tensor(out, dtype=torch.long, device=dev)
 
         def tables(its):
-            width = max(len(it[0].block_table) for it in its)
-            return torch.tensor([it[0].block_table + [0] * (width - len(it[0].block_table)) for it in its],
-                                dtype=torch.int32, device=dev)
+            return cls._meta_tables(its, dev)
 
         prefill = decode = None
         if pre:
@@ -533,20 +595,31 @@ class DSpark(Feature):
 
     def _pick(self, rows: _Rows, logits: torch.Tensor, normed: torch.Tensor, depth: int):
         """Draft token, draft distribution (sampled rows), confidence and features at one depth."""
+        if rows.head_rows is None:
+            rows.head_rows = (self.head.per_row(rows.greedy),)
         greedy_tok = logits.argmax(-1)
-        if rows.all_greedy:
-            tok, q = greedy_tok, None
-        else:
-            q = filtered_probs(logits, rows.params)
-            sampled = draw(q, stream(rows.seeds, STREAM_DRAFT), rows.base + (depth - 1))
-            tok = torch.where(rows.greedy, greedy_tok, sampled)
+        if rows.all_greedy:  # log q(d) and entropy from one log-softmax
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            logq = logp.gather(1, greedy_tok[:, None])[:, 0]
+            ent = -(logp.exp() * logp).sum(-1)
+            return greedy_tok, None, self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0]), (logq, ent)
+        q = filtered_probs(logits, rows.params)
+        sampled = draw(q, stream(rows.seeds, STREAM_DRAFT), rows.base + (depth - 1))
+        tok = torch.where(rows.greedy, greedy_tok, sampled)
         logq, ent = conf_mod.ConfidenceHead.features(logits, tok)
-        c = self.head(normed, logq, ent, rows.greedy)
+        c = self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0])
         return tok, q, c, (logq, ent)
 
     def _ar_step(self, rows: _Rows, prev_tok: torch.Tensor, prev_carry: torch.Tensor | None, depth: int):
         """Feed d_{depth-1}; returns (carry, normed) of the rows."""
         bs = rows.block_size
+        if hasattr(self.source, "decode"):  # lean path: one query token per row
+            ctx = rows.ctx
+            S = min(rows.base_max + depth - 1, ctx.shape[1], self.source.max_positions)
+            pos = (rows.base + (depth - 2)).clamp(max=S - 1)
+            slot = torch.where(rows.cap_t >= depth, ctx.gather(1, pos[:, None])[:, 0], torch.full_like(pos, -1))
+            normed = self.source.decode(prev_tok, pos, slot, ctx[:, :S], masked=len(rows.seqs) > 1)
+            return normed, normed
         tok_index = rows.base + (depth - 2)  # token index of d_{depth-1}
         pos = tok_index - 1 if self.source.needs_hidden else tok_index
         pos = pos.clamp(max=self.source.max_positions - 1)
@@ -558,7 +631,7 @@ class DSpark(Feature):
 
     def _draft_loop(self, rows: _Rows, states: list[_State], carry: torch.Tensor, normed: torch.Tensor,
                     n_live: int) -> None:
-        src, cost = self.source, self.cost
+        src, cost = self.source, self.live
         R = len(states)
         K = max(rows.caps)
         logits = src.logits(normed)
@@ -568,11 +641,12 @@ class DSpark(Feature):
         cum_hist = [cum]
         expected = R + sum(cum)
         depth = 1
+        t_loop = time.perf_counter()
         while depth < K:
             if self.varlen:
                 live = [i for i in range(R) if rows.caps[i] > depth]
                 c_last = confs[-1].tolist()
-                fixed = cost.overhead(n_live) + cost.draft(R) * depth
+                fixed = cost.overhead(n_live) + cost.drafting(R, depth)
                 if not worth_drafting([cum[i] for i in live], [c_last[i] for i in live], R,
                                       n_live + depth * R, expected, cost, fixed, K - depth):
                     break
@@ -592,6 +666,8 @@ class DSpark(Feature):
             cum_hist.append(cum)
             expected += sum(cum)
         self.last_depth = depth
+        self.engine.platform.synchronize()
+        self._drafted = (R, depth - 1, time.perf_counter() - t_loop)
         self.n["proposals"] += 1
         self.n["depth"] += depth
         tok_m = torch.stack(toks, dim=1).tolist()
@@ -619,8 +695,10 @@ class DSpark(Feature):
 
     # ---- step-time curve ------------------------------------------------------------------
     def _cost_path(self, engine) -> Path:
+        # the batch sizes a curve covers depend on max_num_seqs and the KV pool: one curve per pool shape
         name = (f"{engine.platform.name}-{engine.fingerprint}-{self.source.fingerprint}-bs{engine.block_size}"
-                f"-th{torch.get_num_threads()}.json")
+                f"-th{torch.get_num_threads()}-k{self.k}-seqs{engine.cfg.max_num_seqs}-blocks{engine.blocks.num_free}"
+                ".json")
         return cache_dir() / "dspark" / name
 
     def _load_or_measure_cost(self, engine) -> StepCost:
@@ -663,6 +741,8 @@ class DSpark(Feature):
             "dspark_steps_without_drafts": n["skipped_steps"],
             "dspark_draft_time": self.t["draft"], "dspark_verify_time": self.t["verify"],
             "dspark_schedule_time": self.t["schedule"],
+            "dspark_cost_verify_scale": self.live.verify_scale, "dspark_cost_draft_scale": self.live.draft_scale,
+            "dspark_cost_extra_overhead": self.live.extra_overhead_s,
         }
 
     def reset_metrics(self) -> None:
@@ -709,7 +789,8 @@ def measure_step_cost(engine, feature: DSpark, ctx: int = 128, sweeps: int = 3) 
     src = feature.source
     try:
         with torch.inference_mode():
-            for T in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            # every verify length of one request (conc 1), then whole batches of k + 1 tokens each
+            for T in [*range(1, q + 1), *(q * b for b in (2, 4, 8, 16, 32, 64) if q * b <= 384)]:
                 per = min(T, q)
                 B = -(-T // per)
                 group = make(B)

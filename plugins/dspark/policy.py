@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-FORMAT = 1
+FORMAT = 2  # 2: the lean draft path (curves measured before it overstate draft steps)
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -81,6 +81,87 @@ class StepCost:
         if data.get("format") != FORMAT:
             raise ValueError(f"{path}: unknown step-cost format {data.get('format')!r}")
         return cls(**data)
+
+
+class LiveCost:
+    """The measured curve, kept right while serving. The step-time curve is measured once at start-up
+    (on a shared machine, under whatever load there was then), and it leaves out work outside the
+    forwards: engine bookkeeping, rejection sampling, and the draft's catch-up forward over the
+    tokens the target just accepted. Each decode step's real times correct it:
+
+    - ``verify_scale`` and ``draft_scale``: running ratios of measured to predicted times of the
+      target forward and of the autoregressive draft steps;
+    - ``verify_seen``: the running time of each verify size seen so far; it replaces the scaled
+      curve there (the curve's shape, measured in a few seconds, can be off on a loaded machine;
+      the feature verifies one draft more than chosen every ``EXPLORE_VERIFY_EVERY`` steps, so
+      sizes next to the chosen ones get measured too);
+    - ``catchup_scale``: the catch-up (and the first draft token), in units of one draft step;
+    - ``extra_overhead_s``: the rest of the step cycle beyond the start-up estimate.
+
+    Samples are clipped to a factor of two of the current value, so one stall (another process, an
+    idle gap between requests) moves an estimate little, while a lasting change is followed within
+    tens of steps. Same interface as ``StepCost``, plus ``catchup``."""
+
+    ALPHA = 0.05
+
+    def __init__(self, base: StepCost, adapt: bool = True) -> None:
+        self.base, self.adapt = base, adapt  # adapt=False: the curve as given (tests)
+        self.verify_scale = self.draft_scale = self.catchup_scale = 1.0
+        self.extra_overhead_s = 0.0
+        self.cycles = 0
+        self.verify_seen: dict[int, float] = {}
+
+    def verify(self, tokens: float) -> float:
+        seen = self.verify_seen.get(tokens) if isinstance(tokens, int) else None
+        return seen if seen is not None else self.verify_scale * self.base.verify(tokens)
+
+    def draft(self, rows: float) -> float:
+        return self.draft_scale * self.base.draft(rows)
+
+    def catchup(self, rows: float) -> float:
+        """The catch-up forward and the first draft token of a step drafting ``rows`` requests."""
+        return self.catchup_scale * self.draft(rows)
+
+    def overhead(self, requests: int) -> float:
+        return self.base.overhead(requests) + self.extra_overhead_s
+
+    def drafting(self, rows: int, depth: int) -> float:
+        """Draft time of a step that drafts ``depth`` tokens for ``rows`` requests."""
+        return self.catchup(rows) + self.draft(rows) * (depth - 1) if rows and depth else 0.0
+
+    @classmethod
+    def _update(cls, old: float, sample: float) -> float:
+        return old + cls.ALPHA * (min(max(sample, 0.5 * old), 2.0 * old) - old)
+
+    def observe(self, tokens: int, verify_s: float, rows: int, steps: int, steps_s: float, catchup_s: float,
+                requests: int, cycle_s: float | None) -> None:
+        """One decode step: the target verified ``tokens`` tokens in ``verify_s``; the draft caught up
+        and proposed its first token for ``rows`` requests in ``catchup_s`` (0 rows: it did not
+        draft), then ran ``steps`` more draft steps in ``steps_s``; ``requests`` decode requests;
+        ``cycle_s``: from this step's start to the next one's (None across an idle gap)."""
+        if not self.adapt:
+            return
+        pv = self.base.verify(tokens)
+        if pv > 0 and verify_s > 0:
+            prior = self.verify(tokens)
+            if tokens in self.verify_seen:
+                self.verify_seen[tokens] = self._update(prior, verify_s)
+            else:  # the first sample of a size replaces the curve's guess (within a factor of two)
+                self.verify_seen[tokens] = min(max(verify_s, 0.5 * prior), 2.0 * prior)
+            self.verify_scale = self._update(self.verify_scale, verify_s / pv)
+        pd = self.base.draft(rows) * steps
+        if pd > 0 and steps_s > 0:
+            self.draft_scale = self._update(self.draft_scale, steps_s / pd)
+        if rows and catchup_s > 0:
+            self.catchup_scale = self._update(self.catchup_scale, catchup_s / max(self.draft(rows), 1e-9))
+        if cycle_s is not None:
+            other = max(cycle_s - verify_s - steps_s - catchup_s - self.base.overhead(requests), 0.0)
+            if self.cycles == 0:  # the first sample sets it, capped at the forwards' time
+                self.extra_overhead_s = min(other, verify_s + steps_s + catchup_s)
+            else:
+                floor = max(self.extra_overhead_s, 1e-5)
+                self.extra_overhead_s += self.ALPHA * (min(other, 2.0 * floor) - self.extra_overhead_s)
+            self.cycles += 1
 
 
 def choose_lengths(cum_conf: list[list[float]], base_tokens: int, budget: int, cost: StepCost,

@@ -355,35 +355,35 @@ class ThreeFSStore(KVStore):
         return self._read(key, ttl_class)
 
     def get_many(self, keys: list[int], ttl_class: str | None = None,
-                 out: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+                 out: torch.Tensor | list[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
         """Read several blocks at once: batched through USRBIO, else on ``io_threads`` threads.
 
-        With ``out`` (a contiguous CPU tensor of shape [>= len(keys), *block shape]) block i is read
-        into ``out[i]`` (returned as that view): reusing warm, possibly pinned, memory is much faster
-        than filling fresh pages."""
+        With ``out`` (a contiguous CPU tensor of shape [>= len(keys), *block shape], or a list of
+        contiguous block-shaped CPU tensors, one per key) block i is read into ``out[i]`` and
+        returned as that tensor: reading into warm, possibly pinned, memory the caller keeps (e.g.
+        the host tier's pool) is much faster than filling fresh pages, and saves a copy."""
         if not keys:
             return []
         keys = list(keys)
         n = len(keys)
         lay = self.layout
-        usable = (out is not None and lay is not None and out.dim() == 4 and out.shape[0] >= n
-                  and tuple(out.shape[1:]) == lay.block_shape and out.dtype == lay.dtype
-                  and out.is_contiguous())
-        if out is not None and not usable:
-            out = None
-        tensors = [None] * n if out is None else [out[i] for i in range(n)]
+        if isinstance(out, torch.Tensor):
+            usable = (lay is not None and out.dim() == 4 and out.shape[0] >= n and out.device.type == "cpu"
+                      and tuple(out.shape[1:]) == lay.block_shape and out.dtype == lay.dtype
+                      and out.is_contiguous())
+            out = list(out[:n].unbind(0)) if usable else None
+        if out is not None:
+            if len(out) < n:
+                raise ValueError(f"get_many: {len(out)} output tensors for {n} keys")
+            out = [t if self._fits(t) else None for t in out[:n]]
+        tensors = [None] * n if out is None else out
         if self._reader is not None:
             return self._read_usrbio(keys, ttl_class, tensors)
         result: list[torch.Tensor | None] = [None] * n
         if self._fixed is not None:
-            plen = self._fixed[2] - HEADER_SIZE
-            if out is None:
-                tensors = [torch.empty(lay.block_shape, dtype=lay.dtype, pin_memory=self.pin_memory)
-                           for _ in range(n)]
-                views = [record.payload_view(t) for t in tensors]
-            else:
-                base = record.payload_view(out)
-                views = [base[i * plen : (i + 1) * plen] for i in range(n)]
+            tensors = [t if t is not None else torch.empty(lay.block_shape, dtype=lay.dtype,
+                                                             pin_memory=self.pin_memory) for t in tensors]
+            views = [record.payload_view(t) for t in tensors]
 
             def run(idxs):
                 self._read_run(keys, idxs, ttl_class, views, tensors, result)
@@ -402,6 +402,11 @@ class ThreeFSStore(KVStore):
         step = -(-n // min(self.io_threads, n))
         list(self._pool.map(run, [range(i, min(i + step, n)) for i in range(0, n, step)]))
         return result
+
+    def _fits(self, t) -> bool:
+        lay = self.layout
+        return (isinstance(t, torch.Tensor) and lay is not None and t.device.type == "cpu" and t.is_contiguous()
+                and tuple(t.shape) == lay.block_shape and t.dtype == lay.dtype)
 
     def _read_run(self, keys, idxs, ttl_class, views, tensors, result) -> None:
         """The fast path for stores with a layout: every record has the same size and fixed header

@@ -123,6 +123,11 @@ class StructuredOutput(Feature):
         self.stats["requests"] += 1
 
     @hookimpl
+    def request_needs_sync(self, engine, request) -> bool | None:
+        """The next mask depends on the last token: with async scheduling, its steps run synchronously."""
+        return True if request.params.so_args is not None else None
+
+    @hookimpl
     def request_ready(self, engine, request):
         """False while the grammar compiles; raises if it failed or timed out; None (no opinion,
         so other features decide) once compiled."""

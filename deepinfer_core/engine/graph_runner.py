@@ -1,0 +1,156 @@
+"""Device graphs for pure-decode steps: the whole forward plus the LM head replayed as one graph.
+
+A step qualifies when it has no prefill tokens, every sequence has exactly one query token, no
+caller wants the hidden states, and its logits rows are exactly its tokens (``logit_rows == range(B)``).
+Its B sequences replay the graph of the smallest captured size >= B: the step's inputs are copied
+into static buffers (rows ``B:`` are padding), the graph runs, and the first B rows of its static
+logits are returned. Padding rows write no KV (slot -1), attend over one cached key of a real block
+(``seq_len`` 1), and their results are dropped. Larger or mixed steps run eagerly.
+
+Capture safety: the graph freezes the launches and their grids, so nothing on the decode path may
+depend on tensor values on the host. The decode ops of a capturing platform compute their
+per-sequence work on the device; what the host decides (MLA split-KV count, MoE tile configuration,
+padded widths) comes only from shapes that are fixed per captured size. See
+``docs/cuda_graphs.md`` for the audit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.model_runner import StepBatch
+    from deepinfer_core.platform import Platform
+
+logger = logging.getLogger("deepinfer.graphs")
+
+#: Captured batch sizes when ``graph_batch_sizes`` is unset (capped at ``max_num_seqs``).
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def default_batch_sizes(max_num_seqs: int) -> list[int]:
+    """:data:`DEFAULT_BATCH_SIZES` up to ``min(max_num_seqs, 256)``, plus that cap itself."""
+    cap = min(max_num_seqs, DEFAULT_BATCH_SIZES[-1])
+    sizes = [s for s in DEFAULT_BATCH_SIZES if s < cap]
+    return sizes + [cap]
+
+
+class DecodeGraphs:
+    """Static buffers and one graph per batch size, sharing one memory pool.
+
+    ``capture=False`` keeps everything but the graphs: steps run eagerly through the same padded
+    static buffers (how the CPU tests exercise this path, and a reference on a GPU).
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], sizes: list[int],
+                 max_blocks_per_seq: int, device: torch.device, platform: Platform | None = None,
+                 capture: bool = True) -> None:
+        if capture and platform is None:
+            raise ValueError("DecodeGraphs: capture=True needs the platform that captures the graphs")
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"DecodeGraphs: batch sizes must be a non-empty list of integers >= 1, got {sizes!r}")
+        self.model, self.kv_caches, self.platform = model, kv_caches, platform
+        self.sizes = sorted(set(sizes))
+        self.max_size = self.sizes[-1]
+        self.max_blocks = max_blocks_per_seq
+        self.capture_enabled = capture
+        n = self.max_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.cu_q_lens = torch.arange(n + 1, dtype=torch.long, device=device)  # q_len 1 everywhere: constant
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        #: steps run per padded size (replayed, or eager through the static buffers when not capturing)
+        self.runs: Counter[int] = Counter()
+        self.capture_seconds = 0.0
+
+    # ---- capture -------------------------------------------------------------------------
+    def _forward(self, n: int) -> torch.Tensor:
+        """The captured computation: the model over the first ``n`` static rows, then their logits."""
+        meta = AttentionMetadata(0, self.slot_mapping[:n], None,
+                                 DecodeMeta(self.cu_q_lens[: n + 1], self.seq_lens[:n], self.block_tables[:n], 1))
+        hidden = self.model(self.input_ids[:n], self.positions[:n], meta, self.kv_caches)
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every size, largest first, into one shared pool; returns the seconds it took.
+
+        Every row is padding while capturing (slot -1: the KV cache is not touched)."""
+        if not self.capture_enabled:
+            return 0.0
+        p = self.platform
+        t0 = time.perf_counter()
+        pool = None
+        for n in reversed(self.sizes):
+            self._pad_from(0)
+            try:
+                self._forward(n)  # warm-up outside the capture: kernel compilation, library handles
+                p.synchronize()
+                graph = p.graph()
+                with p.graph_capture(graph, pool):
+                    out = self._forward(n)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"capturing the decode graph for batch size {n} on platform {p.name!r} failed "
+                    f"({type(exc).__name__}: {exc}); an op on the decode path synchronises with the host. "
+                    "Set enforce_eager=True to run every step eagerly") from exc
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[n], self.outputs[n] = graph, out
+        p.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        return self.capture_seconds
+
+    # ---- replay --------------------------------------------------------------------------
+    def accepts(self, batch: StepBatch) -> bool:
+        """Whether ``batch`` is a pure-decode step this object can run (else the caller runs it eagerly)."""
+        m = batch.meta
+        d = m.decode
+        if batch.keep_hidden or m.prefill is not None or d is None or m.num_prefill_tokens:
+            return False
+        B = d.seq_lens.shape[0]
+        if d.max_q_len != 1 or batch.input_ids.shape[0] != B or not 0 < B <= self.max_size:
+            return False
+        if d.block_tables.shape[1] > self.max_blocks:
+            return False
+        rows = batch.logit_rows
+        return len(rows) == B and rows == list(range(B))
+
+    def padded_size(self, B: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, B)]
+
+    def _pad_from(self, B: int) -> None:
+        """Rows ``B:`` become padding: no KV write, one key to attend over (a real block: in bounds).
+        Their token ids, positions and block-table rows keep earlier, valid values."""
+        self.slot_mapping[B:].fill_(-1)
+        self.seq_lens[B:].fill_(1)
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Logits [B, vocab] float32 of an accepted batch (a fresh tensor, not the static output)."""
+        d = batch.meta.decode
+        B = d.seq_lens.shape[0]
+        n = self.padded_size(B)
+        self.input_ids[:B].copy_(batch.input_ids)
+        self.positions[:B].copy_(batch.positions)
+        self.slot_mapping[:B].copy_(batch.meta.slot_mapping)
+        self.seq_lens[:B].copy_(d.seq_lens)
+        self.block_tables[:B, : d.block_tables.shape[1]].copy_(d.block_tables)
+        if n > B:
+            self._pad_from(B)
+        self.runs[n] += 1
+        if n in self.graphs:
+            self.graphs[n].replay()
+            return self.outputs[n][:B].clone()  # the static output is overwritten by the next replay
+        return self._forward(n)[:B]

@@ -1,0 +1,96 @@
+"""Compile, without a GPU, the TileLang kernels that the engine's bf16 forward uses for a model shape
+(``DEEPINFER_TL_DRYRUN=1``: kernels are built into ``TILELANG_CACHE_DIR`` but not run).
+
+    DEEPINFER_TL_DRYRUN=1 TILELANG_CACHE_DIR=.gpu/tlcache python examples/engine_warm.py --shapes v2-lite,v3-slice
+
+Each op is called with empty CPU tensors of the shapes the model passes it (the ops pick their own
+tile configurations from those shapes, as they do on the GPU), at token counts that cover every
+configuration switch: decode batches 1 and 256 (split-KV or not), MoE slot counts on both sides of the
+small/large tile threshold, prefill chunks up to 8192 tokens. ``kernel_warm.py --engine-shapes`` runs
+this as part of the cache pack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from random_checkpoint import SHAPES, shape_config  # noqa: E402
+
+from deepinfer_core.models.config import ModelConfig  # noqa: E402
+from deepinfer_core.models.deepseek import MoE  # noqa: E402
+
+TOKENS = (1, 64, 256, 2048, 8192)  # MoE and norm token counts
+DECODE = (1, 256)  # decode batches: with and without split-KV
+
+
+def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Call every kernel op of the engine's forward for ``cfg`` once per configuration; returns their names."""
+    from kernels_cuda.kv_cache import paged_kv_write
+    from kernels_cuda.mla_decode import mla_decode
+    from kernels_cuda.mla_prefill import mla_prefill
+    from kernels_cuda.moe import fused_moe
+    from kernels_cuda.moe_route import moe_route
+    from kernels_cuda.norm import add_rms_norm, rms_norm
+    from kernels_cuda.sampling import sample
+
+    e = torch.empty
+    C, H, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    done = []
+    for width in {C, L, cfg.q_lora_rank or L}:
+        rms_norm(e(8, width, dtype=dtype), e(width, dtype=dtype), 1e-6)
+        done.append(f"rms_norm C={width}")
+    add_rms_norm(e(8, C, dtype=dtype), e(8, C, dtype=dtype), e(C, dtype=dtype), 1e-6)
+    cache = e(16, block_size, L + R, dtype=dtype)
+    paged_kv_write(cache, torch.zeros(4, dtype=torch.long), e(4, L + R, dtype=dtype))
+    done += [f"add_rms_norm C={C}", f"paged_kv_write bs={block_size}"]
+    for B in DECODE:
+        tables = torch.zeros(B, 4, dtype=torch.int32)
+        mla_decode(e(B, H, L + R, dtype=dtype), cache, tables, torch.arange(B + 1), torch.full((B,), 64),
+                   0.1, L)
+        done.append(f"mla_decode H={H} B={B}")
+    S = 256
+    cu = torch.tensor([0, S])
+    mla_prefill(e(S, H, N + R, dtype=dtype), e(S, H, N + R, dtype=dtype), e(S, H, V, dtype=dtype), cu, cu, 0.1)
+    done.append(f"mla_prefill H={H}")
+    if cfg.n_routed_experts:
+        with torch.device("meta"):
+            moe = MoE(None, cfg, cfg.first_k_dense_replace)  # its routing constants (no memory)
+        E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        w13, w2 = e(E, 2 * I, C, dtype=dtype), e(E, C, I, dtype=dtype)
+        bias = e(E) if moe.e_score_correction_bias is not None else None
+        for T in TOKENS:
+            moe_route(e(T, E), bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score,
+                      moe.renormalize, moe.scale)
+            fused_moe(e(T, C, dtype=dtype), w13, w2, e(T, k, dtype=dtype), torch.zeros(T, k, dtype=torch.long))
+            done.append(f"moe E={E} T={T}")
+    B = 4
+    sample(e(B, cfg.vocab_size), torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B), torch.zeros(B),
+           torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
+    done.append("sample")
+    return done
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="v2-lite,v3-slice", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--block-size", type=int, default=64)
+    args = ap.parse_args(argv)
+    if os.environ.get("DEEPINFER_TL_DRYRUN", "") in ("", "0"):
+        raise SystemExit("engine_warm.py compiles only: set DEEPINFER_TL_DRYRUN=1 (and TILELANG_CACHE_DIR)")
+    for shape in args.shapes.split(","):
+        t0 = time.time()
+        names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size)
+        print(f"{shape}: {len(names)} op calls compiled in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

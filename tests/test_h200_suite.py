@@ -1,0 +1,131 @@
+"""The full-model benchmark suite (``examples/benchmark.py --suite h200``) on a CPU at tiny scale: the
+roofline definitions against a hand-computed example, transformers built on the engine's own weights
+against the engine, and the whole suite end to end (JSON, PROFILE=1 traces, the sweep and its plot)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "sweep"))
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.models.config import ModelConfig  # noqa: E402
+
+#: 2 layers (1 dense, 1 MoE), C 4, H 2, nope/rope/v 2, kv_lora 4, 4 experts top-2 of width 3, 1 shared, vocab 10.
+HAND = dict(architectures=["DeepseekV2ForCausalLM"], vocab_size=10, hidden_size=4, intermediate_size=5,
+            num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=4, q_lora_rank=None, qk_nope_head_dim=2,
+            qk_rope_head_dim=2, v_head_dim=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=3, first_k_dense_replace=1, topk_method="greedy")
+
+
+def test_roofline_hand_computed():
+    from roofline import decode_roofline, decode_step_bytes, expected_distinct_experts, prefill_roofline
+
+    cfg = ModelConfig.from_dict(HAND)
+    # attention params per layer: q 2*4*4=32, kv_a 6*4=24, kv_b 2*4*4=32, o 4*4=16, kv_a_norm 4 -> 108
+    b = decode_step_bytes(cfg, batch=2, context=3, experts_hit=3, wbytes=2)
+    assert b == {"routed_experts": 3 * 3 * 4 * 3 * 2, "shared_experts": 72, "router": 4 * 4 * 4, "dense_mlp": 120,
+                 "attention": 2 * 108 * 2, "norms": (2 * 2 * 4 + 4) * 2, "lm_head": 80, "embedding": 16,
+                 "kv_cache": 2 * 3 * 6 * 2 * 2, "total": 1184}
+    r = decode_roofline(cfg, 2, 3, tok_s=1.0, read_GBps=1184e-9, experts_hit=3)  # bound: 1 s per step
+    assert r["roofline_tok_s"] == pytest.approx(2.0) and r["fraction"] == pytest.approx(0.5)
+    # prefill of one 3-token prompt: per token 2*104 (attention) + 60 (dense) + 16 (router) + 3*36 (experts)
+    # = 392 params -> 2*392*3 = 2352; attention 2 layers * 2 * (2 heads * 6) * 6 pairs = 288; LM head 2*10*4 = 80
+    p = prefill_roofline(cfg, 3, 1, tok_s=1.5, matmul_TFLOPs=2720e-12)
+    assert p["flops"] == 2720 and p["roofline_tok_s"] == pytest.approx(3.0) and p["fraction"] == pytest.approx(0.5)
+    assert expected_distinct_experts(4, 2, 1) == 2 and expected_distinct_experts(4, 2, 2) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="experts_hit has 2 entries"):
+        decode_step_bytes(cfg, 1, 1, [1.0, 2.0])
+
+
+def test_pareto_front():
+    from plot import pareto_front
+
+    pts = [(100, 100), (50, 400), (60, 300), (40, 350), (10, 900), (5, 800)]
+    assert pareto_front(pts) == [(10, 900), (50, 400), (60, 300), (100, 100)]
+
+
+@pytest.mark.parametrize("shape", ["v2-lite", "v3-slice"])
+def test_hf_twin_shares_the_engine_weights_and_matches(shape, tmp_path):
+    from h200_suite import suite_config
+    from hf_twin import hf_twin
+    from random_checkpoint import write_config
+    from tiny_models import check_against_hf
+
+    model_dir = write_config(tmp_path / shape, suite_config(shape, "tiny", None))
+    llm = LLM(str(model_dir), dtype="float32", accelerator="cpu", load_format="random", max_num_seqs=4,
+              kv_cache_memory=4 << 20, enable_prefix_caching=False)
+    model = llm.engine.model
+    with torch.no_grad():  # far from flat logits, so that a wrongly mapped tensor shows
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(15.0)
+    model.post_load()
+    hf = hf_twin(model, model_dir, llm.engine.device)
+    moe = model.layers[1].mlp
+    hf_experts = hf.model.layers[1].mlp.experts
+    hf_w = hf_experts.gate_up_proj if hasattr(hf_experts, "gate_up_proj") else hf_experts[0].gate_proj.weight
+    assert hf_w.data_ptr() == moe.w13.data_ptr()  # a view of the engine's tensor, not a copy
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(2, 512, (40,), generator=g).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                      prompt_logprobs=0, logprobs=0),
+                       use_tqdm=False)[0]
+    check_against_hf(hf, prompt, out, 6)
+    llm.shutdown()
+
+
+def test_suite_tiny_end_to_end(tmp_path, monkeypatch):
+    import h200_suite
+    from benchmark import main
+    from plot import plot
+    from roofline import decode_step_bytes, prefill_flops
+    from sweep import main as sweep_main
+
+    monkeypatch.setenv("PROFILE", "1")
+    # a CPU captures no graphs: take the GPU's branch anyway (a second engine with enforce_eager=True)
+    monkeypatch.setattr(h200_suite, "graphs_in_use", lambda llm: True)
+    out = tmp_path / "out"
+    main(["--suite", "h200", "--shape", "v2-lite", "--scale", "tiny", "--accelerator", "cpu", "--out", str(out),
+          "--decode-batches", "1,2", "--context", "24", "--prefill-lens", "16,32", "--max-batched", "64",
+          "--hf-batches", "2", "--hf-new-tokens", "3", "--warmup", "1", "--window", "2"])
+    res = json.loads((out / "results.json").read_text())
+    mc = ModelConfig.from_dict(res["model_config"])
+    assert [r["batch"] for r in res["decode"]] == [1, 2]
+    for r in res["decode"]:
+        assert r["tok_s"] > 0 and 0 < r["fraction"] < 1 and r["experts_source"] == "router"
+        want = decode_step_bytes(mc, r["batch"], r["context"], r["experts_hit"], wbytes=4)["total"]  # float32
+        assert r["bytes_per_step"] == pytest.approx(want)
+        assert 0 <= r["idle"]["device_idle_share"] < 1 and r["idle"]["gaps"] == 2  # one per timed step
+    assert [r["batch"] for r in res["decode_eager"]] == [1] and res["decode_eager"][0]["graphs_speedup"] > 0
+    assert res["decode"][0]["experts_hit"] == mc.num_experts_per_tok  # one token hits exactly top-k experts
+    assert 24 <= res["decode"][0]["context"] <= 24 + 20
+    for r in res["prefill"]:
+        assert r["tok_s"] > 0 and r["flops"] == prefill_flops(mc, r["prompt_len"], r["requests"])["total"]
+    (hf,) = res["transformers"]
+    assert hf["batch"] == 2 and hf["decode_tok_s"] > 0 and len(hf["greedy_agree_prefix"]) == 2
+    assert set(res["targets"]) == {"decode_b1_fraction", "decode_b64_256_min_fraction", "prefill_8k_fraction",
+                                   "speedup_vs_transformers_b64"}
+    assert res["targets"]["decode_b1_fraction"]["met"] is False  # a CPU is nowhere near its roofline here
+    # PROFILE=1: gzipped chrome traces and kernel tables for a decode batch and the longest prefill
+    for name in ("decode_b2", "prefill_32"):
+        trace = json.loads(gzip.open(out / f"{name}.trace.json.gz").read())
+        assert any(ev.get("cat") == "cpu_op" for ev in trace["traceEvents"])
+        assert (out / f"{name}.kernels.txt").read_text().startswith(name)
+    assert res["decode"][1]["profile"]["kernels"]
+    # the sweep and its plot
+    sweep_json = tmp_path / "sweep.json"
+    sweep_main(["--shape", "v3-slice", "--scale", "tiny", "--accelerator", "cpu", "--batches", "1,3",
+                "--context", "16", "--warmup", "1", "--window", "2", "--out", str(sweep_json)])
+    assert [r["batch"] for r in json.loads(sweep_json.read_text())["decode"]] == [1, 3]
+    png = tmp_path / "pareto.png"
+    summary = plot([sweep_json, out / "results.json"], png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and all(s["front"] for s in summary)
