@@ -120,14 +120,16 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--draft", default="auto", help="[dspark] draft: 'auto' (the shipped default), 'mtp' or a dir")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     concs = [int(c) for c in args.concurrency.split(",")]
     common = dict(max_num_seqs=max(concs), enable_prefix_caching=False)
     engines = {
         "plain": LLM(**common),
-        "fixed": LLM(features=["dspark"], dspark={"k": args.k, "budget_policy": "fixed"}, **common),
-        "varlen": LLM(features=["dspark"], dspark={"k": args.k}, **common),
+        "fixed": LLM(features=["dspark"], dspark={"k": args.k, "budget_policy": "fixed", "draft": args.draft},
+                     **common),
+        "varlen": LLM(features=["dspark"], dspark={"k": args.k, "draft": args.draft}, **common),
     }
     prompts = heldout_prompts(engines["plain"].tokenizer, args.num_prompts, args.seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -182,8 +184,9 @@ def main(argv=None) -> None:
                 a / b for a, b in zip(per_round["varlen"], per_round["plain"])), 3),
         }
 
+    results["draft"] = feature(engines["fixed"]).source.kind
     print(f"DSpark on the embedded model: {len(prompts)} held-out prompts, {args.max_tokens} greedy tokens, "
-          f"k={args.k}, {results['threads']} thread(s)")
+          f"k={args.k}, {results['threads']} thread(s), draft {args.draft} ({results['draft']})")
     for c in concs:
         print(f"\n-- concurrency {c}")
         print(f"greedy outputs identical to plain: fixed {results['equivalence'][f'c{c}']['fixed']}, "

@@ -181,6 +181,46 @@ def test_mtp_draft_auto(tiny_mtp, reference):
     llm.engine.blocks.check_no_leaks()
 
 
+@pytest.fixture(scope="session")
+def tiny_mtp_dir(tiny_v3_path, tmp_path_factory) -> str:
+    """An MTP layer shipped apart from its target (``mtp.safetensors``): a dense layer (the target's
+    first), random eh_proj, as ``train_dspark_draft.py --kind mtp`` writes it."""
+    src, out = Path(tiny_v3_path), tmp_path_factory.mktemp("tiny_mtp_dir")
+    cfg = json.loads((src / "config.json").read_text())
+    N, C = cfg["num_hidden_layers"], cfg["hidden_size"]
+    t = load_file(str(src / "model.safetensors"))
+    mtp = {f"model.layers.{N}." + k[len("model.layers.0."):]: v.clone() for k, v in t.items()
+           if k.startswith("model.layers.0.")}
+    assert f"model.layers.{N}.mlp.gate_proj.weight" in mtp  # layer 0 is dense
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{N}.{name}.weight"] = torch.ones(C)
+    mtp[f"model.layers.{N}.eh_proj.weight"] = torch.randn(C, 2 * C, generator=torch.Generator().manual_seed(3)) * 0.3
+    save_file(mtp, str(out / "mtp.safetensors"))
+    return str(out)
+
+
+@pytest.mark.parametrize("varlen", ["1", "0"])
+def test_mtp_dir_draft(tiny_v3_path, tiny_mtp_dir, reference, monkeypatch, varlen):
+    """A separately shipped (dense) MTP layer, named as the draft, keeps greedy outputs exact."""
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", varlen)
+    llm = make(tiny_v3_path, dspark={"draft": tiny_mtp_dir, "k": 3})
+    cheap_drafts(llm)
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    assert type(feat.source.layer.mlp).__name__ == "MLP"  # dense, as the file holds mlp.gate_proj
+    outs = run(llm, PROMPTS, greedy(20, logprobs=0))
+    m = llm.metrics()
+    assert m["dspark_draft"] == "mtp" and m["dspark_verified"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_mtp_dir_missing_tensor(tiny_v3_path, tiny_mtp_dir, tmp_path):
+    t = load_file(str(Path(tiny_mtp_dir) / "mtp.safetensors"))
+    save_file({k: v for k, v in t.items() if not k.endswith("eh_proj.weight")}, str(tmp_path / "mtp.safetensors"))
+    with pytest.raises(ConfigError, match="no MTP layer"):
+        make(tiny_v3_path, dspark={"draft": str(tmp_path)})
+
+
 def test_mtp_cache_matches_teacher_forced(tiny_mtp):
     """The MTP layer's KV for every position it has caught up on equals the entry computed from the
     target's teacher-forced hidden states; blocks beyond the drafts are never held."""
@@ -215,6 +255,31 @@ def test_mtp_cache_matches_teacher_forced(tiny_mtp):
         slots = torch.tensor([seq.block_table[p // BS] * BS + p % BS for p in range(n)])
         got = src.caches[0].view(-1, ref.shape[-1])[slots]
     assert (got - ref).abs().max().item() < 1e-4
+    while eng.has_unfinished():
+        eng.step()
+    eng.blocks.check_no_leaks()
+
+
+@pytest.mark.parametrize("n_rows", [1, 2])
+def test_mtp_lean_step_matches_forward(tiny_mtp, monkeypatch, n_rows):
+    """An MTP draft step on the lean path equals the generic forward (carry and normalised state)."""
+    from plugins.dspark.draft import MTPDraft
+
+    llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed"})
+    eng = llm.engine
+    feat = next(f for f in eng.features if f.name == "dspark")
+    seqs = [eng.add_request({"prompt_token_ids": PROMPTS[i]}, greedy(30)) for i in range(n_rows)]
+    while min(s.num_output_tokens for s in seqs) < 8:
+        eng.step()
+    rows = dspark_feature._Rows(seqs, [3] * n_rows, BS, eng.device)
+    tok = torch.tensor([s.token_ids[-1] for s in seqs])
+    carry = torch.randn(n_rows, feat.source.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        lean = feat._ar_step(rows, tok, carry, 2)
+        monkeypatch.delattr(MTPDraft, "decode")
+        ref = feat._ar_step(rows, tok, carry, 2)
+    for a, b in zip(lean, ref):
+        assert (a - b).abs().max().item() < 1e-4
     while eng.has_unfinished():
         eng.step()
     eng.blocks.check_no_leaks()
@@ -414,12 +479,21 @@ def _heldout_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-@pytest.mark.skipif(not (dspark_feature.DEFAULT_DRAFT / "confidence_head.safetensors").is_file(),
-                    reason="no shipped draft")
-def test_shipped_draft_confidence_calibrated():
-    llm = LLM(features=["dspark"], dspark={"budget_policy": "fixed"}, max_num_seqs=64)
+def test_auto_picks_shipped_mtp():
+    """``draft = "auto"`` on the embedded model: the shipped MTP layer when present, else the draft model."""
+    llm = LLM(features=["dspark"], dspark={"budget_policy": "fixed"}, max_num_seqs=4)
     feat = next(f for f in llm.engine.features if f.name == "dspark")
-    assert feat.source.kind == "model" and feat.head.trained
+    want = "mtp" if (dspark_feature.DEFAULT_MTP / "mtp.safetensors").is_file() else "model"
+    assert feat.source.kind == want and feat.head.trained
+
+
+@pytest.mark.parametrize("asset,kind", [(dspark_feature.DEFAULT_MTP, "mtp"), (dspark_feature.DEFAULT_DRAFT, "model")])
+def test_shipped_draft_confidence_calibrated(asset, kind):
+    if not (asset / "confidence_head.safetensors").is_file():
+        pytest.skip(f"no shipped draft in {asset}")
+    llm = LLM(features=["dspark"], dspark={"budget_policy": "fixed", "draft": str(asset)}, max_num_seqs=64)
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    assert feat.source.kind == kind and feat.head.trained
     feat.outcome_log = []
     prompts = _heldout_prompts(llm.tokenizer, 96)
     params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=64, seq_seed=i)

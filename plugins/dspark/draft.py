@@ -183,20 +183,33 @@ class MTPDraft:
         self.hidden_size = C
         self.vocab_size = cfg.vocab_size
         self.max_positions = engine.max_model_len
+        self.lean = LeanDecoder(None, [layer], self.target.cos_sin, cfg.rms_norm_eps)
         self.fingerprint = f"mtp-{engine.fingerprint}"
         if path is not None:
             h = hashlib.sha256((src / MTP_FILENAME).read_bytes()).hexdigest()[:12]
             self.fingerprint = f"mtp-{engine.fingerprint}-{h}"
 
+    def _input(self, ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        k = self.k
+        e = k.rms_norm(self.target.embed_tokens[ids], self.enorm, self.eps)
+        h = k.rms_norm(prev_hidden, self.hnorm, self.eps)
+        return k.linear(torch.cat((e, h), dim=-1), self.eh_proj)
+
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+               ctx_slots: torch.Tensor, masked: bool = True, prev_hidden: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lean decode path (``plugins.dspark.lean``) at MTP positions: (carry, normed)."""
+        x, residual = self.lean.run_layers(self._input(ids, prev_hidden), positions, write_slots, ctx_slots,
+                                           self.caches, masked)
+        carry = x + residual
+        return carry, self.k.rms_norm(carry, self.head_norm, self.eps)
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 prev_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        k, t = self.k, self.target
-        e = k.rms_norm(t.embed_tokens[ids], self.enorm, self.eps)
-        h = k.rms_norm(prev_hidden, self.hnorm, self.eps)
-        x = k.linear(torch.cat((e, h), dim=-1), self.eh_proj)
-        x, residual = self.layer(x, None, positions, t.cos_sin, meta, self.caches[0])
+        x = self._input(ids, prev_hidden)
+        x, residual = self.layer(x, None, positions, self.target.cos_sin, meta, self.caches[0])
         carry = x + residual
-        return carry, k.rms_norm(carry, self.head_norm, self.eps)
+        return carry, self.k.rms_norm(carry, self.head_norm, self.eps)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.target.logits(normed)

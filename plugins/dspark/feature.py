@@ -2,9 +2,10 @@
 
 Enable with ``features=["dspark"]``; configure in its ``[dspark]`` section (validated here):
 
-    draft                   str, "auto"   "auto": the shipped draft of the embedded model, else the
-                                          checkpoint's MTP layer; "mtp"; or an HF-format draft dir
-                                          (a small DeepSeek model sharing the target's tokenizer)
+    draft                   str, "auto"   "auto": the shipped MTP layer (else draft model) of the
+                                          embedded model, else the checkpoint's MTP layer; "mtp"; an
+                                          HF-format draft dir (a small DeepSeek model sharing the
+                                          target's tokenizer); or a dir holding ``mtp.safetensors``
     k                       int, 5        most draft tokens per request and step (1..16)
     budget_policy           str           "throughput" (default: confidence-scheduled variable
                                           length) or "fixed" (always k, as far as memory allows)
@@ -490,8 +491,12 @@ class DSpark(Feature):
             table = context_slot_table(self._meta_tables(dec, dev), bs)
             which = torch.tensor([i for i, it in enumerate(dec) for _ in range(it[3] - it[2])], device=dev)
             S = max(it[3] for it in dec)
-            carry = normed = src.decode(ids_t, pos_t, torch.tensor(slots, dtype=torch.long, device=dev),
-                                        table[which, :S], masked=len(ids) > 1)
+            args = (ids_t, pos_t, torch.tensor(slots, dtype=torch.long, device=dev), table[which, :S])
+            if mtp:
+                carry, normed = src.decode(*args, masked=len(ids) > 1,
+                                           prev_hidden=batch.hidden[torch.tensor(hid_rows, device=dev)])
+            else:
+                carry = normed = src.decode(*args, masked=len(ids) > 1)
         else:
             meta = self._meta(pre, dec, slots, dev)
             prev = batch.hidden[torch.tensor(hid_rows, device=dev)] if mtp else None
@@ -615,9 +620,13 @@ class DSpark(Feature):
         bs = rows.block_size
         if hasattr(self.source, "decode"):  # lean path: one query token per row
             ctx = rows.ctx
-            S = min(rows.base_max + depth - 1, ctx.shape[1], self.source.max_positions)
-            pos = (rows.base + (depth - 2)).clamp(max=S - 1)
+            off = 1 if self.source.needs_hidden else 0  # an MTP layer sits one position before the token
+            S = min(rows.base_max + depth - 1 - off, ctx.shape[1], self.source.max_positions)
+            pos = (rows.base + (depth - 2 - off)).clamp(max=S - 1)
             slot = torch.where(rows.cap_t >= depth, ctx.gather(1, pos[:, None])[:, 0], torch.full_like(pos, -1))
+            if self.source.needs_hidden:
+                return self.source.decode(prev_tok, pos, slot, ctx[:, :S], masked=len(rows.seqs) > 1,
+                                          prev_hidden=prev_carry)
             normed = self.source.decode(prev_tok, pos, slot, ctx[:, :S], masked=len(rows.seqs) > 1)
             return normed, normed
         tok_index = rows.base + (depth - 2)  # token index of d_{depth-1}

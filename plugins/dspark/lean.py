@@ -63,27 +63,38 @@ class _LeanLayer:
 
 
 class LeanDecoder:
-    """Decode-only forward of a ``DeepseekForCausalLM`` draft over its own paged caches."""
+    """Decode-only forward of a ``DeepseekForCausalLM`` draft over its own paged caches (or, with
+    ``layers``/``cos_sin``/``eps`` given, of those decoder layers alone: an MTP layer)."""
 
-    def __init__(self, model: DeepseekForCausalLM) -> None:
-        self.k, self.model = model.k, model
-        self.layers = [_LeanLayer(layer) for layer in model.layers]
-        self.cos_sin = model.cos_sin
-        self.eps = model.cfg.rms_norm_eps
+    def __init__(self, model: DeepseekForCausalLM | None, layers=None, cos_sin: torch.Tensor | None = None,
+                 eps: float | None = None) -> None:
+        self.model = model
+        self.k = model.k if model is not None else layers[0].k
+        self.layers = [_LeanLayer(layer) for layer in (model.layers if model is not None else layers)]
+        self.cos_sin = model.cos_sin if model is not None else cos_sin
+        self.eps = model.cfg.rms_norm_eps if model is not None else eps
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                 ctx_slots: torch.Tensor, caches: list[torch.Tensor], masked: bool = True) -> torch.Tensor:
         """ids/positions/write_slots [T] (a slot < 0 writes nothing), ctx_slots [T, S] with
         S > max(positions): the cache slot of each of the token's context positions. ``masked=False``
         only when every token's position is S - 1. Returns the final normalised hidden states [T, C]."""
+        x, residual = self.run_layers(F.embedding(ids, self.model.embed_tokens), positions, write_slots, ctx_slots,
+                                      caches, masked)
+        x, _ = self.k.add_rms_norm(x, residual, self.model.norm, self.eps)
+        return x
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                   ctx_slots: torch.Tensor, caches: list[torch.Tensor], masked: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over inputs ``x`` [T, C] (as ``forward``); returns (x, residual) of the last."""
         k = self.k
         T, S = ctx_slots.shape
         mask = None
         if masked:
-            ar = torch.arange(S, device=ids.device)
-            mask = torch.zeros(T, 1, S, dtype=torch.float32, device=ids.device).masked_fill_(
+            ar = torch.arange(S, device=x.device)
+            mask = torch.zeros(T, 1, S, dtype=torch.float32, device=x.device).masked_fill_(
                 (ar[None, :] > positions[:, None])[:, None, :], float("-inf"))
-        x = F.embedding(ids, self.model.embed_tokens)
         residual = None
         for lay, cache in zip(self.layers, caches):
             if residual is None:
@@ -109,5 +120,4 @@ class LeanDecoder:
             x = k.linear(o.reshape(T, H * L).to(h.dtype), lay.w_o)
             h, residual = k.add_rms_norm(x, residual, lay.ln2, lay.eps)
             x = lay.mlp(h)
-        x, _ = k.add_rms_norm(x, residual, self.model.norm, self.eps)
-        return x
+        return x, residual
