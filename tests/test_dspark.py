@@ -401,6 +401,38 @@ def test_live_cost_follows_measured_times():
     assert frozen.verify(4) == base.verify(4) and frozen.overhead(1) == base.overhead(1)
 
 
+
+def test_live_cost_batch32_converges_to_linear_step_times():
+    """Concurrency 32: the start-up curve (few requests per point) is concave, 32 -> 64 verified rows
+    costing 1.3x, while the real forward grows linearly with rows. The live cost follows the real times
+    at the sizes seen, a stale slow sample of the undrafted batch (32 rows, no longer seen once
+    drafting runs) is capped by the cheaper larger sizes, and a plain step is not charged the draft's
+    catch-up: drafting at confidence 0.85 then does not pay, as in reality."""
+    ms = 1e-3
+    base = StepCost([1, 6, 24, 48, 96, 192], [x * ms for x in (3.9, 4.8, 6.9, 8.7, 12.8, 20.7)], [1, 8, 32, 64],
+                    [x * ms for x in (1.1, 1.9, 4.6, 9.3)])
+
+    def real(tokens: int) -> float:
+        return (1.0 + 0.3 * tokens) * ms
+
+    live = LiveCost(base)
+    live.observe(32, 2 * real(32), 0, 0, 0.0, 0.0, 32, None)  # a slow undrafted step, then drafting only
+    for i in range(400):  # depth 2: catch-up 8 ms, one draft step 4.6 ms
+        t = 33 + i % 40
+        live.observe(t, real(t), 32, 1, 4.6 * ms, 8 * ms, 32, real(t) + 4.6 * ms + 8 * ms + 1 * ms)
+    for t in (33, 50, 72):
+        assert live.verify(t) == pytest.approx(real(t), rel=0.02)
+    assert live.verify_seen[32] > 1.3 * real(32) and live.verify(32) <= live.verify(33)
+    assert live.catchup(32) == pytest.approx(8 * ms, rel=0.02) and live.draft(32) == pytest.approx(4.6 * ms, rel=0.02)
+    assert live.overhead(32) == pytest.approx(1 * ms, rel=0.05)
+    conf = [0.85] * 32
+    start = live.catchup(32) - live.draft(32)
+    assert not worth_drafting([1.0] * 32, conf, 32, 32, 32, live, live.overhead(32), 5, start_s=start)
+    # charging the plain step the catch-up too (the old baseline) makes drafting look worth it
+    assert worth_drafting([1.0] * 32, conf, 32, 32, 32, live, live.overhead(32) + start, 5)
+    # at batch 1 a confident draft still pays with the same costs
+    assert worth_drafting([1.0], [0.85], 1, 1, 1, live, live.overhead(1), 5, start_s=live.catchup(1) - live.draft(1))
+
 @pytest.mark.parametrize("arch", ["v3", "v2_without_q_lora"])
 def test_lean_draft_decode_matches_forward(tiny_v3_path, tmp_path, arch):
     """The lean draft path (folded weights, one GEMM per projection) equals the draft's generic

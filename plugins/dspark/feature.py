@@ -526,8 +526,8 @@ class DSpark(Feature):
         R = len(ready)
         states = [seq.feature_state.get(KEY) for seq in ready]
         conf = [st.recent_conf if st and st.recent_conf is not None else self.mean_conf for st in states]
-        worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live,
-                               self.live.overhead(n_live) + self.live.catchup(R) - self.live.draft(R), self.k)
+        worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live, self.live.overhead(n_live), self.k,
+                               start_s=self.live.catchup(R) - self.live.draft(R))
         if worth:
             self.skipped, self.exploring, self.explore_every = 0, False, 64
             return True

@@ -110,10 +110,24 @@ class LiveCost:
         self.extra_overhead_s = 0.0
         self.cycles = 0
         self.verify_seen: dict[int, float] = {}
+        self._cap: tuple[list[int], list[float]] | None = None  # sizes seen, least time seen at >= each
 
     def verify(self, tokens: float) -> float:
+        """The running time of a size seen, else the scaled curve; at most the least time seen at any
+        larger size (a forward over more tokens is not cheaper, so one slow sample of a size that is
+        then rarely seen again, such as the batch without drafts while drafting always runs, does
+        not make it look dearer than its neighbours)."""
         seen = self.verify_seen.get(tokens) if isinstance(tokens, int) else None
-        return seen if seen is not None else self.verify_scale * self.base.verify(tokens)
+        est = seen if seen is not None else self.verify_scale * self.base.verify(tokens)
+        if self._cap is None:
+            keys = sorted(self.verify_seen)
+            mins = [self.verify_seen[t] for t in keys]
+            for i in range(len(mins) - 2, -1, -1):
+                mins[i] = min(mins[i], mins[i + 1])
+            self._cap = keys, mins
+        keys, mins = self._cap
+        i = bisect.bisect_right(keys, tokens)
+        return min(est, mins[i]) if i < len(keys) else est
 
     def draft(self, rows: float) -> float:
         return self.draft_scale * self.base.draft(rows)
@@ -143,6 +157,7 @@ class LiveCost:
             return
         pv = self.base.verify(tokens)
         if pv > 0 and verify_s > 0:
+            self._cap = None
             prior = self.verify(tokens)
             if tokens in self.verify_seen:
                 self.verify_seen[tokens] = self._update(prior, verify_s)
@@ -203,7 +218,8 @@ def fixed_lengths(available: list[int], budget: int) -> list[int]:
 
 
 def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tokens_so_far: float,
-                   expected_tokens: float, cost: StepCost, fixed_s: float, max_more: int) -> bool:
+                   expected_tokens: float, cost: StepCost, fixed_s: float, max_more: int,
+                   start_s: float = 0.0) -> bool:
     """Whether drafting deeper pays for itself: the step's expected tokens per second if drafting
     stops now, against its best value after 1..``max_more`` more draft steps. Each row's future
     conditional confidences are forecast as its latest one, so P_{j+t} = P_j * c_j**t.
@@ -211,7 +227,9 @@ def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tok
     ``cum_last``/``conf_last``: P_ij and c_ij of the rows that can still draft; ``rows``: rows in
     the draft batch (each draft step runs them all); ``tokens_so_far``: tokens the next verify would
     compute with the drafts so far; ``expected_tokens``: its expected tokens; ``fixed_s``: step time
-    spent so far outside the verify forward (overhead and draft steps)."""
+    spent so far outside the verify forward (overhead and draft steps); ``start_s``: a one-off cost
+    that only drafting deeper pays, not stopping now (before a step's first draft: the catch-up beyond
+    one draft step, so a plain step is not charged for a catch-up it would not run)."""
     if not cum_last or max_more <= 0:
         return False
     n = len(cum_last)
@@ -220,8 +238,8 @@ def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tok
     for d in range(1, max_more + 1):
         powers = [p * c for p, c in zip(powers, conf_last)]
         gain += sum(powers)
-        value = (expected_tokens + gain) / max(fixed_s + d * cost.draft(rows) + cost.verify(tokens_so_far + d * n),
-                                               1e-9)
+        value = (expected_tokens + gain) / max(fixed_s + start_s + d * cost.draft(rows)
+                                               + cost.verify(tokens_so_far + d * n), 1e-9)
         if value > best:
             return True
     return False
