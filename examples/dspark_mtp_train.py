@@ -87,15 +87,18 @@ def mtp_loss(mod: MTPModule, ids, H, tidx, tp, mask, depth2: float = 0.5) -> tup
     return loss, torch.stack((hit, m.sum()))
 
 
-def train_mtp(mod: MTPModule, ids, H, tidx, tp, mask, args, deadline: float, log) -> dict:
-    params = [p for p in mod.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+def train_loop(groups: list[dict], batch_loss, N: int, args, deadline: float, log, name: str) -> dict:
+    """AdamW over ``groups`` (betas 0.9/0.95, gradient clip 1.0) on shuffled batches of
+    ``args.batch_size`` of ``N`` rows until ``deadline`` or ``args.max_steps``; linear warm-up over 20
+    steps, then a cosine decay to 10% over the time budget. ``batch_loss(rows)`` returns the loss of
+    those rows. Shared by the draft model's distillation and the MTP's training."""
+    params = [p for group in groups for p in group["params"]]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(args.seed)
-    N, start = ids.shape[0], time.time()
+    start = time.time()
     budget = max(deadline - start, 1.0)
     step, recent, cur = 0, [], 0
     order = torch.randperm(N, generator=g)
-    mod.train()
     while time.time() < deadline and step < args.max_steps:
         if cur + args.batch_size > N:
             order, cur = torch.randperm(N, generator=g), 0
@@ -105,9 +108,7 @@ def train_mtp(mod: MTPModule, ids, H, tidx, tp, mask, args, deadline: float, log
         lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for group in opt.param_groups:
             group["lr"] = lr
-        m = mask[b]
-        L = int(m.sum(0).nonzero().max()) + 2 if m.sum() > 0 else 3
-        loss, _ = mtp_loss(mod, ids[b, :L], H[b, :L], tidx[b, :L], tp[b, :L], m[:, :L])
+        loss = batch_loss(b)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -115,9 +116,28 @@ def train_mtp(mod: MTPModule, ids, H, tidx, tp, mask, args, deadline: float, log
         step += 1
         recent = (recent + [loss.item()])[-20:]
         if step % 20 == 0 or step == 1:
-            log(f"mtp step {step} loss {sum(recent) / len(recent):.4f} lr {lr:.2e}")
-    mod.eval()
+            log(f"{name} step {step} loss {sum(recent) / len(recent):.4f} lr {lr:.2e}")
     return {"steps": step, "final_loss": round(sum(recent) / max(len(recent), 1), 4)}
+
+
+def used_length(m: torch.Tensor, minimum: int) -> int:
+    """Columns worth computing for a batch with mask ``m``: the last masked column + 2."""
+    return int(m.sum(0).nonzero().max()) + 2 if m.sum() > 0 else minimum
+
+
+def train_mtp(mod: MTPModule, ids, H, tidx, tp, mask, args, deadline: float, log) -> dict:
+    params = [p for p in mod.parameters() if p.requires_grad]
+
+    def batch_loss(b):
+        m = mask[b]
+        L = used_length(m, 3)
+        return mtp_loss(mod, ids[b, :L], H[b, :L], tidx[b, :L], tp[b, :L], m[:, :L])[0]
+
+    mod.train()
+    stats = train_loop([{"params": params, "weight_decay": 0.0}], batch_loss, ids.shape[0], args, deadline, log,
+                       "mtp")
+    mod.eval()
+    return stats
 
 
 @torch.no_grad()

@@ -165,42 +165,23 @@ def build_student(target_dir: Path):
 
 
 def distill(student, ids, tidx, tp, mask, args, t0: float, deadline: float) -> dict:
+    from dspark_mtp_train import train_loop, used_length
+
     decay = [p for n, p in student.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
     other = [p for n, p in student.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(args.seed)
-    N = ids.shape[0]
-    start = time.time()
-    budget = max(deadline - start, 1.0)
-    step, recent = 0, []
+
+    def batch_loss(b):
+        m = mask[b]
+        L = used_length(m, 2)
+        m, ti, p = m[:, :L], tidx[b, :L], tp[b, :L]
+        logp = torch.log_softmax(student(input_ids=ids[b, :L]).logits.float(), dim=-1)
+        return -((logp.gather(-1, ti) * p).sum(-1) * m).sum() / m.sum().clamp(min=1)
+
     student.train()
-    order = torch.randperm(N, generator=g)
-    cur = 0
-    while time.time() < deadline and step < args.max_steps:
-        if cur + args.batch_size > N:
-            order, cur = torch.randperm(N, generator=g), 0
-        b = order[cur : cur + args.batch_size]
-        cur += args.batch_size
-        progress = (time.time() - start) / budget
-        lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, m = ids[b], mask[b]
-        L = int(m.sum(0).nonzero().max()) + 2 if m.sum() > 0 else 2
-        x, m, ti, p = x[:, :L], m[:, :L], tidx[b, :L], tp[b, :L]
-        logp = torch.log_softmax(student(input_ids=x).logits.float(), dim=-1)
-        loss = -((logp.gather(-1, ti) * p).sum(-1) * m).sum() / m.sum().clamp(min=1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        step += 1
-        recent = (recent + [loss.item()])[-20:]
-        if step % 20 == 0 or step == 1:
-            log(f"distill step {step} loss {sum(recent) / len(recent):.4f} lr {lr:.2e}", t0)
+    stats = train_loop([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
+                       batch_loss, ids.shape[0], args, deadline, lambda msg: log(msg, t0), "distill")
     student.eval()
-    return {"steps": step, "final_loss": round(sum(recent) / max(len(recent), 1), 4)}
+    return stats
 
 
 @torch.no_grad()

@@ -6,8 +6,7 @@ import os
 import time
 from pathlib import Path
 
-import torch
-from tiny_models import VOCAB, write_checkpoint
+from tiny_models import rand_ids, write_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 
@@ -24,10 +23,6 @@ def ep_checkpoint(base: Path) -> str:
     if not (path / "model.safetensors").is_file():
         write_checkpoint(path, "v3", seed=5, **EP_MODEL)
     return str(path)
-
-
-def rand_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def workload(n: int = 8) -> list[dict]:

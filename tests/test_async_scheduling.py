@@ -6,8 +6,7 @@ preemption, prefix-cache hits and requests that force synchronous steps; no KV b
 from __future__ import annotations
 
 import pytest
-import torch
-from tiny_models import VOCAB, kv_bytes_per_block
+from tiny_models import kv_bytes_per_block, preemption_workload, rand_ids
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.hookspecs import hookimpl
@@ -22,10 +21,6 @@ def make_llm(path, async_on: bool, **kw) -> LLM:
                 async_scheduling=async_on)
     opts.update(kw)
     return LLM(str(path), **opts)
-
-
-def rand_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def gen(llm: LLM, prompts, params):
@@ -194,15 +189,7 @@ def test_abort_mid_run(tiny_v3_path):
 
 
 def test_preemption_with_a_tiny_kv_cache(tiny_v3_path):
-    prompts = [rand_ids(10 + 3 * i, 10 + i) for i in range(8)]
-    params = []
-    for i in range(8):
-        if i % 2:
-            params.append(SamplingParams(temperature=1.0, seq_seed=100 + i, max_tokens=12, ignore_eos=True,
-                                         logprobs=2))
-        else:
-            params.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0,
-                                         logprobs=0))
+    prompts, params = preemption_workload()
     kv = 24 * kv_bytes_per_block(tiny_v3_path, BS)
     sync, pipe = make_llm(tiny_v3_path, False, kv_cache_memory=kv), make_llm(tiny_v3_path, True, kv_cache_memory=kv)
     ref, outs = gen(sync, prompts, params), gen(pipe, prompts, params)

@@ -14,28 +14,11 @@ TileLang kernels of the decode path at the default model's and V2-Lite's shapes 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from gpu_marks import GPU_OR_DRY, HAS_CUDA
 
-HAS_CUDA = torch.cuda.is_available()
-DRY = os.environ.get("DEEPINFER_TL_DRYRUN", "") not in ("", "0") and not HAS_CUDA
-
-
-def _have_tilelang() -> bool:
-    try:
-        import tilelang  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (HAS_CUDA or DRY), reason="needs a CUDA device"),
-    pytest.mark.skipif(not _have_tilelang(), reason="tilelang is not installed (pip install '.[cuda]')"),
-]
+pytestmark = GPU_OR_DRY
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (DEEPINFER_TL_DRYRUN only compiles)")
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]

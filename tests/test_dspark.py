@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import VOCAB, kv_bytes_per_block, write_checkpoint
+from tiny_models import kv_bytes_per_block, rand_ids, write_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
@@ -92,10 +92,6 @@ def cheap_drafts(llm: LLM) -> None:
     confident), so that the variable-length path drafts, verifies and cuts."""
     feat = next(f for f in llm.engine.features if f.name == "dspark")
     feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1e-6, 1e-5]), adapt=False)
-
-
-def rand_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def run(llm: LLM, prompts, params):

@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-from tiny_models import BOS, END_OF_TEXT, VOCAB, hf_logprobs, kv_bytes_per_block
+from tiny_models import BOS, END_OF_TEXT, hf_logprobs, kv_bytes_per_block, preemption_workload, rand_ids
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.llm import to_output
@@ -19,10 +18,6 @@ def make_llm(path, **kw) -> LLM:
     opts = dict(dtype="float32", block_size=BS, max_num_seqs=16, kv_cache_memory=2 << 20)
     opts.update(kw)
     return LLM(str(path), **opts)
-
-
-def rand_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def greedy(n: int = 6, **kw) -> SamplingParams:
@@ -101,14 +96,7 @@ def test_prefix_cache_shared_prefix_and_partial_blocks(tiny_v3_path):
 # ---- preemption ----------------------------------------------------------------------------------
 
 def test_preemption_under_small_kv_budget(tiny_v3_path):
-    prompts = [rand_ids(10 + 3 * i, 10 + i) for i in range(8)]
-    params = []
-    for i in range(8):
-        if i % 2:
-            params.append(SamplingParams(temperature=1.0, seq_seed=100 + i, max_tokens=12, ignore_eos=True,
-                                         logprobs=2))
-        else:
-            params.append(greedy(12, prompt_logprobs=0, logprobs=0))
+    prompts, params = preemption_workload()
     ref = gen(make_llm(tiny_v3_path), prompts, params)
     # 24 blocks (96 tokens): every request fits alone (<= 11 blocks), the batch needs ~70
     small = make_llm(tiny_v3_path, kv_cache_memory=24 * kv_bytes_per_block(tiny_v3_path, BS))

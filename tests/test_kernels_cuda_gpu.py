@@ -14,30 +14,14 @@ comparison): ``examples/kernel_warm.py`` uses that to fill TileLang's cache ahea
 """
 
 import math
-import os
 
 import pytest
 import torch
+from gpu_marks import DRY, GPU_OR_DRY, HAS_CUDA
 
 from kernels_cpu import ops as ref
 
-HAS_CUDA = torch.cuda.is_available()
-DRY = os.environ.get("DEEPINFER_TL_DRYRUN", "") not in ("", "0") and not HAS_CUDA
-
-
-def _have_tilelang() -> bool:
-    try:
-        import tilelang  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (HAS_CUDA or DRY), reason="needs a CUDA device"),
-    pytest.mark.skipif(not _have_tilelang(), reason="tilelang is not installed (pip install '.[cuda]')"),
-]
+pytestmark = GPU_OR_DRY
 DEV = "cuda" if HAS_CUDA else "cpu"
 RTOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 

@@ -155,3 +155,20 @@ def check_against_hf(hf, prompt: list[int], out, n_new: int, tol: float = 1e-3,
         gap = (row.max() - row[ours[j]]).item()
         assert gap < tie_gap, (f"greedy tokens differ from HF generate at step {j} (gap {gap:.2e}, prompt "
                                f"length {P}): ours {ours}, HF {theirs}")
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    """``n`` seeded random token ids of the tiny vocabulary, above the special tokens."""
+    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def preemption_workload() -> tuple[list[list[int]], list]:
+    """8 prompts of 10-31 tokens, 12 output tokens each: odd ones seeded sampling with top-2 logprobs,
+    even ones greedy with prompt logprobs; too many blocks for a 24-block cache at once."""
+    from deepinfer_core import SamplingParams
+
+    prompts = [rand_ids(10 + 3 * i, 10 + i) for i in range(8)]
+    params = [SamplingParams(temperature=1.0, seq_seed=100 + i, max_tokens=12, ignore_eos=True, logprobs=2) if i % 2
+              else SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+              for i in range(8)]
+    return prompts, params
