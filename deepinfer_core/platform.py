@@ -121,6 +121,12 @@ class Platform(ABC):
         """Dtypes in order of preference for weights and activations."""
         return (torch.float32,)
 
+    def linear_weight_layout(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` (a GEMM weight ``[..., N, K]``) in the memory layout this platform's kernels read
+        fastest: same shape, dtype and values, any strides. Applied once to every GEMM weight after
+        loading (``deepinfer_core.models.loader.apply_weight_layout``); embeddings keep theirs."""
+        return w
+
     def supports_fp8_gemm(self) -> bool:
         """Whether block-scaled FP8 weights can be used without dequantizing at load."""
         return False

@@ -35,3 +35,11 @@ class CpuPlatform(Platform):
 
     def preferred_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16)
+
+    def linear_weight_layout(self, w: torch.Tensor) -> torch.Tensor:
+        # Stored K-major ([K, N] contiguous, seen as its transpose): a decode GEMM then streams the
+        # weight in the order the BLAS reads it. Weights of a small model fall out of cache between
+        # steps, and with the default layout a [1, K] x [N, K]^T product ran 1.2-2.6x slower cold.
+        if w.dim() < 2 or not w.is_floating_point():
+            return w
+        return w.transpose(-1, -2).contiguous().transpose(-1, -2)

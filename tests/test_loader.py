@@ -16,6 +16,7 @@ from tiny_models import VOCAB, write_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.models.loader import CheckpointError
+from hardware.cpu import CpuPlatform
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
@@ -278,3 +279,25 @@ def test_half_precision_load_and_generate(tiny_v3_path, dtype):
         if dtype == "float16":
             assert c.token_ids[:3] == f.outputs[0].token_ids[:3]
     eng.blocks.check_no_leaks()
+
+
+def test_cpu_weight_layout_keeps_values_and_outputs(tiny_v3_path):
+    """The CPU platform stores GEMM weights K-major (same values and shapes, transposed strides); the
+    token embedding keeps its row-major layout. Greedy outputs equal those of row-major weights."""
+    llm = make_llm(tiny_v3_path)
+    model = llm.engine.runner.model
+    lm_head, w13 = model.lm_head, model.layers[-1].mlp.w13
+    assert lm_head.stride() == (1, lm_head.shape[0])
+    assert w13.stride()[1:] == (1, w13.shape[1])
+    assert model.embed_tokens.is_contiguous()
+    laid_out = run(llm)
+    for p in model.parameters():
+        p.data = p.data.contiguous()
+    assert lm_head.is_contiguous()
+    plain = run(llm)
+    assert [o.outputs[0].token_ids for o in laid_out] == [o.outputs[0].token_ids for o in plain]
+    w = torch.randn(3, 5, 7)
+    v = CpuPlatform().linear_weight_layout(w)
+    assert torch.equal(v, w) and v.shape == w.shape and v.stride() == (35, 1, 5)
+    b = torch.randn(7)
+    assert CpuPlatform().linear_weight_layout(b) is b

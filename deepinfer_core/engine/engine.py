@@ -55,6 +55,7 @@ from deepinfer_core.engine.transfer import HostCopy, to_device
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
 from deepinfer_core.models.loader import (
+    apply_weight_layout,
     build_model,
     load_model,
     load_model_config,
@@ -141,6 +142,7 @@ class LLMEngine:
         self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype)
         self.model = self.build_model()
+        apply_weight_layout(self.model, self.platform.linear_weight_layout)
 
         self.block_size = cfg.block_size
         self.kv_caches = self._allocate_kv_cache()

@@ -237,6 +237,15 @@ def random_init(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) ->
     model.post_load()
 
 
+def apply_weight_layout(module: torch.nn.Module, layout) -> None:
+    """Re-lay every GEMM weight of ``module`` (parameters of two or more dims other than the token
+    embedding) with ``layout``, a ``Platform.linear_weight_layout``. Values and shapes stay."""
+    skip = {id(m.embed_tokens) for m in module.modules() if isinstance(getattr(m, "embed_tokens", None), torch.Tensor)}
+    for p in module.parameters():
+        if p.dim() >= 2 and id(p) not in skip:
+            p.data = layout(p.data)
+
+
 def construct(make, dtype: torch.dtype, device: torch.device):
     """``make()`` with its weights created in ``dtype`` on ``device``, router weights kept in float32."""
     previous = torch.get_default_dtype()

@@ -24,6 +24,7 @@ from deepinfer_core.engine.engine import model_fingerprint
 from deepinfer_core.models.deepseek import DecoderLayer
 from deepinfer_core.models.loader import (
     SafetensorsReader,
+    apply_weight_layout,
     assign_weights,
     construct,
     dequantize_fp8,
@@ -80,7 +81,10 @@ class DraftModel:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.fingerprint = model_fingerprint(path, torch.float32)[:12]
-        self.lean = LeanDecoder(self.model)
+        self.lean = LeanDecoder(self.model)  # folds the weights in their loaded layout, so before:
+        layout = engine.platform.linear_weight_layout
+        apply_weight_layout(self.model, layout)
+        self.lean.apply_layout(layout)
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                ctx_slots: torch.Tensor, masked: bool = True) -> torch.Tensor:
@@ -184,6 +188,10 @@ class MTPDraft:
         self.vocab_size = cfg.vocab_size
         self.max_positions = engine.max_model_len
         self.lean = LeanDecoder(None, [layer], self.target.cos_sin, cfg.rms_norm_eps)
+        layout = engine.platform.linear_weight_layout
+        apply_weight_layout(layer, layout)
+        self.lean.apply_layout(layout)
+        self.eh_proj = layout(self.eh_proj)
         self.fingerprint = f"mtp-{engine.fingerprint}"
         if path is not None:
             h = hashlib.sha256((src / MTP_FILENAME).read_bytes()).hexdigest()[:12]

@@ -405,11 +405,11 @@ class DSpark(Feature):
             if self.outcome_log is not None and st.feats is not None:
                 h, lq, ent = st.feats
                 n_log = min(a + 1, m)
-                # (hidden, log q, entropy, greedy, confidences and outcomes of the positions the target
-                #  decided, P_1..P_m of all verified positions, accepted count)
-                self.outcome_log.append((h[:n_log], lq[:n_log], ent[:n_log], seq.params.temperature <= 0,
+                # (hidden, log q, entropy of all verified positions, greedy, confidences and outcomes of
+                #  the positions the target decided, draft tokens, P_1..P_m, accepted count)
+                self.outcome_log.append((h[:m], lq[:m], ent[:m], seq.params.temperature <= 0,
                                          st.conf[:n_log], [1.0] * min(a, n_log) + [0.0] * (n_log - min(a, n_log)),
-                                         st.cum[:m], a))
+                                         seq.token_ids[-1:] + st.drafts[:m], st.cum[:m], a))
             st.drafts, st.q, st.feats = [], None, None
         engine.append_tokens(seqs, tokens, logprobs, tops)
         for seq, st, _ in drafted:

@@ -74,6 +74,11 @@ class LeanDecoder:
         self.cos_sin = model.cos_sin if model is not None else cos_sin
         self.eps = model.cfg.rms_norm_eps if model is not None else eps
 
+    def apply_layout(self, layout) -> None:
+        """Re-lay the folded GEMM weights with a ``Platform.linear_weight_layout``."""
+        for lay in self.layers:
+            lay.w_in, lay.w_q, lay.w_o = layout(lay.w_in), layout(lay.w_q), layout(lay.w_o)
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                 ctx_slots: torch.Tensor, caches: list[torch.Tensor], masked: bool = True) -> torch.Tensor:
         """ids/positions/write_slots [T] (a slot < 0 writes nothing), ctx_slots [T, S] with
