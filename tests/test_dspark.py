@@ -429,6 +429,18 @@ def test_live_cost_batch32_converges_to_linear_step_times():
     # at batch 1 a confident draft still pays with the same costs
     assert worth_drafting([1.0], [0.85], 1, 1, 1, live, live.overhead(1), 5, start_s=live.catchup(1) - live.draft(1))
 
+def test_live_catchup_scales_with_the_rows_it_covers():
+    """The catch-up forward covers one row per accepted token: its cost learnt at batch 1 (3 rows per
+    request) carries over to batch 32 as a draft step over 96 rows, not over 32."""
+    ms = 1e-3
+    base = StepCost([1, 6], [4 * ms, 5 * ms], [1, 8, 32, 64, 128], [x * ms for x in (1.0, 1.5, 3.0, 5.0, 9.0)])
+    live = LiveCost(base)
+    for _ in range(300):  # batch 1: the catch-up over 3 rows costs what the curve says for 3 rows
+        live.observe(4, 5 * ms, 1, 1, 1 * ms, base.draft(3), 1, None, catchup_rows=3)
+    assert live.catch_rows == pytest.approx(3, rel=0.02) and live.catchup_scale == pytest.approx(1, rel=0.02)
+    assert live.catchup(32) == pytest.approx(base.draft(96), rel=0.03) and live.catchup(32) > 1.5 * base.draft(32)
+
+
 @pytest.mark.parametrize("arch", ["v3", "v2_without_q_lora"])
 def test_lean_draft_decode_matches_forward(tiny_v3_path, tmp_path, arch):
     """The lean draft path (folded weights, one GEMM per projection) equals the draft's generic

@@ -95,7 +95,9 @@ class LiveCost:
       curve there (the curve's shape, measured in a few seconds, can be off on a loaded machine;
       the feature verifies one draft more than chosen every ``EXPLORE_VERIFY_EVERY`` steps, so
       sizes next to the chosen ones get measured too);
-    - ``catchup_scale``: the catch-up (and the first draft token), in units of one draft step;
+    - ``catchup_scale``: the catch-up (and the first draft token), in units of one draft step over
+      as many rows as the catch-up forward has (``catch_rows`` per drafting request: one plus the
+      accepted drafts, more after steps without drafts), so a scale learnt at batch 1 holds at 32;
     - ``extra_overhead_s``: the rest of the step cycle beyond the start-up estimate.
 
     Samples are clipped to a factor of two of the current value, so one stall (another process, an
@@ -107,6 +109,7 @@ class LiveCost:
     def __init__(self, base: StepCost, adapt: bool = True) -> None:
         self.base, self.adapt = base, adapt  # adapt=False: the curve as given (tests)
         self.verify_scale = self.draft_scale = self.catchup_scale = 1.0
+        self.catch_rows = 1.0  # rows of the catch-up forward per drafting request (running mean)
         self.extra_overhead_s = 0.0
         self.cycles = 0
         self.verify_seen: dict[int, float] = {}
@@ -134,7 +137,7 @@ class LiveCost:
 
     def catchup(self, rows: float) -> float:
         """The catch-up forward and the first draft token of a step drafting ``rows`` requests."""
-        return self.catchup_scale * self.draft(rows)
+        return self.catchup_scale * self.draft(rows * self.catch_rows)
 
     def overhead(self, requests: int) -> float:
         return self.base.overhead(requests) + self.extra_overhead_s
@@ -148,11 +151,12 @@ class LiveCost:
         return old + cls.ALPHA * (min(max(sample, 0.5 * old), 2.0 * old) - old)
 
     def observe(self, tokens: int, verify_s: float, rows: int, steps: int, steps_s: float, catchup_s: float,
-                requests: int, cycle_s: float | None) -> None:
+                requests: int, cycle_s: float | None, catchup_rows: int | None = None) -> None:
         """One decode step: the target verified ``tokens`` tokens in ``verify_s``; the draft caught up
-        and proposed its first token for ``rows`` requests in ``catchup_s`` (0 rows: it did not
-        draft), then ran ``steps`` more draft steps in ``steps_s``; ``requests`` decode requests;
-        ``cycle_s``: from this step's start to the next one's (None across an idle gap)."""
+        over ``catchup_rows`` rows (default: ``rows``) and proposed its first token for ``rows``
+        requests in ``catchup_s`` (0 rows: it did not draft), then ran ``steps`` more draft steps in
+        ``steps_s``; ``requests`` decode requests; ``cycle_s``: from this step's start to the next
+        one's (None across an idle gap)."""
         if not self.adapt:
             return
         pv = self.base.verify(tokens)
@@ -168,7 +172,9 @@ class LiveCost:
         if pd > 0 and steps_s > 0:
             self.draft_scale = self._update(self.draft_scale, steps_s / pd)
         if rows and catchup_s > 0:
-            self.catchup_scale = self._update(self.catchup_scale, catchup_s / max(self.draft(rows), 1e-9))
+            caught = catchup_rows or rows
+            self.catch_rows += self.ALPHA * (caught / rows - self.catch_rows)
+            self.catchup_scale = self._update(self.catchup_scale, catchup_s / max(self.draft(caught), 1e-9))
         if cycle_s is not None:
             other = max(cycle_s - verify_s - steps_s - catchup_s - self.base.overhead(requests), 0.0)
             if self.cycles == 0:  # the first sample sets it, capped at the forwards' time
