@@ -173,7 +173,8 @@ class EPLB(Feature):
             old = self.ep.phys_to_log[layer].tolist()
             new = stabilize_placement(old, placement.phys_to_log[i], self.world_size).tolist()
             w13, w2, n = migrate_layer(self.comm, self.ep.moes[layer], old, new)
-            self.ep.set_placement(layer, torch.tensor(new), w13, w2)
+            layout = self.engine.platform.linear_weight_layout  # the new tensors keep the platform's layout
+            self.ep.set_placement(layer, torch.tensor(new), layout(w13), layout(w2))
             l2p, counts = maps_from_phys_to_log(new, self.num_experts)
             self.l2p[layer] = torch.tensor(l2p, device=self.engine.device)
             self.counts[layer] = torch.tensor(counts, device=self.engine.device)
