@@ -195,6 +195,45 @@ def tiny_mtp_dir(tiny_v3_path, tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.mark.parametrize("max_pending", [dspark_feature.MAX_PENDING, 0])
+def test_mtp_catches_up_on_steps_without_drafts(tiny_mtp, monkeypatch, max_pending):
+    """Steps where a request does not draft still compute the target's hidden states; the MTP keeps
+    them and its catch-up writes the draft KV of those positions when the request drafts again, equal
+    to the KV of a run that drafted every step. (MAX_PENDING = 0 keeps nothing: the draft KV of the
+    skipped positions is never written, as before this was fixed.)"""
+    monkeypatch.setattr(dspark_feature, "MAX_PENDING", max_pending)
+
+    def draft_kv(skip: bool):
+        llm = make(tiny_mtp, max_num_seqs=1, dspark={"k": 2})
+        feat = next(f for f in llm.engine.features if f.name == "dspark")
+        calls = [0]
+
+        def worth(*_):  # drafting on one step in three
+            calls[0] += 1
+            return not skip or calls[0] % 3 == 0
+        feat._worth_speculating = worth
+        seq = llm.engine.add_request({"prompt_token_ids": PROMPTS[3]}, greedy(24))
+        while seq.num_output_tokens < 14 or (skip and calls[0] % 3):
+            llm.engine.step()
+        done = seq.feature_state["dspark"].done
+        cache = feat.source.caches[0]
+        slots = [seq.block_table[p // BS] * BS + p % BS for p in range(done)]
+        kv = cache.view(-1, cache.shape[-1])[slots].clone()
+        tokens = list(seq.token_ids)
+        llm.shutdown()
+        return kv, tokens
+
+    every, tokens = draft_kv(False)
+    some, tokens_skip = draft_kv(True)
+    n = min(len(every), len(some))
+    assert n >= len(PROMPTS[3]) + 10 and tokens_skip[:n] == tokens[:n]
+    same = torch.isclose(some[:n], every[:n], atol=1e-5).all(-1)
+    if max_pending:
+        assert same.all()
+    else:
+        assert not same.all()
+
+
 @pytest.mark.parametrize("varlen", ["1", "0"])
 def test_mtp_dir_draft(tiny_v3_path, tiny_mtp_dir, reference, monkeypatch, varlen):
     """A separately shipped (dense) MTP layer, named as the draft, keeps greedy outputs exact."""

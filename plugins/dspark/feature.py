@@ -72,6 +72,7 @@ DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "def
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 DECODE_SPAN = MAX_K + 1  # catch-up spans up to this long use the decode (absorbed) attention path
 EXPLORE_ROWS = 4  # requests drafting in an exploratory step while drafting does not pay
+MAX_PENDING = 512  # most positions of target hidden states an MTP request keeps while not drafting
 EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
 
 
@@ -83,7 +84,7 @@ class _State:
     """Per-request draft state (``seq.feature_state['dspark']``)."""
 
     __slots__ = ("epoch", "done", "drafts", "cum", "conf", "q", "base_len", "fed", "feats",
-                 "verified", "accepted", "decode_steps", "recent_conf")
+                 "verified", "accepted", "decode_steps", "recent_conf", "pending", "pending_rows")
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
@@ -97,6 +98,10 @@ class _State:
         self.feats = None  # (hidden, logq, entropy) when outcomes are logged
         self.verified = self.accepted = self.decode_steps = 0
         self.recent_conf: float | None = None  # its last first-draft confidence (is its text predictable now?)
+        # MTP: the target's hidden states of positions done, done + 1, ... computed in steps without
+        # drafting, kept for the catch-up when drafting resumes
+        self.pending: list[torch.Tensor] = []
+        self.pending_rows = 0
 
 
 class _Rows:
@@ -293,6 +298,7 @@ class DSpark(Feature):
             return None
         elif st.epoch != seq.metrics.num_preemptions:  # preempted: its blocks (and draft KV) are gone
             st.epoch, st.done, st.drafts, st.q = seq.metrics.num_preemptions, 0, [], None
+            st.pending, st.pending_rows = [], 0
         return st
 
     def _plan(self, engine, scheduled: SchedulerOutput):
@@ -442,12 +448,15 @@ class DSpark(Feature):
         items = []  # (seq, st, lo, hi, cap)
         n_live = sum(1 for s in scheduled.prefills + scheduled.decodes if not s.seq.is_finished)
         allowed = self._worth_speculating(scheduled, n_live) if self.varlen else True
-        if allowed is False:
-            return  # a plain step: the draft catches up when drafting pays again
+        pending = {}  # request_id -> kept hidden states of positions lo..c0-1 (MTP)
         for s in scheduled.prefills + scheduled.decodes:
             seq = s.seq
-            if seq.is_finished or (allowed is not True and seq.request_id not in allowed):
+            if seq.is_finished:
                 continue
+            if allowed is False or (allowed is not True and seq.request_id not in allowed):
+                if mtp and (st := self._state(seq)) is not None:
+                    self._defer(st, seq.num_computed_tokens, *rowmap[seq.request_id], batch.hidden)
+                continue  # the draft catches up when this request drafts again
             st = self._state(seq)
             if st is None:
                 continue
@@ -455,7 +464,12 @@ class DSpark(Feature):
             ready = C == L - 1
             if mtp:
                 row0, c0 = rowmap[seq.request_id]
-                lo, hi = max(st.done, c0), C
+                if st.pending_rows and st.done + st.pending_rows == c0:
+                    lo, pending[seq.request_id] = st.done, torch.cat(st.pending)
+                else:
+                    lo = max(st.done, c0)
+                st.pending, st.pending_rows = [], 0
+                hi = C
             else:
                 lo, hi = st.done, (L if ready else C)
             cap = 0
@@ -476,13 +490,15 @@ class DSpark(Feature):
         # 1. one forward over every catch-up span; the last row of each drafting request proposes d_1
         pre = [it for it in items if it[2] == 0 or it[3] - it[2] > DECODE_SPAN]
         dec = [it for it in items if not (it[2] == 0 or it[3] - it[2] > DECODE_SPAN)]
-        ids, pos, slots, hid_rows, last_rows = [], [], [], [], []
+        ids, pos, slots, hid_parts, last_rows = [], [], [], [], []
         for seq, _, lo, hi, cap in pre + dec:
             bt = seq.block_table
             if mtp:
                 ids.extend(seq.token_ids[lo + 1 : hi + 1])
                 row0, c0 = rowmap[seq.request_id]
-                hid_rows.extend(range(row0 + lo - c0, row0 + hi - c0))
+                if seq.request_id in pending:
+                    hid_parts.append(pending[seq.request_id])
+                hid_parts.append(batch.hidden[row0 + max(lo, c0) - c0 : row0 + hi - c0])
             else:
                 ids.extend(seq.token_ids[lo:hi])
             pos.extend(range(lo, hi))
@@ -498,13 +514,12 @@ class DSpark(Feature):
             S = max(it[3] for it in dec)
             args = (ids_t, pos_t, torch.tensor(slots, dtype=torch.long, device=dev), table[which, :S])
             if mtp:
-                carry, normed = src.decode(*args, masked=len(ids) > 1,
-                                           prev_hidden=batch.hidden[torch.tensor(hid_rows, device=dev)])
+                carry, normed = src.decode(*args, masked=len(ids) > 1, prev_hidden=torch.cat(hid_parts))
             else:
                 carry = normed = src.decode(*args, masked=len(ids) > 1)
         else:
             meta = self._meta(pre, dec, slots, dev)
-            prev = batch.hidden[torch.tensor(hid_rows, device=dev)] if mtp else None
+            prev = torch.cat(hid_parts) if mtp else None
             carry, normed = src.forward(ids_t, pos_t, meta, prev)
         for _, st, _, hi, _ in items:
             st.done = hi
@@ -515,6 +530,22 @@ class DSpark(Feature):
         lr = torch.tensor(last_rows, device=dev)
         self._draft_loop(_Rows([it[0] for it in drafting], [it[4] for it in drafting], bs, dev),
                          [it[1] for it in drafting], carry[lr], normed[lr], n_live)
+
+    @staticmethod
+    def _defer(st: _State, computed: int, row0: int, c0: int, hidden: torch.Tensor) -> None:
+        """An MTP request that does not draft this step keeps the target's hidden states of the
+        positions computed now (c0..computed-1), so that its catch-up can write their draft KV when it
+        drafts again. After a gap, or past ``MAX_PENDING`` rows, the older positions are given up (their
+        draft KV stays stale: fewer drafts are accepted, outputs stay exact)."""
+        rows = computed - c0
+        if rows <= 0:
+            return
+        if st.done + st.pending_rows != c0 or st.pending_rows + rows > MAX_PENDING:
+            st.pending, st.pending_rows, st.done = [], 0, max(st.done, c0)
+            if st.done != c0 or rows > MAX_PENDING:
+                return
+        st.pending.append(hidden[row0 : row0 + rows].clone())
+        st.pending_rows += rows
 
     def _worth_speculating(self, scheduled: SchedulerOutput, n_live: int) -> bool | set[str]:
         """Whether drafting for the next step can pay at this batch size at all, given the drafts'
