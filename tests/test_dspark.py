@@ -195,13 +195,13 @@ def tiny_mtp_dir(tiny_v3_path, tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("max_pending", [dspark_feature.MAX_PENDING, 0])
-def test_mtp_catches_up_on_steps_without_drafts(tiny_mtp, monkeypatch, max_pending):
+@pytest.mark.parametrize("max_kept", [dspark_feature.MAX_KEPT, 0])
+def test_mtp_catches_up_on_steps_without_drafts(tiny_mtp, monkeypatch, max_kept):
     """Steps where a request does not draft still compute the target's hidden states; the MTP keeps
     them and its catch-up writes the draft KV of those positions when the request drafts again, equal
-    to the KV of a run that drafted every step. (MAX_PENDING = 0 keeps nothing: the draft KV of the
+    to the KV of a run that drafted every step. (MAX_KEPT = 0 keeps nothing: the draft KV of the
     skipped positions is never written, as before this was fixed.)"""
-    monkeypatch.setattr(dspark_feature, "MAX_PENDING", max_pending)
+    monkeypatch.setattr(dspark_feature, "MAX_KEPT", max_kept)
 
     def draft_kv(skip: bool):
         llm = make(tiny_mtp, max_num_seqs=1, dspark={"k": 2})
@@ -228,7 +228,7 @@ def test_mtp_catches_up_on_steps_without_drafts(tiny_mtp, monkeypatch, max_pendi
     n = min(len(every), len(some))
     assert n >= len(PROMPTS[3]) + 10 and tokens_skip[:n] == tokens[:n]
     same = torch.isclose(some[:n], every[:n], atol=1e-5).all(-1)
-    if max_pending:
+    if max_kept:
         assert same.all()
     else:
         assert not same.all()

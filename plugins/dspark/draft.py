@@ -81,7 +81,7 @@ class DraftModel:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.fingerprint = model_fingerprint(path, torch.float32)[:12]
-        self.lean = LeanDecoder(self.model)  # folds the weights in their loaded layout, so before:
+        self.lean = LeanDecoder(self.model)  # it folds the weights, so before they are re-laid
         layout = engine.platform.linear_weight_layout
         apply_weight_layout(self.model, layout)
         self.lean.apply_layout(layout)

@@ -72,7 +72,10 @@ DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "def
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 DECODE_SPAN = MAX_K + 1  # catch-up spans up to this long use the decode (absorbed) attention path
 EXPLORE_ROWS = 4  # requests drafting in an exploratory step while drafting does not pay
-MAX_PENDING = 512  # most positions of target hidden states an MTP request keeps while not drafting
+MAX_KEPT = 512  # most positions of target hidden states an MTP request keeps while not drafting
+# A request's last first-draft confidence predicts its next one only weakly (lag-1 autocorrelation 0.16
+# on held-out prompts), so whether to draft at all is forecast this far from the running mean towards it.
+SKIP_FORECAST_BLEND = 0.5
 EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
 
 
@@ -84,7 +87,7 @@ class _State:
     """Per-request draft state (``seq.feature_state['dspark']``)."""
 
     __slots__ = ("epoch", "done", "drafts", "cum", "conf", "q", "base_len", "fed", "feats",
-                 "verified", "accepted", "decode_steps", "recent_conf", "pending", "pending_rows")
+                 "verified", "accepted", "decode_steps", "recent_conf", "kept_hidden", "kept_rows")
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
@@ -100,8 +103,8 @@ class _State:
         self.recent_conf: float | None = None  # its last first-draft confidence (is its text predictable now?)
         # MTP: the target's hidden states of positions done, done + 1, ... computed in steps without
         # drafting, kept for the catch-up when drafting resumes
-        self.pending: list[torch.Tensor] = []
-        self.pending_rows = 0
+        self.kept_hidden: list[torch.Tensor] = []
+        self.kept_rows = 0
 
 
 class _Rows:
@@ -167,9 +170,6 @@ class DSpark(Feature):
         self.outcome_log: list | None = None  # set to a list to log (features, accepted) per verified draft
         self.last_depth = 0
         self.mean_conf = 0.6  # running mean of the drafts' confidences (decides whether to draft at all)
-        # A request's last first-draft confidence predicts its next one only weakly (lag-1 autocorrelation
-        # 0.16 on held-out prompts), so whether to draft at all is forecast halfway between it and the mean.
-        self.skip_blend = 0.5
         self.skipped = 0  # consecutive steps without drafting
         self.explore_every = 64  # skipped steps between exploratory drafts (doubles while they do not pay)
         self.exploring = False
@@ -298,7 +298,7 @@ class DSpark(Feature):
             return None
         elif st.epoch != seq.metrics.num_preemptions:  # preempted: its blocks (and draft KV) are gone
             st.epoch, st.done, st.drafts, st.q = seq.metrics.num_preemptions, 0, [], None
-            st.pending, st.pending_rows = [], 0
+            st.kept_hidden, st.kept_rows = [], 0
         return st
 
     def _plan(self, engine, scheduled: SchedulerOutput):
@@ -416,7 +416,7 @@ class DSpark(Feature):
                 h, lq, ent = st.feats
                 n_log = min(a + 1, m)
                 # (hidden, log q, entropy of all verified positions, greedy, confidences and outcomes of
-                #  the positions the target decided, draft tokens, P_1..P_m, accepted count)
+                #  the positions the target decided, the last token then the draft tokens, P_1..P_m, accepted count)
                 self.outcome_log.append((h[:m], lq[:m], ent[:m], seq.params.temperature <= 0,
                                          st.conf[:n_log], [1.0] * min(a, n_log) + [0.0] * (n_log - min(a, n_log)),
                                          seq.token_ids[-1:] + st.drafts[:m], st.cum[:m], a))
@@ -448,7 +448,7 @@ class DSpark(Feature):
         items = []  # (seq, st, lo, hi, cap)
         n_live = sum(1 for s in scheduled.prefills + scheduled.decodes if not s.seq.is_finished)
         allowed = self._worth_speculating(scheduled, n_live) if self.varlen else True
-        pending = {}  # request_id -> kept hidden states of positions lo..c0-1 (MTP)
+        kept = {}  # request_id -> kept hidden states of positions lo..c0-1 (MTP)
         for s in scheduled.prefills + scheduled.decodes:
             seq = s.seq
             if seq.is_finished:
@@ -464,11 +464,11 @@ class DSpark(Feature):
             ready = C == L - 1
             if mtp:
                 row0, c0 = rowmap[seq.request_id]
-                if st.pending_rows and st.done + st.pending_rows == c0:
-                    lo, pending[seq.request_id] = st.done, torch.cat(st.pending)
+                if st.kept_rows and st.done + st.kept_rows == c0:
+                    lo, kept[seq.request_id] = st.done, torch.cat(st.kept_hidden)
                 else:
                     lo = max(st.done, c0)
-                st.pending, st.pending_rows = [], 0
+                st.kept_hidden, st.kept_rows = [], 0
                 hi = C
             else:
                 lo, hi = st.done, (L if ready else C)
@@ -496,8 +496,8 @@ class DSpark(Feature):
             if mtp:
                 ids.extend(seq.token_ids[lo + 1 : hi + 1])
                 row0, c0 = rowmap[seq.request_id]
-                if seq.request_id in pending:
-                    hid_parts.append(pending[seq.request_id])
+                if seq.request_id in kept:
+                    hid_parts.append(kept[seq.request_id])
                 hid_parts.append(batch.hidden[row0 + max(lo, c0) - c0 : row0 + hi - c0])
             else:
                 ids.extend(seq.token_ids[lo:hi])
@@ -535,17 +535,17 @@ class DSpark(Feature):
     def _defer(st: _State, computed: int, row0: int, c0: int, hidden: torch.Tensor) -> None:
         """An MTP request that does not draft this step keeps the target's hidden states of the
         positions computed now (c0..computed-1), so that its catch-up can write their draft KV when it
-        drafts again. After a gap, or past ``MAX_PENDING`` rows, the older positions are given up (their
+        drafts again. After a gap, or past ``MAX_KEPT`` rows, the older positions are given up (their
         draft KV stays stale: fewer drafts are accepted, outputs stay exact)."""
         rows = computed - c0
         if rows <= 0:
             return
-        if st.done + st.pending_rows != c0 or st.pending_rows + rows > MAX_PENDING:
-            st.pending, st.pending_rows, st.done = [], 0, max(st.done, c0)
-            if st.done != c0 or rows > MAX_PENDING:
+        if st.done + st.kept_rows != c0 or st.kept_rows + rows > MAX_KEPT:
+            st.kept_hidden, st.kept_rows, st.done = [], 0, max(st.done, c0)
+            if st.done != c0 or rows > MAX_KEPT:
                 return
-        st.pending.append(hidden[row0 : row0 + rows].clone())
-        st.pending_rows += rows
+        st.kept_hidden.append(hidden[row0 : row0 + rows].clone())
+        st.kept_rows += rows
 
     def _worth_speculating(self, scheduled: SchedulerOutput, n_live: int) -> bool | set[str]:
         """Whether drafting for the next step can pay at this batch size at all, given the drafts'
@@ -562,7 +562,7 @@ class DSpark(Feature):
         R = len(ready)
         states = [seq.feature_state.get(KEY) for seq in ready]
         mean = self.mean_conf
-        conf = [mean + self.skip_blend * (st.recent_conf - mean) if st and st.recent_conf is not None else mean
+        conf = [mean + SKIP_FORECAST_BLEND * (st.recent_conf - mean) if st and st.recent_conf is not None else mean
                 for st in states]
         worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live, self.live.overhead(n_live), self.k,
                                start_s=self.live.catchup(R) - self.live.draft(R))
