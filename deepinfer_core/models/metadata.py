@@ -30,6 +30,18 @@ class DecodeMeta:
 
 
 @dataclass
+class GroupMeta:
+    """One cache group's view of a step (``deepinfer_core.kv_cache_spec``)."""
+
+    #: [T] int64: flat slot (block * entries_per_block + offset) of the entry token t writes; -1 where
+    #: it writes none (a compressed group's token that closes no entry, or a token not to be cached)
+    slot_mapping: torch.Tensor
+    #: [B, M] int32 for every sequence of the step in batch order (prefills, then decodes); -1 marks a
+    #: freed window block and the padding
+    block_tables: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     num_prefill_tokens: int
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot per token (-1: do not write)
@@ -38,3 +50,10 @@ class AttentionMetadata:
     #: per layer, device events that layer must wait for before it touches its cache: KV blocks being
     #: swapped in from host memory on a side stream (layer i computes while layer i+1's copy runs)
     layer_ready: list[list] | None = None
+    #: per cache group (by ``KVCacheSpec.name``): its slot mapping and block tables. ``slot_mapping``,
+    #: ``prefill.block_tables`` and ``decode.block_tables`` above are the first group's.
+    groups: dict[str, GroupMeta] | None = None
+    #: [B+1] int64 new tokens per sequence, and [B] context length including them, for every sequence
+    #: of the step in batch order (prefills, then decodes)
+    cu_q_lens: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None

@@ -1,0 +1,73 @@
+"""What the engine asks of a model architecture.
+
+An architecture registers under the ``deepinfer.models`` entry-point group, named by the
+``architectures`` string of its ``config.json`` (``DeepseekV3ForCausalLM = "pkg.mod:Class"``),
+exactly as a third party's would. The class is a :class:`CausalLM`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from deepinfer_core.kernels import Kernels
+    from deepinfer_core.kv_cache_spec import CacheLayout
+    from deepinfer_core.models.loader import SafetensorsReader
+    from deepinfer_core.models.metadata import AttentionMetadata
+
+#: group name -> one cache tensor per layer of the group, in ``KVCacheSpec.layers`` order
+KVCaches = dict[str, list[torch.Tensor]]
+
+
+class ArchConfig(Protocol):
+    """The fields of a parsed config.json that the engine reads; the rest is the model's own."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: list[int]
+    raw: dict
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only model over a paged cache that it declares (:meth:`cache_layout`)."""
+
+    cfg: Any
+
+    @classmethod
+    @abstractmethod
+    def parse_config(cls, raw: dict) -> ArchConfig:
+        """config.json -> this architecture's config. Unsupported values raise ``ModelConfigError``
+        naming the field."""
+
+    @classmethod
+    @abstractmethod
+    def create(cls, kernels: Kernels, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
+               max_positions: int, expert_range: tuple[int, int] | None = None) -> CausalLM:
+        """The model with uninitialised weights in ``dtype`` on ``device``. ``expert_range``: the routed
+        experts [lo, hi) this rank holds (expert parallelism); None for all."""
+
+    @abstractmethod
+    def load_weights(self, reader: SafetensorsReader) -> None:
+        """Fill every weight from the checkpoint: shape-checked, dequantised, cast. A missing or
+        wrongly shaped tensor raises ``CheckpointError`` naming it."""
+
+    @abstractmethod
+    def cache_layout(self) -> CacheLayout:
+        """The cache groups this model reads and writes."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: KVCaches) -> torch.Tensor:
+        """input_ids, positions: [T]. Writes this step's cache entries; returns final hidden [T, C]."""
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, C] -> [R, vocab] float32."""
