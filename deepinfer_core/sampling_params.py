@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +18,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seq_seed: int | None = None  # per-request RNG seed; a random 64-bit seed when None
-    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
-    prompt_logprobs: int | None = None  # 0: each prompt token's own logprob
+    seq_seed: int | None = None  # per-request RNG seed, any int (taken modulo 2**64); random when None
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one), clamped to the vocab
+    prompt_logprobs: int | None = None  # 0: each prompt token's own logprob; N: also the top N (clamped to the vocab)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -48,6 +49,8 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, kinds):
                 raise TypeError(f"SamplingParams.{name} must be a number, got {type(v).__name__} {v!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {v!r}")
             return v
 
         if self.max_tokens is not None:
@@ -78,3 +81,10 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.stop_token_ids has {t!r}, outside the vocabulary [0, {vocab_size})")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+
+
+def rng_seed(seq_seed: int) -> int:
+    """The signed 64-bit seed the counter RNG takes for ``seq_seed``: its value modulo 2**64 (so any
+    int is accepted, and ``s`` and ``s + 2**64`` draw alike)."""
+    seed = seq_seed & ((1 << 64) - 1)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

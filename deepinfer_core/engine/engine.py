@@ -63,7 +63,7 @@ from deepinfer_core.models.loader import (
     resolve_model_dir,
 )
 from deepinfer_core.outputs import Logprob
-from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sampling_params import SamplingParams, rng_seed
 from deepinfer_core.scheduler import SchedulerBudget, SchedulerOutput
 from deepinfer_core.selection import select_platform
 
@@ -101,6 +101,9 @@ class InflightStep:
     computed: list[int]  # per batch.scheduled: its num_computed_tokens after this step
     prompt_lp: list[tuple[Sequence, int]]  # (request, first position) per prompt-logprob block
 
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.batch.scheduled]
+
 
 def model_fingerprint(model_dir, dtype: torch.dtype) -> str:
     """Stable id of the weights: config, shard headers and a sample of each shard's data."""
@@ -117,6 +120,9 @@ def model_fingerprint(model_dir, dtype: torch.dtype) -> str:
 class LLMEngine:
     #: Local device index of this engine; a DP/EP rank engine sets its own before ``__init__``.
     device_index: int = 0
+    #: A step that raises fails its requests and the engine keeps serving (``_fail_step``). A rank of
+    #: an expert-parallel job sets False: its peers may wait in a collective, so the driver fails the job.
+    recover_from_step_errors: bool = True
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -164,6 +170,7 @@ class LLMEngine:
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.platform.supports_async_overlap())
         self._inflight: InflightStep | None = None
+        self._step_seqs: list[Sequence] | None = []  # requests the current step involves (_fail_step)
         self._sync_requests: set[str] = set()  # unfinished requests whose steps must run synchronously
         self._idle = DeviceIdleMeter(self.platform) if cfg.measure_device_idle else None
         self.stats = EngineStats()
@@ -253,12 +260,17 @@ class LLMEngine:
                 raise ValueError(f"SamplingParams.{option} is set but no enabled feature handles it "
                                  f"(enable the feature that provides {option!r}, e.g. features=[...])")
         text, ids = LLMEngine._prompt_ids(self, prompt)  # explicit: the DP driver borrows this method
-        seed = params.seq_seed if params.seq_seed is not None else secrets.randbits(63)
+        seed = rng_seed(params.seq_seed) if params.seq_seed is not None else secrets.randbits(63)
         eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
         return Sequence(request_id, text, ids, params, seed, eos)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise a bare TypeError
+                raise ValueError(f"prompt has an unpaired surrogate {prompt[exc.start]!r} at position {exc.start}; "
+                                 "a prompt must be valid Unicode text") from None
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = None, prompt["prompt_token_ids"]
@@ -333,14 +345,23 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the requests that finished in it (with async scheduling, the ones
         found finished when the previous step's results were post-processed)."""
+        try:
+            return self._step()
+        except Exception as exc:
+            if not self.recover_from_step_errors:
+                raise
+            return self._fail_step(exc)
+
+    def _step(self) -> list[Sequence]:
         t0 = time.perf_counter()
+        self._step_seqs = self._inflight.seqs() if self._inflight is not None else []
         overlap = self._can_overlap()
         if not overlap:
             self._drain()
-        out = self.scheduler.schedule()
+        out = self._schedule()
         if not out and self._inflight is not None:  # nothing new to launch: finish the step in flight
             self._drain()
-            out = self.scheduler.schedule()
+            out = self._schedule()
         finished = [s for s in self._seqs.values() if s.is_finished]
         if not out:
             self._drop(finished)
@@ -370,6 +391,42 @@ class LLMEngine:
         if self._idle is not None and not self.has_unfinished():
             self._idle.break_chain()
         self.pm.hook.step_finished(engine=self, step_stats=self.stats)
+        return finished
+
+    def _schedule(self) -> SchedulerOutput:
+        """``scheduler.schedule()``, noting the requests the step now involves (for ``_fail_step``)."""
+        involved, self._step_seqs = self._step_seqs, None  # a failure inside: the scheduler's state is unknown
+        out = self.scheduler.schedule()
+        self._step_seqs = involved + [s.seq for s in (*out.prefills, *out.decodes)]
+        return out
+
+    # ---- failures -----------------------------------------------------------------------
+    def _fail_request(self, seq: Sequence, stage: str, exc: Exception) -> None:
+        """An error attributable to one request fails it alone (``finish_reason == "error"``)."""
+        logger.error("request %s: %s failed: %s: %s", seq.request_id, stage, type(exc).__name__, exc,
+                     exc_info=exc)
+        err = RuntimeError(f"request {seq.request_id}: {stage} failed: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        self._finish(seq, "error", error=err)
+
+    def _fail_step(self, exc: Exception) -> list[Sequence]:
+        """A step raised and no single request could be blamed: fail the requests it involved (the
+        step in flight and the one being launched; every request when the scheduler itself raised,
+        as its state is then unknown), free their blocks and forget the step in flight. The other
+        requests keep running and the engine stays usable. Returns the requests now finished."""
+        involved = self._step_seqs if self._step_seqs is not None else list(self._seqs.values())
+        if self._inflight is not None:
+            involved = involved + self._inflight.seqs()
+            self._inflight = None
+        logger.error("engine step failed (%s: %s); failing its %d request(s)", type(exc).__name__, exc,
+                     len({id(s) for s in involved}), exc_info=exc)
+        err = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        for seq in involved:
+            if not seq.is_finished:
+                self._finish(seq, "error", error=err)
+        finished = [s for s in self._seqs.values() if s.is_finished]
+        self._drop(finished)
         return finished
 
     # ---- async scheduling ---------------------------------------------------------------
@@ -411,16 +468,17 @@ class LLMEngine:
         tensors: list[torch.Tensor | None] = []
         prompt_lp = []
         for seq, first, count, start in batch.prompt_lp:
+            try:
+                lp = self._prompt_logprob_tensors(seq, first, count, logits[start : start + count])
+            except Exception as exc:
+                self._fail_request(seq, "prompt logprobs", exc)
+                continue
             prompt_lp.append((seq, first))
-            tensors += self._prompt_logprob_tensors(seq, first, count, logits[start : start + count])
+            tensors += lp
         sample = None
         if batch.sample_seqs:
-            if batch.sample_rows == list(range(logits.shape[0])):
-                sample_logits = logits
-            else:
-                sample_logits = logits[to_device(batch.sample_rows, torch.long, self.device, self._pin)]
-            self.pm.hook.process_logits(engine=self, batch=batch, logits=sample_logits)
-            sample = self.sampler.sample(sample_logits, batch.sample_seqs, [s.num_tokens for s in batch.sample_seqs])
+            batch, sample = self._sample(batch, logits)
+        if sample is not None:
             tensors = sample.tensors() + tensors
         copy = HostCopy(tensors, self.platform, self._pin)
         computed = []
@@ -439,6 +497,37 @@ class LLMEngine:
                 seq.last_token_pending = True
         self.stats.launched_steps += 1
         return InflightStep(batch, sample, copy, computed, prompt_lp)
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> tuple[StepBatch, DeviceSample | None]:
+        """``process_logits`` and sampling of the batch's sampling rows. Rows are independent (a draw
+        depends only on the request's seed and position), so when the batch raises each row is tried
+        alone: a request whose row raises fails alone, the others are sampled together again. Returns
+        the batch without the failed requests, and its sample (None when none is left)."""
+        try:
+            return batch, self._sample_rows(batch, logits)
+        except Exception:
+            rows = list(zip(batch.sample_seqs, batch.sample_rows))
+            bad = []
+            for seq, row in rows:
+                try:
+                    self._sample_rows(replace(batch, sample_seqs=[seq], sample_rows=[row]), logits)
+                except Exception as row_exc:
+                    bad.append((seq, row_exc))
+            if not bad:
+                raise  # only the batch as a whole fails: not attributable (the step's requests fail)
+            for seq, row_exc in bad:
+                self._fail_request(seq, "sampling", row_exc)
+            keep = [(seq, row) for seq, row in rows if not seq.is_finished]
+            batch = replace(batch, sample_seqs=[s for s, _ in keep], sample_rows=[r for _, r in keep])
+            return batch, self._sample_rows(batch, logits) if keep else None
+
+    def _sample_rows(self, batch: StepBatch, logits: torch.Tensor) -> DeviceSample:
+        if batch.sample_rows == list(range(logits.shape[0])):
+            sample_logits = logits
+        else:
+            sample_logits = logits[to_device(batch.sample_rows, torch.long, self.device, self._pin)]
+        self.pm.hook.process_logits(engine=self, batch=batch, logits=sample_logits)
+        return self.sampler.sample(sample_logits, batch.sample_seqs, [s.num_tokens for s in batch.sample_seqs])
 
     def _complete(self, step: InflightStep) -> None:
         """Wait for a launched step's results on the host and post-process them: prompt logprobs,
@@ -578,7 +667,7 @@ class LLMEngine:
         targets = to_device(seq.token_ids[first + 1 : first + 1 + count], torch.long, self.device, self._pin)
         lse = self.kernels.logsumexp(logits)
         own = logits.gather(1, targets[:, None])[:, 0] - lse
-        n = seq.params.prompt_logprobs
+        n = min(seq.params.prompt_logprobs or 0, logits.shape[-1])  # clamped to the vocabulary, like logprobs
         if not n:
             return [own, None, None]
         vals, idx = logits.topk(n, dim=-1)

@@ -47,7 +47,12 @@ logger = logging.getLogger("deepinfer.parallel.worker")
 
 
 class RankEngine(LLMEngine):
-    """An :class:`LLMEngine` that holds only its rank's experts and runs MoE layers expert-parallel."""
+    """An :class:`LLMEngine` that holds only its rank's experts and runs MoE layers expert-parallel.
+
+    A step error that no single request explains is not recovered here: the other ranks may be
+    waiting in a collective, so it goes to the driver, which fails the job (a WorkerFailure)."""
+
+    recover_from_step_errors = False
 
     def __init__(self, cfg: EngineConfig, comm, local_rank: int = 0, num_nodes: int = 1) -> None:
         self.comm = comm
