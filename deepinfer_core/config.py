@@ -14,11 +14,17 @@ Unknown keys, unknown features and badly typed values are :class:`ConfigError`s 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
+import math
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import tomllib
+
+logger = logging.getLogger("deepinfer.config")
 
 
 class ConfigError(ValueError):
@@ -59,19 +65,32 @@ class EngineConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "feature_config"}
-_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (str, type(None)), "dtype": (str,), "accelerator": (str,), "max_num_seqs": (int,),
-    "max_num_batched_tokens": (int,), "max_model_len": (int, type(None)), "block_size": (int,),
-    "kv_cache_memory": (int, float, type(None)), "enable_prefix_caching": (bool,),
-    "compute_quota_limit": (int, float, type(None)), "cost_model": (str, type(None)), "scheduler": (str,),
-    "features": (list,), "kv_store": (dict, type(None)), "seed": (int,), "dp": (int,), "ep": (int,),
-    "enforce_eager": (bool,), "graph_batch_sizes": (list, type(None)), "async_scheduling": (bool, type(None)),
-    "measure_device_idle": (bool,), "batch_invariant": (bool,),
-    "log_level": (str,), "worker_timeout_s": (int, float), "load_format": (str,),
+
+
+def _kinds(annotation) -> tuple[type, ...]:
+    """The types a field's annotation allows (``int | None`` -> (int, NoneType)); an int is a valid float."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    if float in kinds and int not in kinds:
+        i = kinds.index(float)
+        kinds = (*kinds[:i], int, *kinds[i:])
+    return kinds
+
+
+_HINTS = typing.get_type_hints(EngineConfig)
+_TYPES: dict[str, tuple[type, ...]] = {name: _kinds(_HINTS[name]) for name in _FIELDS}
+#: Range of each numeric key: (lowest, highest, whether the lowest is excluded); None: unbounded.
+#: kv_cache_memory has its own rule (bytes, or a fraction in (0, 1]); graph_batch_sizes is a list.
+_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "max_num_seqs": (1, None, False), "max_num_batched_tokens": (1, None, False),
+    "max_model_len": (1, None, False), "block_size": (1, None, False), "dp": (1, None, False),
+    "ep": (1, None, False), "seed": (-(2**63), 2**64 - 1, False),  # what torch.manual_seed takes
+    "compute_quota_limit": (0, None, True), "worker_timeout_s": (0, None, True),
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _INT_LISTS = {"graph_batch_sizes"}  # list keys whose items are integers (parsed as such from the environment)
-# Environment variables read elsewhere (features, tools); known so that typos can be flagged.
+# Environment variables read elsewhere (features, tools): with DEEPINFER_<FIELD> the only known
+# DEEPINFER_* names; any other draws a warning naming the closest known one (a typo is never silent).
 OTHER_ENV = {"DEEPINFER_CONFIG", "DEEPINFER_HF_MODEL_DIR", "DEEPINFER_ENABLE_MTP_VARLEN",
              "DEEPINFER_SO_BUILDER_CPUS", "DEEPINFER_CACHE_DIR",
              # structured_output (plugins/structured_output/__init__.py documents them)
@@ -79,8 +98,34 @@ OTHER_ENV = {"DEEPINFER_CONFIG", "DEEPINFER_HF_MODEL_DIR", "DEEPINFER_ENABLE_MTP
              "DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES", "DEEPINFER_SO_ANY_WHITESPACE", "DEEPINFER_SO_OVERLAP",
              # batch-invariant kernels (kernels_cpu/batch_invariant.py)
              "DEEPINFER_BI_ROW_TILE", "DEEPINFER_BI_KV_SPLIT",
+             # TileLang kernels (kernels_cuda/_tl.py)
+             "DEEPINFER_CUDA_ARCH", "DEEPINFER_TL_DRYRUN",
              # dp/ep under torchrun (deepinfer_core/parallel/README.md)
              "DEEPINFER_DRIVER_ADDR", "DEEPINFER_DRIVER_BIND", "DEEPINFER_DRIVER_PORT"}
+
+
+def check_number(what: str, value, low: float | None = None, high: float | None = None,
+                 low_open: bool = False):
+    """``value`` if it is a finite number within [low, high] ((low, high] with ``low_open``), else a
+    ConfigError naming ``what`` (e.g. "config key 'block_size'", "[kv_store] flush_timeout")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{what} must be a finite number, got {value}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ConfigError(f"{what} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ConfigError(f"{what} must be <= {high}, got {value}")
+    return value
+
+
+def warn_unknown_env(env) -> None:
+    """Warn about each ``DEEPINFER_*`` variable that no part of DeepInfer reads (likely a typo)."""
+    known = {f"DEEPINFER_{key.upper()}" for key in _FIELDS} | OTHER_ENV
+    for name in sorted(n for n in env if n.startswith("DEEPINFER_") and n not in known):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        logger.warning("environment variable %s is not a DeepInfer setting and is ignored%s", name, hint)
 
 
 def _check_type(key: str, value: Any, source: str) -> Any:
@@ -156,6 +201,7 @@ def compose(config: str | dict | None = None, env: dict | None = None, **kwargs:
         else:
             raise ConfigError(f"unknown config key {key!r} in {source}; known keys: {', '.join(sorted(_FIELDS))}")
 
+    warn_unknown_env(env)
     for key in _FIELDS:
         raw = env.get(f"DEEPINFER_{key.upper()}")
         if raw is not None:
@@ -181,16 +227,30 @@ def _validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"config key 'load_format' must be 'auto' or 'random', got {cfg.load_format!r}")
     if cfg.dtype not in _DTYPES:
         raise ConfigError(f"config key 'dtype' must be one of {_DTYPES}, got {cfg.dtype!r}")
-    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "dp", "ep"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.log_level.upper() not in _LOG_LEVELS:
+        raise ConfigError(f"config key 'log_level' must be one of {', '.join(_LOG_LEVELS)} (any case), "
+                          f"got {cfg.log_level!r}")
+    for key, (low, high, low_open) in _RANGES.items():
+        if getattr(cfg, key) is not None:
+            check_number(f"config key {key!r}", getattr(cfg, key), low, high, low_open)
     if not all(isinstance(f, str) for f in cfg.features):
         raise ConfigError(f"config key 'features' must be a list of feature names, got {cfg.features!r}")
-    if cfg.worker_timeout_s <= 0:
-        raise ConfigError(f"config key 'worker_timeout_s' must be positive, got {cfg.worker_timeout_s}")
-    if cfg.kv_cache_memory is not None and cfg.kv_cache_memory <= 0:
-        raise ConfigError(f"config key 'kv_cache_memory' must be positive, got {cfg.kv_cache_memory}")
+    _validate_kv_cache_memory(cfg.kv_cache_memory)
     _validate_graph_batch_sizes(cfg)
+
+
+def _validate_kv_cache_memory(value: int | float | None) -> None:
+    if value is None:
+        return
+    what = "config key 'kv_cache_memory'"
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"{what} must be positive, got {value}")
+        return
+    check_number(what, value)
+    if not 0 < value <= 1:
+        raise ConfigError(f"{what} as a float is a fraction of the free device memory and must be in (0, 1], "
+                          f"got {value}; give a byte count as an integer")
 
 
 def _validate_graph_batch_sizes(cfg: EngineConfig) -> None:

@@ -23,7 +23,7 @@ import logging
 import pluggy
 
 from deepinfer_core import hookspecs, plugins
-from deepinfer_core.config import ConfigError, EngineConfig
+from deepinfer_core.config import ConfigError, EngineConfig, check_number
 
 logger = logging.getLogger("deepinfer.features")
 GROUP = "deepinfer.features"
@@ -41,7 +41,8 @@ class Feature:
 
     @staticmethod
     def check_keys(feature: str, section: dict, allowed: dict) -> dict:
-        """Merge ``section`` over ``allowed`` defaults, rejecting unknown keys and wrong types."""
+        """Merge ``section`` over ``allowed`` defaults, rejecting unknown keys, wrong types and
+        non-finite floats (ranges are the feature's to check, e.g. with ``config.check_number``)."""
         unknown = sorted(set(section) - set(allowed))
         if unknown:
             raise ConfigError(
@@ -56,6 +57,8 @@ class Feature:
                 raise ConfigError(
                     f"[{feature}] {key} expects {type(default).__name__}, got {type(value).__name__} {value!r}"
                 )
+            if isinstance(value, float):
+                check_number(f"[{feature}] {key}", value)  # no NaN or infinity
             merged[key] = value
         return merged
 

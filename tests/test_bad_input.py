@@ -35,7 +35,12 @@ CASES = {
     "unknown SamplingParams field": (ids(6), dict(GOOD, temprature=0.5), TypeError, ["temprature"]),
     "so_args without a feature": (ids(6), dict(GOOD, so_args={"json": {"type": "object"}}), ValueError,
                                   ["so_args"]),
+    "lone surrogate in the prompt": ("ab\ud800cd", GOOD, ValueError, ["prompt", "surrogate", "position 2"]),
 }
+# NaN and infinities in every float sampling field (issue 14): rejected naming the field
+for _field in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for _v in (float("nan"), float("inf"), float("-inf")):
+        CASES[f"{_field}={_v}"] = (ids(6), dict(GOOD, **{_field: _v}), ValueError, [_field, "finite"])
 
 
 @pytest.fixture(scope="module")

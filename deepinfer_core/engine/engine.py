@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from deepinfer_core import plugins
-from deepinfer_core.config import EngineConfig
+from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.cost_model import CostModel, default_path
 from deepinfer_core.engine.idle import DeviceIdleMeter
@@ -209,6 +209,11 @@ class LLMEngine:
         per_block = mc.num_hidden_layers * self.block_size * mc.kv_entry_dim * self.dtype.itemsize
         wanted = cfg.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
         if isinstance(cfg.kv_cache_memory, int):
+            free, total = self.platform.memory_info(self.device_index)
+            if cfg.kv_cache_memory > free:
+                raise ConfigError(f"config key 'kv_cache_memory' asks for {cfg.kv_cache_memory} bytes of KV cache, "
+                                  f"more than the device's free memory ({free} of {total} bytes); lower it, "
+                                  "or give a fraction of the free memory as a float in (0, 1]")
             num = cfg.kv_cache_memory // per_block
         else:
             free, _ = self.platform.memory_info(self.device_index)

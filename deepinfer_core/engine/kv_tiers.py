@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_core import plugins
-from deepinfer_core.config import ConfigError
+from deepinfer_core.config import ConfigError, check_number
 from deepinfer_core.engine.hashing import chain
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.kv_store import KVLayout, KVStore, KVStoreStats
@@ -136,8 +136,7 @@ class TieredKVCache:
                 raise ConfigError(f"[kv_store] {name} must be an int >= 1, got {v!r}")
         fetch_buffer = parse_size(cfg.pop("fetch_buffer_bytes"), "fetch_buffer_bytes")
         self.flush_timeout = cfg.pop("flush_timeout")
-        if isinstance(self.flush_timeout, bool) or not isinstance(self.flush_timeout, (int, float)):
-            raise ConfigError(f"[kv_store] flush_timeout must be seconds, got {self.flush_timeout!r}")
+        check_number("[kv_store] flush_timeout (seconds)", self.flush_timeout, 0)
 
         mc = engine.model_config
         self.block_size = engine.block_size

@@ -73,8 +73,8 @@ def parse_duration(value, what: str) -> float:
     else:
         raise ConfigError(f"[kv_store] {what}: cannot parse the duration {value!r}; "
                           "use seconds or a string like '3600s', '30m', '72h', '3d', '1w'")
-    if seconds < 0:
-        raise ConfigError(f"[kv_store] {what} must not be negative, got {value!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"[kv_store] {what} must be a finite duration >= 0, got {value!r}")
     return seconds
 
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deepinfer_core.config import ConfigError
+from deepinfer_core.config import ConfigError, check_number
 from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
 from plugins.structured_output.bitmask import apply_bitmask, apply_cpu_masks
@@ -71,8 +71,7 @@ class StructuredOutput(Feature):
         for key in ("builder_threads", "cache_size", "cache_limit_bytes"):
             if cfg[key] < 1:
                 raise ConfigError(f"[{NAME}] {key} must be >= 1, got {cfg[key]}")
-        if cfg["compile_timeout_s"] <= 0:
-            raise ConfigError(f"[{NAME}] compile_timeout_s must be > 0, got {cfg['compile_timeout_s']}")
+        check_number(f"[{NAME}] compile_timeout_s", cfg["compile_timeout_s"], 0, low_open=True)
         self.cfg = cfg
         self.compiler: GrammarCompiler | None = None
         self.vocab_size = 0
