@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -19,6 +20,11 @@ class LLM:
 
     ``model=None`` uses ``$DEEPINFER_HF_MODEL_DIR`` or the embedded default model. Other keyword
     arguments are engine config keys (see ``deepinfer_core.config.EngineConfig``) or feature sections.
+
+    Thread safety: calls from several threads are serialised. A ``generate()`` (or ``metrics()``,
+    ``shutdown()``) waits until the one running in another thread has returned, then runs its own
+    batch; the engine never mixes two callers' steps. For requests arriving concurrently, batch them
+    into one ``generate()`` call (an asynchronous serving front end is separate work).
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, accelerator: str | None = None,
@@ -27,6 +33,7 @@ class LLM:
         for key, value in (("model", model), ("dtype", dtype), ("accelerator", accelerator)):
             if value is not None:
                 kw[key] = value
+        self._lock = threading.Lock()  # one caller at a time drives the engine (see the class docstring)
         self.config = compose(config, **kw)
         if self.config.dp > 1 or self.config.ep > 1:
             from deepinfer_core.parallel.launcher import ParallelEngine
@@ -42,7 +49,12 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
                  = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt. A request with bad input fails alone: its output has
-        ``finish_reason == "error"`` and ``.error`` holds the ValueError/TypeError naming the field."""
+        ``finish_reason == "error"`` and ``.error`` holds the ValueError/TypeError naming the field.
+        A call from another thread waits for this one to return (see the class docstring)."""
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -75,10 +87,12 @@ class LLM:
         return [s if isinstance(s, RequestOutput) else to_output(s, engine.tokenizer) for s in slots]
 
     def metrics(self) -> dict:
-        return self.engine.metrics()
+        with self._lock:
+            return self.engine.metrics()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        with self._lock:
+            self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self

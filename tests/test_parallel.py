@@ -197,6 +197,7 @@ def test_dead_worker_fails_pending_requests_and_names_the_rank(ckpt):
             assert isinstance(o.error, WorkerFailure)
             assert o.error.ranks == [1]
             assert "rank 1" in str(o.error) and "SIGKILL" in str(o.error)
+            assert "\n" not in str(o.error) and "Traceback" not in str(o.error)  # one line per rank
         with pytest.raises(WorkerFailure, match="rank 1"):
             eng.add_request({"prompt_token_ids": [5, 6]}, None)
         assert wait_gone(pids) == [], "surviving ranks were not stopped"

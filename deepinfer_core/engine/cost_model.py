@@ -9,8 +9,10 @@ fits the coefficients by least squares; the result is stored per platform and mo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,16 +54,36 @@ class CostModel:
         return cls(a, b, d, e, **meta)
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        save_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> CostModel:
-        return cls(**json.loads(Path(path).read_text()))
+        """The model saved at ``path``; FileNotFoundError, or ValueError naming a file that is not one."""
+        text = Path(path).read_text()
+        try:
+            return cls(**json.loads(text))
+        except (ValueError, TypeError) as exc:  # half-written, hand-edited, another format
+            raise ValueError(f"cost model file {str(path)!r} is unreadable ({exc})") from exc
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("DEEPINFER_CACHE_DIR") or Path.home() / ".cache" / "deepinfer")
+
+
+def save_json(path: Path, doc) -> None:
+    """Write a JSON cache file atomically (a temporary file, then ``os.replace``): a reader, or a
+    later start after a crash, sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def default_path(platform: str, model_fingerprint: str) -> Path:

@@ -232,6 +232,11 @@ class LLMEngine:
         path = self.cfg.cost_model or default_path(self.platform.name, self.fingerprint)
         try:
             return CostModel.load(path)
+        except ValueError as exc:  # a corrupt file
+            if self.cfg.cost_model:
+                raise ConfigError(f"config key 'cost_model': {exc}") from exc
+            logger.warning("%s; ignoring it (`deepinfer calibrate` writes a new one)", exc)
+            return None
         except FileNotFoundError:
             if self.cfg.compute_quota_limit is not None:
                 logger.warning("compute_quota_limit is set but no cost model at %s; run `deepinfer calibrate` "
@@ -391,7 +396,6 @@ class LLMEngine:
         finished += [s for s in self._seqs.values() if s.is_finished and s not in finished]
         self._drop(finished)
         self.stats.steps += 1
-        self.stats.preemptions += len(out.preempted)
         self.stats.step_time += time.perf_counter() - t0
         if self._idle is not None and not self.has_unfinished():
             self._idle.break_chain()
@@ -399,10 +403,12 @@ class LLMEngine:
         return finished
 
     def _schedule(self) -> SchedulerOutput:
-        """``scheduler.schedule()``, noting the requests the step now involves (for ``_fail_step``)."""
+        """``scheduler.schedule()``, noting the requests the step now involves (for ``_fail_step``) and
+        its preemptions."""
         involved, self._step_seqs = self._step_seqs, None  # a failure inside: the scheduler's state is unknown
         out = self.scheduler.schedule()
         self._step_seqs = involved + [s.seq for s in (*out.prefills, *out.decodes)]
+        self.stats.preemptions += len(out.preempted)  # also when nothing could be scheduled after all
         return out
 
     # ---- failures -----------------------------------------------------------------------

@@ -488,7 +488,11 @@ class ParallelEngine:
         parts = []
         for r in culprits + [r for r in sorted(errors) if r not in culprits]:
             pid = self._chans[r].pid if r < len(self._chans) and self._chans[r] is not None else "?"
-            parts.append(f"rank {r} (pid {pid}) {errors[r]}")
+            first, _, rest = errors[r].strip().partition("\n")
+            if rest:  # e.g. a collective's traceback: the first line names it, the log keeps the rest
+                logger.error("rank %d (pid %s) %s", r, pid, errors[r])
+                first += " (details in the log)"
+            parts.append(f"rank {r} (pid {pid}) {first}")
         head = f"deepinfer parallel engine failed: {'; '.join(parts) or note}"
         if note and parts:
             head += f" ({note})"

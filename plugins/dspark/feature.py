@@ -752,8 +752,10 @@ class DSpark(Feature):
         path = self._cost_path(engine)
         try:
             return StepCost.load(path)
-        except (FileNotFoundError, ValueError, TypeError, KeyError):
+        except FileNotFoundError:
             pass
+        except (ValueError, TypeError, KeyError) as exc:
+            logger.warning("dspark: the step-time curve %s is unreadable (%s); measuring it again", path, exc)
         cost = measure_step_cost(engine, self)
         try:
             cost.save(path)

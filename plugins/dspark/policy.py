@@ -22,6 +22,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from deepinfer_core.engine.cost_model import save_json
+
 FORMAT = 2  # 2: the lean draft path (curves measured before it overstate draft steps)
 
 
@@ -72,8 +74,7 @@ class StepCost:
         return self.overhead_s + self.overhead_per_req_s * requests
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1))
+        save_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> StepCost:
