@@ -91,6 +91,22 @@ def test_output_ends_as_soon_as_grammar_and_eos_allow(llm):
     assert ended_by_eos(llm, out)
 
 
+@pytest.mark.parametrize("so_args,check", [
+    ({"schema_type": "regex", "schema": "a{1,5}"}, lambda text: re.fullmatch("a{1,5}", text)),
+    ({"schema_type": "json", "schema": {"type": "object", "required": ["n"], "additionalProperties": False,
+                                        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}},
+     lambda text: isinstance(json.loads(text)["n"], int)),
+])
+def test_ignore_eos_still_ends_at_the_end_of_the_grammar(llm, so_args, check):
+    """ignore_eos does not let output run on past a completed grammar (issue 14): it ends there."""
+    outs = llm.generate(["x = "] * 3, [P(so_args, max_tokens=60, ignore_eos=True, seq_seed=s) for s in (1, 2, 3)],
+                        use_tqdm=False)
+    for out in outs:
+        assert out.error is None, out.error
+        assert check(out.outputs[0].text), out.outputs[0].text
+        assert ended_by_eos(llm, out), out.outputs[0]
+
+
 # ---- trigger and bound ----------------------------------------------------------------------------
 def test_trigger_token_ids_start_the_constraint(llm):
     prompt, greedy = "def area(r):\n    return", dict(temperature=0.0, max_tokens=12)

@@ -211,6 +211,9 @@ class StructuredOutput(Feature):
                 engine.abort(seq.request_id, "error", GrammarError(
                     f"structured output: sampled token {tok} is not allowed by the grammar"))
                 continue
+            if st.is_finished:  # the grammar took its EOS; with ignore_eos the engine would go on unconstrained
+                engine.abort(seq.request_id, "stop")
+                continue
             if st.active and st not in refill:
                 refill.append(st)
         if self._mask_pool is not None:  # next step's masks, while its forward runs

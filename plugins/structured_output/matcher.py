@@ -63,6 +63,12 @@ class GrammarState:
         return self.phase == ACTIVE
 
     @property
+    def is_finished(self) -> bool:
+        """Whether nothing may follow: the grammar ended at an EOS token (no ``bound_token_id``) and no
+        trigger can start another span. The request ends there, even with ``ignore_eos``."""
+        return self.phase == DONE and self.spec.bound_token_id is None
+
+    @property
     def is_terminated(self) -> bool:
         """Whether the last constrained span has ended (its stop or bound token was accepted)."""
         return self.spans > 0 and self.phase != ACTIVE
