@@ -9,6 +9,7 @@ persistent tiers (host memory, 3FS, ...) implement this interface; stores are pl
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ class KVStoreStats:
 class KVLayout:
     """What a block holds, recorded with every persistent block so a mismatch is a miss."""
 
-    model_fingerprint: str
+    model_fingerprint: str  # of the model and this layout (for_model); 16 ASCII characters in a record
     num_layers: int
     block_size: int
     entry_dim: int  # values per token per layer (kv_lora_rank + qk_rope_head_dim)
@@ -41,6 +42,15 @@ class KVLayout:
     @property
     def block_shape(self) -> tuple[int, int, int]:
         return (self.num_layers, self.block_size, self.entry_dim)
+
+    @classmethod
+    def for_model(cls, model_fingerprint: str, num_layers: int, block_size: int, entry_dim: int,
+                  dtype: torch.dtype) -> KVLayout:
+        """The layout of an engine's blocks, its ``model_fingerprint`` extended with the layout itself:
+        engines whose blocks differ (weights, load format, dtype, block size, entry size) never read,
+        nor evict as malformed, each other's blocks in a shared store."""
+        tag = f"{model_fingerprint}|{num_layers}|{block_size}|{entry_dim}|{dtype}"
+        return cls(hashlib.sha256(tag.encode()).hexdigest()[:16], num_layers, block_size, entry_dim, dtype)
 
 
 class KVStore(ABC):

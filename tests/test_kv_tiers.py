@@ -157,6 +157,32 @@ def _rewrite_header(path: Path, **changes) -> None:
     path.write_bytes(bytes(raw))
 
 
+@pytest.mark.parametrize("writer,reader", [
+    (dict(load_format="random"), {}),  # the same checkpoint directory, loaded as random weights
+    (dict(load_format="random"), dict(load_format="random", seed=1)),  # another random seed
+    (dict(block_size=8), {}),  # another block size
+])
+def test_blocks_of_other_weights_or_layouts_are_never_hits(tiny_v3_path, tmp_path, writer, reader):
+    """The store is keyed by everything that determines the KV bytes (issue 14): a reader whose weights
+    or layout differ from the writer's gets no hits, and the outputs it would get without a store."""
+    store = tmp_path / "store"
+    prompts = [prompt(s, 21) for s in range(4)]
+
+    def engine(opts: dict, with_store: bool) -> LLM:
+        kv = {"backend": "3fs", "path": str(store), "offload_on_finish": True} if with_store else None
+        return LLM(model=tiny_v3_path, dtype="float32", kv_store=kv, **{"block_size": BS, **opts})
+
+    want = [o[0] for o in run(engine(dict(reader, enable_prefix_caching=False), False), prompts)]
+    w = engine(writer, True)
+    run(w, prompts)
+    w.shutdown()
+    assert list(store.rglob("*.kvb")), "the writer stored nothing"
+    llm = engine(reader, True)
+    outs = run(llm, prompts)
+    assert [o[0] for o in outs] == want
+    assert tier_metrics(llm)["persistent"]["hits"] == 0 and all(o[1] == 0 for o in outs)
+
+
 def test_damaged_records_are_misses(tiny_v3_path, reference, tmp_path):
     """A flipped byte, a truncated file, another model's record, another format version: each
     chain stops at its bad block and recomputes from there, with the right tokens."""

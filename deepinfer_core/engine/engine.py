@@ -105,15 +105,27 @@ class InflightStep:
         return [s.seq for s in self.batch.scheduled]
 
 
-def model_fingerprint(model_dir, dtype: torch.dtype) -> str:
-    """Stable id of the weights: config, shard headers and a sample of each shard's data."""
+def model_fingerprint(model_dir, dtype: torch.dtype, load_format: str = "auto", seed: int = 0) -> str:
+    """Stable id of the weights the engine computes with: config.json (quantisation included), the
+    dtype, and for ``load_format="random"`` the seed; else each shard's name, size, header and 64 KiB
+    samples of its data at the start, middle and end. Content, not mtimes: copies of a checkpoint on
+    other machines share a KV store. The KV store adds the cache layout (``KVLayout.for_model``)."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    h.update(str(dtype).encode())
+    h.update(f"{dtype}|{load_format}".encode())
+    if load_format == "random":
+        h.update(f"|seed={seed}".encode())
+        return h.hexdigest()[:16]
+    sample = 1 << 16
     for shard in sorted(model_dir.glob("*.safetensors")):
+        size = shard.stat().st_size
+        h.update(f"|{shard.name}|{size}|".encode())
         with open(shard, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             h.update(f.read(n))
-            h.update(f.read(1 << 16))
+            start = 8 + n
+            for offset in (start, start + max(0, size - start - sample) // 2, max(start, size - sample)):
+                f.seek(offset)
+                h.update(f.read(sample))
     return h.hexdigest()[:16]
 
 
@@ -146,7 +158,7 @@ class LLMEngine:
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else self.platform.preferred_dtypes()[0]
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
-        self.fingerprint = model_fingerprint(self.model_dir, self.dtype)
+        self.fingerprint = model_fingerprint(self.model_dir, self.dtype, cfg.load_format, cfg.seed)
         self.model = self.build_model()
         apply_weight_layout(self.model, self.platform.linear_weight_layout)
 

@@ -140,8 +140,8 @@ class TieredKVCache:
 
         mc = engine.model_config
         self.block_size = engine.block_size
-        self.layout = KVLayout(engine.fingerprint, mc.num_hidden_layers, engine.block_size, mc.kv_entry_dim,
-                               engine.dtype)
+        self.layout = KVLayout.for_model(engine.fingerprint, mc.num_hidden_layers, engine.block_size,
+                                         mc.kv_entry_dim, engine.dtype)
         self.platform = engine.platform
         self.pinned = bool(engine.platform.supports_pinned_memory())
         host_cls = plugins.load("deepinfer.kv_stores", "host", what="KV store")
