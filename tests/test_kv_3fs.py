@@ -395,3 +395,120 @@ def test_usrbio_reads_through_the_binding(tmp_path, monkeypatch):
     assert not store_at(other, usrbio="auto").usrbio
     with pytest.raises(ConfigError, match="not on a 3FS mount"):
         store_at(other, usrbio="on")
+
+
+# ---- symbolic links: the store never leaves its directory (issue 14) --------------------------------
+
+def _files(d: Path) -> dict[str, tuple[bytes, int]]:
+    """Content and mtime of every file under ``d`` (links not followed)."""
+    return {str(p.relative_to(d)): (p.read_bytes(), p.lstat().st_mtime_ns) for p in sorted(d.rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+def _outside(tmp_path: Path) -> Path:
+    """A directory outside the store with files the store must never touch: an old temporary file and
+    a record-named file."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    (out / "a.tmp").write_bytes(b"precious tmp")
+    (out / f"{0x77:016x}.kvb").write_bytes(b"precious record")
+    old = time.time() - 7200  # older than the GC's 1-hour threshold for temporary files
+    for p in out.iterdir():
+        os.utime(p, (old, old))
+    return out
+
+
+def test_symlinked_shard_directory_is_refused(tmp_path):
+    store, out = tmp_path / "store", _outside(tmp_path)
+    s = store_at(store)
+    key, other = 0xAB00000000000001, 0xCD00000000000001
+    assert s.put(key, block(1)) and s.put(other, block(2))
+    shard = record_path(s, key).parent
+    (out / record_path(s, key).name).write_bytes(record_path(s, key).read_bytes())  # a valid record outside
+    s.close()
+    before = _files(out)
+    for keep_index in (True, False):
+        if shard.is_symlink():
+            shard.unlink()
+        else:
+            for p in shard.iterdir():
+                p.unlink()
+            shard.rmdir()
+        shard.symlink_to(out, target_is_directory=True)
+        if not keep_index:
+            (Path(s.root) / "index.v1").unlink()
+        s = store_at(store, gc_interval=0)  # start-up scan and GC
+        assert not s.contains(key) and s.get(key) is None and s.get_many([key]) == [None]
+        assert not s.put(key + 1, block(3))  # nothing is written through the link
+        s.evict(key)
+        s.gc(target=0)
+        assert s.stats().extra["symlinks_refused"] >= 1
+        assert s.stats().extra["write_failures"].get("unsafe_shard_directory") == 1
+        s.close()
+        assert _files(out) == before  # no file outside deleted, written or touched
+        assert sorted(p.name for p in out.iterdir()) == sorted(before)
+    s = store_at(store)
+    assert s.put(other, block(2)) and torch.equal(s.get(other), block(2))  # the rest of the store works
+    s.close()
+
+
+def test_symlinked_record_is_refused(tmp_path):
+    store, out = tmp_path / "store", _outside(tmp_path)
+    s = store_at(store, touch_interval=0)
+    assert s.put(5, block(5)) and s.put(6, block(6))
+    rec = record_path(s, 5)
+    target = out / rec.name
+    target.write_bytes(rec.read_bytes())  # a perfectly valid record, outside the store
+    old = time.time() - 7200
+    os.utime(target, (old, old))
+    before = _files(out)
+    rec.unlink()
+    rec.symlink_to(target)
+    # the running store (its index holds the key) and a restarted one (rescan, then GC) refuse it
+    assert s.get(5) is None and s.get_many([5, 6])[0] is None
+    s.close()
+    (Path(s.root) / "index.v1").unlink()
+    s = store_at(store, touch_interval=0)
+    assert not s.contains(5) and s.get(5) is None
+    assert torch.equal(s.get(6), block(6))
+    s.evict(5)
+    assert s.stats().extra["symlinks_refused"] >= 1
+    s.close()
+    assert _files(out) == before  # content and mtime of the outside file unchanged
+
+
+def test_symlinked_index_is_refused(tmp_path):
+    store, out = tmp_path / "store", _outside(tmp_path)
+    s = store_at(store)
+    assert s.put(9, block(9))
+    s.close()
+    index = Path(s.root) / "index.v1"
+    (out / "index.v1").write_bytes(index.read_bytes())
+    index.unlink()
+    index.symlink_to(out / "index.v1")
+    before = _files(out)
+    s = store_at(store)
+    assert s.stats().extra["symlinks_refused"] == 1
+    assert s.contains(9) and torch.equal(s.get(9), block(9))  # found by the directory scan instead
+    s.close()  # saves the index: replaces the link itself, never writes through it
+    assert _files(out) == before
+    assert index.is_file() and not index.is_symlink()
+
+
+def test_store_reached_through_a_symlinked_parent(tmp_path):
+    real, out = tmp_path / "real", _outside(tmp_path)
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    s = store_at(tmp_path / "link" / "kv")  # resolved once, at open
+    assert s.root.startswith(str(real.resolve()))
+    assert s.put(3, block(3)) and torch.equal(s.get(3), block(3))
+    s.close()
+    assert list((real / "kv").rglob("*.kvb"))
+    # but a link below the store's directory (here its format directory) is refused at open
+    before = _files(out)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / f"v{record.FORMAT_VERSION}").symlink_to(out, target_is_directory=True)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        store_at(bad)
+    assert _files(out) == before

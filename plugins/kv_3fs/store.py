@@ -23,6 +23,12 @@ are removed down to ``low_watermark * capacity_bytes``.
 
 Failures never raise out of ``put``/``get``: a full or read-only directory makes ``put`` return
 False (counted in ``write_failures``); the engine then just recomputes.
+
+Nothing outside the store directory is ever read, written, deleted or touched. ``path`` may be
+reached through symbolic links (it is resolved once, at open), but nothing under it may be one: the
+store works through descriptors of its own directories (``openat``-style, ``O_NOFOLLOW``), so a
+shard directory, record or index replaced by a link is refused, never followed, deleted or
+``utime``d through; each such entry is logged once and counted (``stats().extra["symlinks_refused"]``).
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ import math
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +69,9 @@ _INDEX_DTYPE = np.dtype([("key", "<u8"), ("size", "<u8"), ("created", "<f8"), ("
                          ("ttl", "<f8")])
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # where the OS has them
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
 
@@ -187,19 +198,29 @@ class ThreeFSStore(KVStore):
                               f"{exc.strerror or exc}") from exc
         if not self.path.is_dir():
             raise ConfigError(f"[kv_store] path {str(self.path)!r} is not a directory")
+        self.path = self.path.resolve()  # the store may be reached through links; nothing below it may be one
         self.fingerprint = layout.model_fingerprint if layout is not None else ""
         self.root = str(self.path / f"v{record.FORMAT_VERSION}" / (self.fingerprint or "any"))
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:  # e.g. a read-only shared store: serve what is there, write nothing
             logger.warning("KV store %s is not writable (%s); it will only be read", self.root, exc)
+        if os.path.exists(self.root) and os.path.realpath(self.root) != self.root:
+            raise ConfigError(f"[kv_store] {self.root} leads out of the store directory {str(self.path)!r} "
+                              f"through a symbolic link (to {os.path.realpath(self.root)!r}); refusing it")
+        self._refused: set[str] = set()  # symbolic links found inside the store (refused, never followed)
+        self._dir_fds: dict[str, int] = {}  # "" (the root) and shard name -> open directory descriptor
+        self._fd_finalizer = weakref.finalize(self, _close_fds, self._dir_fds)
+        try:
+            self._dir_fds[""] = os.open(self.root, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError:
+            pass  # not there (a read-only store that was never written): every lookup is a miss
 
         self._lock = threading.Lock()
         self._gc_lock = threading.Lock()
         self._index: dict[int, _Entry] = {}
         self._usage = 0
         self._absent: dict[int, float] = {}
-        self._shards: set[str] = set()
         self._stats = KVStoreStats()
         self._corrupt: dict[str, int] = {}
         self._write_failures: dict[str, int] = {}
@@ -255,8 +276,98 @@ class ThreeFSStore(KVStore):
 
     # ---- paths --------------------------------------------------------------------------
     def _path(self, key: int) -> str:
+        """The record's path, for messages and USRBIO; file operations go through :meth:`_dir_fd`."""
         name = f"{key:016x}"
         return f"{self.root}/{name[:2]}/{name}{SUFFIX}"
+
+    @staticmethod
+    def _loc(key: int) -> tuple[str, str]:
+        """(shard directory, file name) of ``key``'s record."""
+        name = f"{key:016x}"
+        return name[:2], name + SUFFIX
+
+    # ---- staying inside the store -------------------------------------------------------
+    def _dir_fd(self, shard: str = "", create: bool = False) -> int | None:
+        """An open descriptor of the root ("") or of shard directory ``shard`` in it, made with
+        ``create``; None when it is missing or not a real directory (a link is refused)."""
+        fd = self._dir_fds.get(shard)
+        if fd is not None or not shard:
+            return fd
+        root = self._dir_fds.get("")
+        if root is None:
+            if create:
+                raise FileNotFoundError(errno.ENOENT, "the store directory is missing", self.root)
+            return None
+        if create:
+            try:
+                os.mkdir(shard, dir_fd=root)
+            except FileExistsError:
+                pass
+        try:
+            fd = os.open(shard, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=root)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(shard, root):
+                self._refuse(f"{self.root}/{shard}", "shard directory")
+            elif exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise
+            return None
+        with self._lock:
+            kept = self._dir_fds.setdefault(shard, fd)
+        if kept != fd:
+            os.close(fd)
+        return kept
+
+    def _refuse(self, path: str, what: str) -> None:
+        """A symbolic link inside the store: never followed, deleted or touched through; logged once."""
+        with self._lock:
+            new = path not in self._refused
+            self._refused.add(path)
+        if new:
+            logger.warning("KV store: %s (a %s) is a symbolic link; refused: the store never leaves %s", path,
+                           what, self.path)
+
+    def _open_record(self, key: int) -> int:
+        """A read descriptor of ``key``'s record, never through a link (OSError otherwise)."""
+        shard, name = self._loc(key)
+        sfd = self._dir_fd(shard)
+        if sfd is None:
+            raise FileNotFoundError(errno.ENOENT, "no such shard directory", self._path(key))
+        try:
+            return os.open(name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=sfd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                self._refuse(self._path(key), "record")
+            raise
+
+    def _stat_record(self, key: int) -> os.stat_result:
+        """The record's own metadata (FileNotFoundError when absent; a link is refused as absent)."""
+        shard, name = self._loc(key)
+        sfd = self._dir_fd(shard)
+        if sfd is None:
+            raise FileNotFoundError(errno.ENOENT, "no such shard directory", self._path(key))
+        st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            self._refuse(self._path(key), "record")
+            raise FileNotFoundError(errno.ENOENT, "a symbolic link, refused", self._path(key))
+        return st
+
+    def _unlink_record(self, key: int) -> bool:
+        shard, name = self._loc(key)
+        sfd = self._dir_fd(shard)
+        if sfd is None:
+            return False
+        return _unlink(name, sfd)
+
+    def _touch(self, key: int) -> None:
+        """Last access as the record's mtime (survives restarts, seen by other processes); never
+        through a link."""
+        shard, name = self._loc(key)
+        sfd = self._dir_fd(shard)
+        if sfd is not None:
+            try:
+                os.utime(name, dir_fd=sfd, follow_symlinks=False)
+            except OSError:
+                pass
 
     def ttl_seconds(self, traffic_class: str | None) -> float:
         """Retention of a traffic class (the default class's for None or an unknown class)."""
@@ -287,12 +398,13 @@ class ThreeFSStore(KVStore):
                 if seen is not None and now - seen < self.negative_cache:
                     return False
                 stale = False
-        path = self._path(key)
         if stale:
-            _unlink(path)
+            self._unlink_record(key)
             return False
         try:
-            st = os.stat(path)  # written by another process since the index was built?
+            st = self._stat_record(key)  # written by another process since the index was built?
+            if not stat.S_ISREG(st.st_mode):
+                raise FileNotFoundError(key)
         except OSError:
             with self._lock:
                 if len(self._absent) > 1 << 16:
@@ -415,7 +527,7 @@ class ThreeFSStore(KVStore):
         fixed_a, fixed_b, fsize = self._fixed
         head = bytearray(HEADER_SIZE)
         hmv, emv = memoryview(head), memoryview(bytearray(1))
-        root, crc32, from_bytes, unpack_tail = self.root, zlib.crc32, int.from_bytes, _TAIL.unpack_from
+        crc32, from_bytes, unpack_tail = zlib.crc32, int.from_bytes, _TAIL.unpack_from
         xxh3 = record.xxh3_64
         hits = []
         t0 = time.perf_counter()
@@ -429,15 +541,11 @@ class ThreeFSStore(KVStore):
             if i in skip:
                 continue
             key = keys[i]
-            name = f"{key:016x}"
-            path = f"{root}/{name[:2]}/{name}{SUFFIX}"
+            path = self._path(key)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                self._miss(key, path, None)
-                continue
+                fd = self._open_record(key)
             except OSError as exc:
-                self._miss(key, path, "io_error", exc)
+                self._miss(key, path, _miss_reason(exc), exc)
                 continue
             try:
                 n = os.preadv(fd, [hmv, views[i], emv], 0)
@@ -459,7 +567,7 @@ class ThreeFSStore(KVStore):
                     except RecordError:
                         ok = False
             if ok:
-                hits.append((key, created, ttl, path))
+                hits.append((key, created, ttl))
                 result[i] = tensors[i]
             else:  # re-read carefully: a miss with its reason (or, after a racing rewrite, a hit)
                 result[i] = self._read(key, ttl_class, tensors[i])
@@ -471,7 +579,7 @@ class ThreeFSStore(KVStore):
         cls_ttl = self.ttl_seconds(ttl_class) if ttl_class else None
         touch = []
         with self._lock:
-            for key, created, ttl, path in hits:
+            for key, created, ttl in hits:
                 if cls_ttl is not None:
                     ttl = _longer(ttl, cls_ttl)
                 e = self._index.get(key)
@@ -481,20 +589,17 @@ class ThreeFSStore(KVStore):
                 e.atime, e.ttl = now, _longer(e.ttl, ttl)
                 if now - e.touched > self.touch_interval:
                     e.touched = now
-                    touch.append(path)
+                    touch.append(key)
             self._stats.hits += len(hits)
             self._stats.read_bytes += len(hits) * fsize
             self._read_time += seconds
-        for path in touch:
-            try:
-                os.utime(path)  # last access survives restarts and is seen by other processes
-            except OSError:
-                pass
+        for key in touch:
+            self._touch(key)
 
     def evict(self, key: int) -> bool:
         with self._lock:
             held = self._drop_locked(key)
-        removed = _unlink(self._path(key))
+        removed = self._unlink_record(key)
         return held or removed
 
     def stats(self) -> KVStoreStats:
@@ -511,6 +616,7 @@ class ThreeFSStore(KVStore):
                     "write_failures": dict(self._write_failures), "read_time_s": self._read_time,
                     "write_time_s": self._write_time, "usrbio": self.usrbio, "path": self.root,
                     "checksum": "xxh3" if self.checksum_algo == record.XXH3 else "crc32",
+                    "symlinks_refused": len(self._refused),
                 },
             )
 
@@ -523,6 +629,7 @@ class ThreeFSStore(KVStore):
         self.save_index()
         if self._reader is not None:
             self._reader.close()
+        self._fd_finalizer()
 
     # ---- retention ----------------------------------------------------------------------
     @property
@@ -563,7 +670,7 @@ class ThreeFSStore(KVStore):
             self._gc_runs += 1
             self._last_sweep = now
         for key in victims:
-            _unlink(self._path(key))
+            self._unlink_record(key)
         if victims and now - self._last_index_save > 60:
             self.save_index()
         return len(victims)
@@ -580,24 +687,26 @@ class ThreeFSStore(KVStore):
         payload = record.payload_view(block)
         digest = record.checksum(self.checksum_algo, payload)
         header = record.pack_header(key, block, digest, self.checksum_algo, self.fingerprint, now, ttl, cls)
-        final = self._path(key)
-        shard = os.path.dirname(final)
+        shard, final = self._loc(key)
         tmp = f"{final}.{os.getpid()}.{threading.get_ident():x}.{secrets.token_hex(4)}.tmp"
+        sfd = None
         try:
-            if shard not in self._shards:
-                os.makedirs(shard, exist_ok=True)
-                self._shards.add(shard)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            sfd = self._dir_fd(shard, create=True)
+            if sfd is None:  # the shard is a link (refused) or not a directory
+                self._count_write_failure("unsafe_shard_directory")
+                return False
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644, dir_fd=sfd)
             try:
                 _write_all(fd, [header, payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
+            os.replace(tmp, final, src_dir_fd=sfd, dst_dir_fd=sfd)  # replaces a link itself, never its target
             return True
         except OSError as exc:
-            _unlink(tmp)
+            if sfd is not None:
+                _unlink(tmp, sfd)
             self._count_write_failure(_errname(exc), exc)
             return False
 
@@ -634,7 +743,7 @@ class ThreeFSStore(KVStore):
         if reason is None:
             return
         if reason not in ("io_error", "unsupported_checksum"):
-            _unlink(path)
+            self._unlink_record(key)
         if n == 1 or n % 1000 == 0:
             logger.warning("KV store: %s is unusable (%s: %s; %d so far); treated as a miss", path, reason,
                            detail, n)
@@ -655,10 +764,7 @@ class ThreeFSStore(KVStore):
             self._stats.read_bytes += hdr.file_size
             self._read_time += seconds
         if touch:
-            try:
-                os.utime(path)  # last access survives restarts and is seen by other processes
-            except OSError:
-                pass
+            self._touch(key)
 
     def _take_expired(self, key: int, path: str) -> bool:
         """True (and the record is removed, counted as a miss) when ``key`` outlived its TTL."""
@@ -668,7 +774,7 @@ class ThreeFSStore(KVStore):
                 return False
             self._expired += 1
         self._miss(key, path, None)
-        _unlink(path)
+        self._unlink_record(key)
         return True
 
     def _dest(self, hdr_shape, dtype, out: torch.Tensor | None) -> torch.Tensor:
@@ -683,12 +789,9 @@ class ThreeFSStore(KVStore):
             return None
         t0 = time.perf_counter()
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            self._miss(key, path, None)
-            return None
+            fd = self._open_record(key)
         except OSError as exc:
-            self._miss(key, path, "io_error", exc)
+            self._miss(key, path, _miss_reason(exc), exc)
             return None
         try:
             if self.layout is not None:  # the record's size is known: one read for header and payload
@@ -727,15 +830,11 @@ class ThreeFSStore(KVStore):
             path = self._path(key)
             if self._take_expired(key, path):
                 continue
-            with self._lock:
-                e = self._index.get(key)
-            size = e.size if e is not None else None
-            if size is None:
-                try:
-                    size = os.stat(path).st_size
-                except OSError:
-                    self._miss(key, path, None)
-                    continue
+            try:  # USRBIO opens by path: check here that neither the record nor its shard is a link
+                size = self._stat_record(key).st_size
+            except OSError:
+                self._miss(key, path, None)
+                continue
             items.append((path, size))
             where.append(i)
         t0 = time.perf_counter()
@@ -775,25 +874,36 @@ class ThreeFSStore(KVStore):
         body = arr.tobytes()
         now = time.time()
         head = _INDEX_HEAD.pack(_INDEX_MAGIC, 1, len(arr), now, zlib.crc32(body) & 0xFFFFFFFF)
-        final = os.path.join(self.root, INDEX_NAME)
-        tmp = f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        root = self._dir_fd()
+        if root is None:
+            return False
+        tmp = f"{INDEX_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644, dir_fd=root)
             try:
                 _write_all(fd, [head, body])
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
+            os.replace(tmp, INDEX_NAME, src_dir_fd=root, dst_dir_fd=root)  # over a link: replaces the link
         except OSError as exc:
-            _unlink(tmp)
+            _unlink(tmp, root)
             self._count_write_failure("index_" + _errname(exc), exc)
             return False
         self._last_index_save = now
         return True
 
     def _read_snapshot(self) -> tuple[dict[int, _Entry], float] | None:
+        root = self._dir_fd()
+        if root is None:
+            return None
         try:
-            with open(os.path.join(self.root, INDEX_NAME), "rb") as f:
+            fd = os.open(INDEX_NAME, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=root)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                self._refuse(os.path.join(self.root, INDEX_NAME), "index")
+            return None
+        try:
+            with os.fdopen(fd, "rb") as f:
                 raw = f.read()
         except OSError:
             return None
@@ -817,20 +927,28 @@ class ThreeFSStore(KVStore):
         by_shard: dict[str, list[int]] = {}
         for key in entries:
             by_shard.setdefault(f"{key:016x}"[:2], []).append(key)
+        shards = []
+        root = self._dir_fd()
         try:
-            shards = [d for d in os.scandir(self.root) if d.is_dir() and len(d.name) == 2]
+            listing = list(os.scandir(root)) if root is not None else []
         except OSError:
-            shards = []
+            listing = []
+        for d in listing:
+            if len(d.name) != 2:
+                continue
+            if d.is_symlink():
+                self._refuse(f"{self.root}/{d.name}", "shard directory")
+            elif d.is_dir(follow_symlinks=False) and self._dir_fd(d.name) is not None:
+                shards.append(d)
         scanned = 0
         for d in shards:
-            self._shards.add(d.path)
             try:
-                changed = saved is None or d.stat().st_mtime >= saved - 2.0
+                changed = saved is None or d.stat(follow_symlinks=False).st_mtime >= saved - 2.0
             except OSError:
                 continue
             if changed:
                 scanned += 1
-                self._rescan(d.path, entries, by_shard.get(d.name, []))
+                self._rescan(d.name, entries, by_shard.get(d.name, []))
         on_disk = {d.name for d in shards}
         for name, keys in by_shard.items():
             if name not in on_disk:
@@ -848,19 +966,24 @@ class ThreeFSStore(KVStore):
     def _rescan(self, shard: str, entries: dict[int, _Entry], known: list[int]) -> None:
         now = time.time()
         seen: set[int] = set()
+        sfd = self._dir_fd(shard)
         try:
-            listing = list(os.scandir(shard))
+            listing = list(os.scandir(sfd)) if sfd is not None else []
         except OSError:
             return
         for de in listing:
             name = de.name
+            if de.is_symlink():
+                if name.endswith((SUFFIX, ".tmp")):
+                    self._refuse(f"{self.root}/{shard}/{name}", "record")
+                continue
             try:
-                st = de.stat()
+                st = de.stat(follow_symlinks=False)
             except OSError:
                 continue
             if name.endswith(".tmp"):
                 if now - st.st_mtime > 3600:  # left by a writer that died
-                    _unlink(de.path)
+                    _unlink(name, sfd)
                 continue
             if not name.endswith(SUFFIX) or len(name) != 16 + len(SUFFIX):
                 continue
@@ -873,15 +996,20 @@ class ThreeFSStore(KVStore):
             if e is not None and e.size == st.st_size:
                 e.atime = e.touched = max(e.atime, st.st_mtime)
                 continue
+            path = f"{self.root}/{shard}/{name}"
             try:
-                with open(de.path, "rb") as f:
+                fd = os.open(name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=sfd)
+                with os.fdopen(fd, "rb") as f:
                     hdr = record.unpack_header(f.read(HEADER_SIZE))
                 self._check(hdr, key, st.st_size)
             except (OSError, RecordError) as exc:
+                if isinstance(exc, OSError) and exc.errno == errno.ELOOP:  # became a link since the listing
+                    self._refuse(path, "record")
+                    continue
                 reason = getattr(exc, "reason", "io_error")
                 self._corrupt[reason] = self._corrupt.get(reason, 0) + 1
-                logger.warning("KV store: %s is unusable (%s); removed", de.path, exc)
-                _unlink(de.path)
+                logger.warning("KV store: %s is unusable (%s); removed", path, exc)
+                _unlink(name, sfd)
                 entries.pop(key, None)
                 continue
             entries[key] = _Entry(st.st_size, hdr.created, st.st_mtime, hdr.ttl_seconds, st.st_mtime)
@@ -927,12 +1055,34 @@ def _errname(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno, "OSError") if exc.errno else "OSError"
 
 
-def _unlink(path: str) -> bool:
+def _unlink(name: str, dir_fd: int) -> bool:
+    """Remove ``name`` in the directory ``dir_fd`` (a link is removed itself, never its target)."""
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
         return True
     except OSError:
         return False
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _miss_reason(exc: OSError) -> str | None:
+    """How a failed open counts: absent (or a refused link) is a plain miss, anything else an IO error."""
+    return None if isinstance(exc, FileNotFoundError) or exc.errno == errno.ELOOP else "io_error"
+
+
+def _close_fds(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _can_pin() -> bool:
