@@ -119,6 +119,12 @@ def test_dp_ep_matches_single_rank(ckpt, reference, world_size, kv):
         assert outs[2].error is None and outs[2].prompt == "ab"
         with pytest.raises(ValueError, match="so_args"):
             llm.engine.add_request("x", SamplingParams(so_args={"json": {}}))
+        # a seed beyond 64 bits and prompt_logprobs beyond the vocabulary break no rank (issue 14)
+        sp = [SamplingParams(temperature=1.0, seq_seed=s, max_tokens=4, ignore_eos=True, prompt_logprobs=5000)
+              for s in (2**64 + 3, 3)]
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, sp, use_tqdm=False)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids  # the seed modulo 2**64
     finally:
         shut(llm)
 

@@ -28,6 +28,12 @@ schedule(N+1), launches forward(N+1), and only then post-processes N:
   take over every step). Such a step first completes the step in flight, so every token is on the
   host before it is scheduled. ``_postprocess`` and ``append_tokens`` keep their synchronous meaning
   for features that run steps themselves.
+
+Failures never poison the engine. An exception while sampling a request or scoring its prompt
+logprobs fails that request alone (``_sample``: rows are independent, so a failing batch is retried
+row by row to find the culprit); any other exception in a step (scheduling, input preparation, the
+forward, post-processing, a feature's ``execute_step``) fails the requests the step involved, frees
+their blocks and drops the step in flight (``_fail_step``); the engine keeps serving the rest.
 """
 
 from __future__ import annotations

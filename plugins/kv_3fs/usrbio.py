@@ -111,7 +111,7 @@ class UsrbioReader:
                     consume(i, OSError(f"{path}: {size} bytes exceed the USRBIO buffer"))
                     continue
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a link (store.py)
                 except OSError as exc:
                     consume(i, exc)
                     continue
