@@ -25,10 +25,10 @@ Failures never raise out of ``put``/``get``: a full or read-only directory makes
 False (counted in ``write_failures``); the engine then just recomputes.
 
 Nothing outside the store directory is ever read, written, deleted or touched. ``path`` may be
-reached through symbolic links (it is resolved once, at open), but nothing under it may be one: the
-store works through descriptors of its own directories (``openat``-style, ``O_NOFOLLOW``), so a
-shard directory, record or index replaced by a link is refused, never followed, deleted or
-``utime``d through; each such entry is logged once and counted (``stats().extra["symlinks_refused"]``).
+reached through symbolic links (it is resolved once, at open), but nothing under it may be one: every
+file operation goes through :class:`~plugins.kv_3fs.confined.ConfinedDir`, so a shard directory,
+record or index replaced by a link is refused, never followed, deleted or ``utime``d through; each
+is logged once and counted (``stats().extra["symlinks_refused"]``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import stat
 import struct
 import threading
 import time
-import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ import torch
 from deepinfer_core.config import ConfigError
 from deepinfer_core.kv_store import KVLayout, KVStore, KVStoreStats
 from plugins.kv_3fs import record
+from plugins.kv_3fs.confined import ConfinedDir
 from plugins.kv_3fs.record import HEADER_SIZE, RecordError
 
 logger = logging.getLogger("deepinfer.kv_store.3fs")
@@ -69,9 +69,6 @@ _INDEX_DTYPE = np.dtype([("key", "<u8"), ("size", "<u8"), ("created", "<f8"), ("
                          ("ttl", "<f8")])
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # where the OS has them
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
 
@@ -208,13 +205,7 @@ class ThreeFSStore(KVStore):
         if os.path.exists(self.root) and os.path.realpath(self.root) != self.root:
             raise ConfigError(f"[kv_store] {self.root} leads out of the store directory {str(self.path)!r} "
                               f"through a symbolic link (to {os.path.realpath(self.root)!r}); refusing it")
-        self._refused: set[str] = set()  # symbolic links found inside the store (refused, never followed)
-        self._dir_fds: dict[str, int] = {}  # "" (the root) and shard name -> open directory descriptor
-        self._fd_finalizer = weakref.finalize(self, _close_fds, self._dir_fds)
-        try:
-            self._dir_fds[""] = os.open(self.root, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
-        except OSError:
-            pass  # not there (a read-only store that was never written): every lookup is a miss
+        self._dir = ConfinedDir(self.root)  # every file operation below the root goes through it
 
         self._lock = threading.Lock()
         self._gc_lock = threading.Lock()
@@ -276,7 +267,7 @@ class ThreeFSStore(KVStore):
 
     # ---- paths --------------------------------------------------------------------------
     def _path(self, key: int) -> str:
-        """The record's path, for messages and USRBIO; file operations go through :meth:`_dir_fd`."""
+        """The record's path, for messages and USRBIO; file operations go through ``self._dir``."""
         name = f"{key:016x}"
         return f"{self.root}/{name[:2]}/{name}{SUFFIX}"
 
@@ -285,89 +276,6 @@ class ThreeFSStore(KVStore):
         """(shard directory, file name) of ``key``'s record."""
         name = f"{key:016x}"
         return name[:2], name + SUFFIX
-
-    # ---- staying inside the store -------------------------------------------------------
-    def _dir_fd(self, shard: str = "", create: bool = False) -> int | None:
-        """An open descriptor of the root ("") or of shard directory ``shard`` in it, made with
-        ``create``; None when it is missing or not a real directory (a link is refused)."""
-        fd = self._dir_fds.get(shard)
-        if fd is not None or not shard:
-            return fd
-        root = self._dir_fds.get("")
-        if root is None:
-            if create:
-                raise FileNotFoundError(errno.ENOENT, "the store directory is missing", self.root)
-            return None
-        if create:
-            try:
-                os.mkdir(shard, dir_fd=root)
-            except FileExistsError:
-                pass
-        try:
-            fd = os.open(shard, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=root)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(shard, root):
-                self._refuse(f"{self.root}/{shard}", "shard directory")
-            elif exc.errno not in (errno.ENOENT, errno.ENOTDIR):
-                raise
-            return None
-        with self._lock:
-            kept = self._dir_fds.setdefault(shard, fd)
-        if kept != fd:
-            os.close(fd)
-        return kept
-
-    def _refuse(self, path: str, what: str) -> None:
-        """A symbolic link inside the store: never followed, deleted or touched through; logged once."""
-        with self._lock:
-            new = path not in self._refused
-            self._refused.add(path)
-        if new:
-            logger.warning("KV store: %s (a %s) is a symbolic link; refused: the store never leaves %s", path,
-                           what, self.path)
-
-    def _open_record(self, key: int) -> int:
-        """A read descriptor of ``key``'s record, never through a link (OSError otherwise)."""
-        shard, name = self._loc(key)
-        sfd = self._dir_fd(shard)
-        if sfd is None:
-            raise FileNotFoundError(errno.ENOENT, "no such shard directory", self._path(key))
-        try:
-            return os.open(name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=sfd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                self._refuse(self._path(key), "record")
-            raise
-
-    def _stat_record(self, key: int) -> os.stat_result:
-        """The record's own metadata (FileNotFoundError when absent; a link is refused as absent)."""
-        shard, name = self._loc(key)
-        sfd = self._dir_fd(shard)
-        if sfd is None:
-            raise FileNotFoundError(errno.ENOENT, "no such shard directory", self._path(key))
-        st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
-        if stat.S_ISLNK(st.st_mode):
-            self._refuse(self._path(key), "record")
-            raise FileNotFoundError(errno.ENOENT, "a symbolic link, refused", self._path(key))
-        return st
-
-    def _unlink_record(self, key: int) -> bool:
-        shard, name = self._loc(key)
-        sfd = self._dir_fd(shard)
-        if sfd is None:
-            return False
-        return _unlink(name, sfd)
-
-    def _touch(self, key: int) -> None:
-        """Last access as the record's mtime (survives restarts, seen by other processes); never
-        through a link."""
-        shard, name = self._loc(key)
-        sfd = self._dir_fd(shard)
-        if sfd is not None:
-            try:
-                os.utime(name, dir_fd=sfd, follow_symlinks=False)
-            except OSError:
-                pass
 
     def ttl_seconds(self, traffic_class: str | None) -> float:
         """Retention of a traffic class (the default class's for None or an unknown class)."""
@@ -399,10 +307,10 @@ class ThreeFSStore(KVStore):
                     return False
                 stale = False
         if stale:
-            self._unlink_record(key)
+            self._dir.unlink(*self._loc(key))
             return False
         try:
-            st = self._stat_record(key)  # written by another process since the index was built?
+            st = self._dir.lstat(*self._loc(key))  # written by another process since the index was built?
             if not stat.S_ISREG(st.st_mode):
                 raise FileNotFoundError(key)
         except OSError:
@@ -543,7 +451,7 @@ class ThreeFSStore(KVStore):
             key = keys[i]
             path = self._path(key)
             try:
-                fd = self._open_record(key)
+                fd = self._dir.open(*self._loc(key))
             except OSError as exc:
                 self._miss(key, path, _miss_reason(exc), exc)
                 continue
@@ -594,12 +502,12 @@ class ThreeFSStore(KVStore):
             self._stats.read_bytes += len(hits) * fsize
             self._read_time += seconds
         for key in touch:
-            self._touch(key)
+            self._dir.touch(*self._loc(key))  # last access survives restarts and is seen by other processes
 
     def evict(self, key: int) -> bool:
         with self._lock:
             held = self._drop_locked(key)
-        removed = self._unlink_record(key)
+        removed = self._dir.unlink(*self._loc(key))
         return held or removed
 
     def stats(self) -> KVStoreStats:
@@ -616,7 +524,7 @@ class ThreeFSStore(KVStore):
                     "write_failures": dict(self._write_failures), "read_time_s": self._read_time,
                     "write_time_s": self._write_time, "usrbio": self.usrbio, "path": self.root,
                     "checksum": "xxh3" if self.checksum_algo == record.XXH3 else "crc32",
-                    "symlinks_refused": len(self._refused),
+                    "symlinks_refused": len(self._dir.refused),
                 },
             )
 
@@ -629,7 +537,7 @@ class ThreeFSStore(KVStore):
         self.save_index()
         if self._reader is not None:
             self._reader.close()
-        self._fd_finalizer()
+        self._dir.close()
 
     # ---- retention ----------------------------------------------------------------------
     @property
@@ -670,7 +578,7 @@ class ThreeFSStore(KVStore):
             self._gc_runs += 1
             self._last_sweep = now
         for key in victims:
-            self._unlink_record(key)
+            self._dir.unlink(*self._loc(key))
         if victims and now - self._last_index_save > 60:
             self.save_index()
         return len(victims)
@@ -689,24 +597,21 @@ class ThreeFSStore(KVStore):
         header = record.pack_header(key, block, digest, self.checksum_algo, self.fingerprint, now, ttl, cls)
         shard, final = self._loc(key)
         tmp = f"{final}.{os.getpid()}.{threading.get_ident():x}.{secrets.token_hex(4)}.tmp"
-        sfd = None
         try:
-            sfd = self._dir_fd(shard, create=True)
-            if sfd is None:  # the shard is a link (refused) or not a directory
+            if self._dir.dir_fd(shard, create=True) is None:  # the shard is a link (refused) or a file
                 self._count_write_failure("unsafe_shard_directory")
                 return False
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644, dir_fd=sfd)
+            fd = self._dir.open(shard, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 _write_all(fd, [header, payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final, src_dir_fd=sfd, dst_dir_fd=sfd)  # replaces a link itself, never its target
+            self._dir.replace(shard, tmp, final)
             return True
         except OSError as exc:
-            if sfd is not None:
-                _unlink(tmp, sfd)
+            self._dir.unlink(shard, tmp)
             self._count_write_failure(_errname(exc), exc)
             return False
 
@@ -743,7 +648,7 @@ class ThreeFSStore(KVStore):
         if reason is None:
             return
         if reason not in ("io_error", "unsupported_checksum"):
-            self._unlink_record(key)
+            self._dir.unlink(*self._loc(key))
         if n == 1 or n % 1000 == 0:
             logger.warning("KV store: %s is unusable (%s: %s; %d so far); treated as a miss", path, reason,
                            detail, n)
@@ -764,7 +669,7 @@ class ThreeFSStore(KVStore):
             self._stats.read_bytes += hdr.file_size
             self._read_time += seconds
         if touch:
-            self._touch(key)
+            self._dir.touch(*self._loc(key))  # last access survives restarts and is seen by other processes
 
     def _take_expired(self, key: int, path: str) -> bool:
         """True (and the record is removed, counted as a miss) when ``key`` outlived its TTL."""
@@ -774,7 +679,7 @@ class ThreeFSStore(KVStore):
                 return False
             self._expired += 1
         self._miss(key, path, None)
-        self._unlink_record(key)
+        self._dir.unlink(*self._loc(key))
         return True
 
     def _dest(self, hdr_shape, dtype, out: torch.Tensor | None) -> torch.Tensor:
@@ -789,7 +694,7 @@ class ThreeFSStore(KVStore):
             return None
         t0 = time.perf_counter()
         try:
-            fd = self._open_record(key)
+            fd = self._dir.open(*self._loc(key))
         except OSError as exc:
             self._miss(key, path, _miss_reason(exc), exc)
             return None
@@ -831,7 +736,7 @@ class ThreeFSStore(KVStore):
             if self._take_expired(key, path):
                 continue
             try:  # USRBIO opens by path: check here that neither the record nor its shard is a link
-                size = self._stat_record(key).st_size
+                size = self._dir.lstat(*self._loc(key)).st_size
             except OSError:
                 self._miss(key, path, None)
                 continue
@@ -874,33 +779,27 @@ class ThreeFSStore(KVStore):
         body = arr.tobytes()
         now = time.time()
         head = _INDEX_HEAD.pack(_INDEX_MAGIC, 1, len(arr), now, zlib.crc32(body) & 0xFFFFFFFF)
-        root = self._dir_fd()
-        if root is None:
+        if self._dir.dir_fd() is None:
             return False
         tmp = f"{INDEX_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644, dir_fd=root)
+            fd = self._dir.open("", tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 _write_all(fd, [head, body])
             finally:
                 os.close(fd)
-            os.replace(tmp, INDEX_NAME, src_dir_fd=root, dst_dir_fd=root)  # over a link: replaces the link
+            self._dir.replace("", tmp, INDEX_NAME)  # over a link: replaces the link itself
         except OSError as exc:
-            _unlink(tmp, root)
+            self._dir.unlink("", tmp)
             self._count_write_failure("index_" + _errname(exc), exc)
             return False
         self._last_index_save = now
         return True
 
     def _read_snapshot(self) -> tuple[dict[int, _Entry], float] | None:
-        root = self._dir_fd()
-        if root is None:
-            return None
         try:
-            fd = os.open(INDEX_NAME, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=root)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                self._refuse(os.path.join(self.root, INDEX_NAME), "index")
+            fd = self._dir.open("", INDEX_NAME)
+        except OSError:  # absent, or a link (refused)
             return None
         try:
             with os.fdopen(fd, "rb") as f:
@@ -928,17 +827,12 @@ class ThreeFSStore(KVStore):
         for key in entries:
             by_shard.setdefault(f"{key:016x}"[:2], []).append(key)
         shards = []
-        root = self._dir_fd()
-        try:
-            listing = list(os.scandir(root)) if root is not None else []
-        except OSError:
-            listing = []
-        for d in listing:
+        for d in self._dir.scandir():
             if len(d.name) != 2:
                 continue
             if d.is_symlink():
-                self._refuse(f"{self.root}/{d.name}", "shard directory")
-            elif d.is_dir(follow_symlinks=False) and self._dir_fd(d.name) is not None:
+                self._dir.refuse(d.name, "shard directory")
+            elif d.is_dir(follow_symlinks=False) and self._dir.dir_fd(d.name) is not None:
                 shards.append(d)
         scanned = 0
         for d in shards:
@@ -966,16 +860,11 @@ class ThreeFSStore(KVStore):
     def _rescan(self, shard: str, entries: dict[int, _Entry], known: list[int]) -> None:
         now = time.time()
         seen: set[int] = set()
-        sfd = self._dir_fd(shard)
-        try:
-            listing = list(os.scandir(sfd)) if sfd is not None else []
-        except OSError:
-            return
-        for de in listing:
+        for de in self._dir.scandir(shard):
             name = de.name
             if de.is_symlink():
                 if name.endswith((SUFFIX, ".tmp")):
-                    self._refuse(f"{self.root}/{shard}/{name}", "record")
+                    self._dir.refuse(f"{shard}/{name}", "record")
                 continue
             try:
                 st = de.stat(follow_symlinks=False)
@@ -983,7 +872,7 @@ class ThreeFSStore(KVStore):
                 continue
             if name.endswith(".tmp"):
                 if now - st.st_mtime > 3600:  # left by a writer that died
-                    _unlink(name, sfd)
+                    self._dir.unlink(shard, name)
                 continue
             if not name.endswith(SUFFIX) or len(name) != 16 + len(SUFFIX):
                 continue
@@ -998,18 +887,16 @@ class ThreeFSStore(KVStore):
                 continue
             path = f"{self.root}/{shard}/{name}"
             try:
-                fd = os.open(name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=sfd)
-                with os.fdopen(fd, "rb") as f:
+                with os.fdopen(self._dir.open(shard, name), "rb") as f:
                     hdr = record.unpack_header(f.read(HEADER_SIZE))
                 self._check(hdr, key, st.st_size)
             except (OSError, RecordError) as exc:
                 if isinstance(exc, OSError) and exc.errno == errno.ELOOP:  # became a link since the listing
-                    self._refuse(path, "record")
                     continue
                 reason = getattr(exc, "reason", "io_error")
                 self._corrupt[reason] = self._corrupt.get(reason, 0) + 1
                 logger.warning("KV store: %s is unusable (%s); removed", path, exc)
-                _unlink(name, sfd)
+                self._dir.unlink(shard, name)
                 entries.pop(key, None)
                 continue
             entries[key] = _Entry(st.st_size, hdr.created, st.st_mtime, hdr.ttl_seconds, st.st_mtime)
@@ -1055,34 +942,9 @@ def _errname(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno, "OSError") if exc.errno else "OSError"
 
 
-def _unlink(name: str, dir_fd: int) -> bool:
-    """Remove ``name`` in the directory ``dir_fd`` (a link is removed itself, never its target)."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-        return True
-    except OSError:
-        return False
-
-
-def _is_link(name: str, dir_fd: int) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
 def _miss_reason(exc: OSError) -> str | None:
     """How a failed open counts: absent (or a refused link) is a plain miss, anything else an IO error."""
     return None if isinstance(exc, FileNotFoundError) or exc.errno == errno.ELOOP else "io_error"
-
-
-def _close_fds(fds: dict[str, int]) -> None:
-    for fd in fds.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
 
 
 def _can_pin() -> bool:
