@@ -46,6 +46,7 @@ from deepinfer_core import plugins
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.cost_model import CostModel, default_path
+from deepinfer_core.engine.detokenizer import stop_string_hit
 from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
 from deepinfer_core.engine.sampler import DeviceSample, Sampler, has_penalty
@@ -448,7 +449,7 @@ class LLMEngine:
         tw = time.perf_counter()
         host = step.copy.wait()
         self.stats.forward_time += time.perf_counter() - tw
-        base = 4 if step.sample is not None else 0
+        base = DeviceSample.NUM_TENSORS if step.sample is not None else 0
         for j, (seq, first) in enumerate(step.prompt_lp):
             if not seq.is_finished:
                 self._add_prompt_logprobs(seq, first, *host[base + 3 * j : base + 3 * j + 3])
@@ -460,7 +461,7 @@ class LLMEngine:
         self.stats.completed_steps += 1
 
     def _complete_tokens(self, step: InflightStep, host: list[torch.Tensor | None]) -> None:
-        res = Sampler.to_result(step.sample.want, host[:4])
+        res = Sampler.to_result(step.sample.want, host[:DeviceSample.NUM_TENSORS])
         now = time.perf_counter()
         kept: list[int] = []
         for i, seq in enumerate(step.batch.sample_seqs):
@@ -473,7 +474,7 @@ class LLMEngine:
             seq.num_pending_tokens -= 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            self._accept_token(seq, res.tokens[i], res.logprobs[i], res.top[i])
+            self._accept_token(seq, res.tokens[i], res.logprobs[i], res.top[i], res.ranks[i])
             kept.append(i)
         batch = step.batch
         if len(kept) < len(batch.sample_seqs):
@@ -501,13 +502,14 @@ class LLMEngine:
                 if self._accept_token(seq, tok, logprobs[i][j], tops[i][j] if tops else None):
                     break
 
-    def _accept_token(self, seq: Sequence, tok: int, logprob: float, top: list | None) -> bool:
+    def _accept_token(self, seq: Sequence, tok: int, logprob: float, top: list | None,
+                      rank: int | None = None) -> bool:
         """Account for a real token just placed in ``seq.token_ids``; finish the request if it stops
-        there (True)."""
+        there (True). ``rank``: the token's rank in the full distribution, where known."""
         seq.sum_logprob += logprob
         self.stats.decode_tokens += 1
         if seq.params.logprobs is not None:
-            entry = {tok: Logprob(logprob)}
+            entry = {tok: Logprob(logprob, rank)}
             for rank, (t, lp) in enumerate(top or [], start=1):
                 entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
             seq.output_logprobs.append(entry)
@@ -524,10 +526,9 @@ class LLMEngine:
         if tok in p.stop_token_ids:
             return "stop", tok
         if p.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            for s in p.stop:
-                if s in text:
-                    return "stop", s
+            hit = stop_string_hit(seq, self.tokenizer)  # incremental: only the new text is searched
+            if hit is not None:
+                return "stop", hit
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return "length", None
         if seq.num_known_tokens >= self.max_model_len:
