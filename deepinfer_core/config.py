@@ -49,7 +49,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on where the platform supports overlap (engine.py docstring)
     measure_device_idle: bool = False  # engine.metrics() reports the device idle time between steps
     batch_invariant: bool = False
-    log_level: str = "WARNING"
+    log_level: str | None = None  # None: leave the "deepinfer" logger as the application set it
     worker_timeout_s: float = 120.0  # dp/ep > 1: a rank silent this long in a step is declared hung
     load_format: str = "auto"  # auto: read the safetensors; random: seeded random weights (benchmarks)
     feature_config: dict = field(default_factory=dict)  # {feature name: its TOML table}
@@ -67,7 +67,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "features": (list,), "kv_store": (dict, type(None)), "seed": (int,), "dp": (int,), "ep": (int,),
     "enforce_eager": (bool,), "graph_batch_sizes": (list, type(None)), "async_scheduling": (bool, type(None)),
     "measure_device_idle": (bool,), "batch_invariant": (bool,),
-    "log_level": (str,), "worker_timeout_s": (int, float), "load_format": (str,),
+    "log_level": (str, type(None)), "worker_timeout_s": (int, float), "load_format": (str,),
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _INT_LISTS = {"graph_batch_sizes"}  # list keys whose items are integers (parsed as such from the environment)

@@ -121,7 +121,8 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
+        if cfg.log_level is not None:  # else the application's (or the CLI's --log-level) setting stands
+            logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
         self.platform = select_platform(cfg.accelerator)
         backend = plugins.load("deepinfer.kernels", self.platform.kernel_backend, what="kernel backend")
         reference = plugins.load("deepinfer.kernels", "reference", what="kernel backend")
@@ -282,6 +283,11 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.is_finished:
             self._finish(seq, reason, error=error)
+
+    def load_stats(self) -> dict:
+        """Cheap gauges for a serving front end: running and waiting requests, KV-cache usage (0..1)."""
+        return {"running": self.scheduler.num_running(), "waiting": len(getattr(self.scheduler, "waiting", ())),
+                "kv_usage": 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)}
 
     def has_unfinished(self) -> bool:
         """Requests wait or run, or a launched step is still to be post-processed."""
