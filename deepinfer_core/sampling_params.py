@@ -89,7 +89,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"SamplingParams.{name} must be a non-negative int or None, got {v!r}")
-        for name in ("seq_seed", "seed"):
+        for name in ("seed", "seq_seed"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"SamplingParams.{name} must be an int, got {v!r}")

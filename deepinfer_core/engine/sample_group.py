@@ -42,6 +42,7 @@ class SampleGroup:
     """The children of one request; ``release`` queues the siblings once child 0 allows it."""
 
     def __init__(self, engine, prompt, params: SamplingParams, request_id: str | None = None) -> None:
+        params.validate(engine.model_config.vocab_size)  # n / best_of must be sound before the fan-out
         self.params = params
         self.request_id = request_id
         k = params.num_samples
