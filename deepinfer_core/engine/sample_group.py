@@ -92,7 +92,9 @@ class SampleGroup:
 def completion_output(seq: Sequence, tokenizer, index: int = 0, texts: TokenTexts | None = None) -> CompletionOutput:
     p = seq.params
     out_ids = seq.output_token_ids
-    text = tokenizer.decode(out_ids, skip_special_tokens=p.skip_special_tokens)
+    # a stop token (EOS, stop_token_ids) ends the text without appearing in it, as in vLLM
+    stopped_by_id = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and out_ids
+    text = tokenizer.decode(out_ids[:-1] if stopped_by_id else out_ids, skip_special_tokens=p.skip_special_tokens)
     if isinstance(seq.stop_reason, str):
         text = truncate_at_stop(text, seq.stop_reason, p.include_stop_str_in_output)
     logprobs = seq.output_logprobs if p.logprobs is not None else None

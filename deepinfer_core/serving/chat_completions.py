@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from deepinfer_core.outputs import Logprob
 from deepinfer_core.serving.common import APIError, ServerState, failed, merged, request_id, sse, usage
 from deepinfer_core.serving.protocol import ChatCompletionRequest, NamedToolChoice, UnsupportedField
-from deepinfer_core.serving.tool_parser import MessageParser, ReasoningParser, tool_call_grammar
+from deepinfer_core.serving.tool_parser import MessageParser, ReasoningParser, tool_call_grammar, tool_format_for
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int) -> list[dict]:
@@ -47,7 +47,13 @@ def _prepare(state: ServerState, req: ChatCompletionRequest):
     end_ids = [t for t in enc.turn_end_ids if t not in state.llm.tokenizer.eos_token_ids]
     if end_ids and not params.ignore_eos:  # the assistant turn ends at the template's end-of-turn id
         params.stop_token_ids = params.stop_token_ids + [t for t in end_ids if t not in params.stop_token_ids]
+    tool_format = tool_format_for(enc.special_ids)
+    if tools and tool_format == "deepseek":  # its markers are special tokens: keep them in the text to parse
+        params.skip_special_tokens = False
     if tools and req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
+        if tool_format != "hermes":
+            raise UnsupportedField("tool_choice", f"tool_choice 'required' or a named function is not supported "
+                                                  f"for this model's tool-call format ({tool_format}); use 'auto'")
         if params.so_args is not None:
             raise UnsupportedField("tool_choice", "tool_choice 'required' or a named function cannot be combined "
                                                   "with response_format / guided_*")
@@ -57,7 +63,7 @@ def _prepare(state: ServerState, req: ChatCompletionRequest):
 
     def parser() -> MessageParser:
         return MessageParser(ReasoningParser(in_reasoning=in_reasoning) if state.reasoning else None,
-                             tools=bool(tools))
+                             tools=bool(tools), tool_format=tool_format)
 
     return ids, params, parser
 

@@ -12,6 +12,15 @@ Tool-call format (the embedded model's chat template, and Hermes/Qwen-style mode
 
 ``arguments`` stream as raw JSON text fragments as the model writes them; the wrapper's closing
 ``}`` is withheld until ``</tool_call>`` shows it is not part of the arguments.
+
+DeepSeek format (V3/R1 chat templates; V3.1 drops the ``function`` type and the code fence)::
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+    ```json
+    {"city": "Paris"}
+    ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+Its markers are special tokens, so such a request is decoded with ``skip_special_tokens=False``.
 """
 
 from __future__ import annotations
@@ -159,12 +168,105 @@ def _withhold_close(args: str) -> str:
     return s[:-1] if s.endswith("}") else s
 
 
+class DeepSeekToolCallParser:
+    """Streams DeepSeek's ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` calls out of the text."""
+
+    calls_begin, calls_end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    begin, sep, end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    fence_open, fence_close = "```json\n", "\n```"
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.state = "content"  # content | block | header | args
+        self.calls: list[dict] = []
+        self._args_sent = 0
+        self._fenced = False
+
+    def feed(self, text: str, final: bool = False) -> ParsedDelta:
+        self.buf += text
+        out = ParsedDelta()
+        while True:
+            if self.state == "content":
+                i = self.buf.find(self.calls_begin)
+                j = self.buf.find(self.begin)
+                k = min(x for x in (i, j) if x >= 0) if max(i, j) >= 0 else -1
+                if k < 0:
+                    keep = 0 if final else max(_held_suffix(self.buf, self.calls_begin),
+                                               _held_suffix(self.buf, self.begin))
+                    out.content += self.buf[: len(self.buf) - keep]
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    return out
+                out.content += self.buf[:k]
+                self.buf = self.buf[k + (len(self.calls_begin) if k == i else 0):]
+                self.state = "block"
+            elif self.state == "block":
+                rest = self.buf.lstrip()
+                if rest.startswith(self.calls_end):
+                    self.buf, self.state = rest[len(self.calls_end):], "content"
+                elif rest.startswith(self.begin):
+                    self.buf, self.state = rest[len(self.begin):], "header"
+                elif rest and not (self.calls_end.startswith(rest) or self.begin.startswith(rest)):
+                    self.state = "content"  # text after the calls: back to content
+                else:
+                    if final:
+                        out.content += self.buf
+                        self.buf = ""
+                    return out
+            elif self.state == "header":
+                i = self.buf.find(self.sep)
+                if i < 0:
+                    return out
+                kind, after = self.buf[:i].strip(), self.buf[i + len(self.sep):]
+                if kind == "function":  # V3: the name runs to the end of the line, then a ```json fence
+                    nl = after.find("\n")
+                    if nl < 0 or (len(after) - nl - 1 < len(self.fence_open) and not final):
+                        return out
+                    name, body = after[:nl].strip(), after[nl + 1:]
+                    self._fenced = body.startswith(self.fence_open)
+                    self.buf = body[len(self.fence_open):] if self._fenced else body
+                else:  # V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>
+                    name, self.buf, self._fenced = kind, after, False
+                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": ""})
+                out.tool_calls.append(ToolCallDelta(len(self.calls) - 1, self.calls[-1]["id"], name))
+                self._args_sent, self.state = 0, "args"
+            else:  # args
+                terminator = (self.fence_close if self._fenced else "") + self.end
+                j = self.buf.find(self.end)
+                if j >= 0:
+                    args = self.buf[:j]
+                    if self._fenced and args.rstrip().endswith("```"):
+                        args = args.rstrip()[:-3]
+                    args = args.rstrip()
+                else:
+                    args = self.buf if final else self.buf[: len(self.buf) - _held_suffix(self.buf, terminator)]
+                    args = args if final else args.rstrip()
+                call = self.calls[-1]
+                if len(args) > self._args_sent:
+                    new, self._args_sent = args[self._args_sent:], len(args)
+                    call["arguments"] = args
+                    if out.tool_calls and out.tool_calls[-1].index == len(self.calls) - 1:
+                        out.tool_calls[-1].arguments += new
+                    else:
+                        out.tool_calls.append(ToolCallDelta(len(self.calls) - 1, arguments=new))
+                if j < 0:
+                    return out
+                self.buf, self.state = self.buf[j + len(self.end):], "block"
+
+
+TOOL_FORMATS = {"hermes": ToolCallParser, "deepseek": DeepSeekToolCallParser}
+
+
+def tool_format_for(special_tokens) -> str:
+    """The tool-call format a tokenizer's special tokens imply."""
+    return "deepseek" if DeepSeekToolCallParser.begin in special_tokens else "hermes"
+
+
 class MessageParser:
     """Reasoning first, then tool calls in the answer; ``feed`` each text delta, ``final=True`` last."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: bool) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: bool, tool_format: str = "hermes") -> None:
         self.reasoning = reasoning
-        self.tools = ToolCallParser() if tools else None
+        self.tools = TOOL_FORMATS[tool_format]() if tools else None
 
     def feed(self, text: str, final: bool = False) -> ParsedDelta:
         reasoning, content = (self.reasoning.feed(text, final) if self.reasoning is not None else ("", text))
