@@ -177,3 +177,24 @@ def test_reasoning_split_across_chunks():
     content, reasoning, _ = _stream(MessageParser(ReasoningParser(in_reasoning=True), tools=False),
                                     "hmm</think>ok", [2, 6])
     assert (reasoning, content) == ("hmm", "ok")
+
+
+DS_TOOL_TEXT = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                '{"city": "Pa`ris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>f2\n```json\n'
+                "{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+
+def test_deepseek_tool_calls_stream_to_the_whole_result():
+    whole = MessageParser(None, tools=True, tool_format="deepseek")
+    assert whole.feed(DS_TOOL_TEXT, final=True).content == "Checking."
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole.tool_calls] == [
+        ("get_weather", {"city": "Pa`ris"}), ("f2", {})]
+    rng = random.Random(1)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(DS_TOOL_TEXT)), rng.randint(1, 60)))
+        content, _, calls = _stream(MessageParser(None, tools=True, tool_format="deepseek"), DS_TOOL_TEXT, cuts)
+        assert content == "Checking."
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c["name"], c["arguments"]) for c in whole.tool_calls]
+    v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜> ok"
+    p = MessageParser(None, tools=True, tool_format="deepseek")
+    assert p.feed(v31, final=True).content == " ok" and p.tool_calls[0]["arguments"] == '{"a": 1}'

@@ -156,6 +156,9 @@ class AsyncLLM:
         self._send(("add", request_id, prompt, params, stream, arrival or time.perf_counter()))
         try:
             await stream.accepted
+        except asyncio.CancelledError:  # the caller left while the request was being queued
+            stream.abort()  # its abort (or rejection) update settles num_unfinished
+            raise
         except BaseException:
             self.num_unfinished -= 1
             stream.finished = True
@@ -189,7 +192,9 @@ class AsyncLLM:
     def _deliver(self, updates: list[tuple[RequestStream, RequestUpdate | BaseException | None]]) -> None:
         for stream, item in updates:
             if isinstance(item, BaseException):  # add_request rejected it
-                if not stream.accepted.done():
+                if stream.accepted.done():  # its caller was cancelled meanwhile: nobody else counts it
+                    self.num_unfinished -= 1
+                else:
                     stream.accepted.set_exception(item)
                 continue
             if not stream.accepted.done():

@@ -8,7 +8,8 @@ Each level keeps ``c`` requests in flight (a client starts the next as soon as o
 ``--requests`` requests (default ``max(4c, 16)``) of ``--input-len`` random prompt tokens and
 exactly ``--output-len`` output tokens (greedy, ``ignore_eos``). Reported per level: output tok/s,
 requests/s, TTFT and inter-token latency p50/p99 (ITL: the gap between stream chunks), errors, and
-requests *lost* (no error, yet not finished with the expected token count; must be 0).
+requests *lost* (no error, yet not finished with the expected token count; must be 0). With
+``--repeats R`` each level runs R times and the median run is reported.
 
 ``--compare-offline`` builds an in-process engine with the same options and runs the same prompts at
 the same closed-loop concurrency directly on it (no HTTP, no asyncio, no detokenization): the
@@ -149,6 +150,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per level (served and offline alternate); "
+                    "the median is reported, errors and lost requests are summed")
     ap.add_argument("--compare-offline", action="store_true")
     ap.add_argument("--json", default=None, help="write the results here")
     return ap.parse_args(argv)
@@ -189,7 +192,7 @@ def main(argv: list[str]) -> int:
         _wait_healthy(base, proc)
         with urllib.request.urlopen(base + "/models", timeout=10) as r:
             model = json.loads(r.read())["data"][0]["id"]
-        served = asyncio.run(_levels(base, model, levels, prompts_for, args.output_len, engine))
+        served = asyncio.run(_levels(base, model, levels, prompts_for, args.output_len, engine, args.repeats))
     finally:
         if proc is not None:
             proc.terminate()
@@ -203,7 +206,8 @@ def main(argv: list[str]) -> int:
     return 1 if any(r["lost"] for r in served) else 0
 
 
-async def _levels(base: str, model: str, levels, prompts_for, output_len: int, engine) -> list[dict]:
+async def _levels(base: str, model: str, levels, prompts_for, output_len: int, engine,
+                  repeats: int) -> list[dict]:
     """Each level served, then (with an engine) offline, back to back: both see the same machine load."""
     from openai import AsyncOpenAI
 
@@ -211,11 +215,19 @@ async def _levels(base: str, model: str, levels, prompts_for, output_len: int, e
     await run_level(client, model, prompts_for(1)[:1], 1, 4)  # warm-up
     out = []
     for c in levels:
-        row = await run_level(client, model, prompts_for(c), c, output_len)
-        if engine is not None:  # stepped from a worker thread, as AsyncLLM steps the server's engine
-            off = await asyncio.to_thread(run_offline, engine, prompts_for(c), c, output_len)
-            row["offline_tok_s"] = off["output_tok_s"]
-            row["server_overhead_share"] = 1.0 - row["output_tok_s"] / off["output_tok_s"]
+        runs, offline = [], []
+        for _ in range(repeats):  # served and offline alternate, so slow phases of a shared machine hit both
+            runs.append(await run_level(client, model, prompts_for(c), c, output_len))
+            if engine is not None:  # stepped from a worker thread, as AsyncLLM steps the server's engine
+                off = await asyncio.to_thread(run_offline, engine, prompts_for(c), c, output_len)
+                offline.append(off["output_tok_s"])
+        row = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]  # the median run
+        row = {**row, "errors": sum(r["errors"] for r in runs), "lost": sum(r["lost"] for r in runs),
+               "runs_tok_s": [round(r["output_tok_s"], 1) for r in runs]}
+        if offline:
+            row["offline_tok_s"] = sorted(offline)[len(offline) // 2]
+            row["offline_runs_tok_s"] = [round(x, 1) for x in offline]
+            row["server_overhead_share"] = 1.0 - row["output_tok_s"] / row["offline_tok_s"]
         print(json.dumps({k: v for k, v in row.items() if k != "error_samples"}), flush=True)
         out.append(row)
     await client.close()
