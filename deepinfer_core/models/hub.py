@@ -33,9 +33,14 @@ def resolve_repo_id(repo_id: str) -> Path:
     try:
         path = huggingface_hub.snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS, local_files_only=offline)
     except Exception as exc:  # the hub's errors (offline miss, 404, no network, gated repo) differ by version
-        where = "the local Hugging Face cache" + (" (HF_HUB_OFFLINE=1)" if offline else " or the Hub")
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        if offline:
+            raise CheckpointError(f"model {repo_id!r} is not a directory and has no snapshot in the Hugging Face "
+                                  f"cache {HF_HUB_CACHE} (HF_HUB_OFFLINE=1: nothing is downloaded)") from None
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"model {repo_id!r} is not a directory and was not found in {where}: {reason}") from None
+        raise CheckpointError(f"model {repo_id!r} is not a directory, not in the Hugging Face cache {HF_HUB_CACHE}, "
+                              f"and could not be downloaded: {reason}") from None
     p = Path(path)
     if not (p / "config.json").is_file():
         raise CheckpointError(f"model {repo_id!r} (snapshot {p}) has no config.json")

@@ -311,7 +311,7 @@ class AsyncLLM:
         n = seq.num_output_tokens
         if n == c.tokens and not seq.is_finished:
             return None
-        new_ids = seq.output_token_ids[c.tokens:]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + c.tokens : seq.num_known_tokens]
         c.detok.feed(new_ids)
         if new_ids and self.metrics is not None:
             self.metrics.tokens_emitted(len(new_ids), now, t.arrival, c.first_token_time, c.last_token_time)

@@ -81,6 +81,43 @@ async def run_level(client, model: str, prompts: list[list[int]], concurrency: i
             ok += 1
             out_tokens += tokens
 
+    async def one_raw(i: int) -> None:
+        """The same request over plain HTTP, frames split but not parsed into objects (a light client)."""
+        nonlocal ok, errors, out_tokens
+        t0 = time.perf_counter()
+        last, finish, tokens = None, None, None
+        body = {"model": model, "prompt": prompts[i], "max_tokens": output_len, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        try:
+            async with raw.stream("POST", "/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    now = time.perf_counter()
+                    if '"choices":[]' in line:
+                        tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                        continue
+                    if last is None:
+                        ttfts.append(now - t0)
+                    else:
+                        itls.append(now - last)
+                    last = now
+                    if '"finish_reason":"' in line:
+                        finish = json.loads(line[6:])["choices"][0]["finish_reason"]
+        except Exception as exc:
+            errors += 1
+            error_texts.append(f"{type(exc).__name__}: {exc}"[:200])
+            return
+        if finish is not None and tokens == output_len:
+            ok += 1
+            out_tokens += tokens
+
+    raw = None
+    if not hasattr(client, "completions"):  # a plain HTTP client: the light load generator
+        raw, one = client, one_raw  # noqa: F811
+
     async def worker() -> None:
         while queue:
             await one(queue.pop(0))
@@ -150,6 +187,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client", choices=["openai", "raw"], default="openai",
+                    help="openai: the openai package's AsyncOpenAI; raw: plain HTTP frames (less client CPU, to "
+                         "tell the server's cost from the client's on a small machine)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per level (served and offline alternate); "
                     "the median is reported, errors and lost requests are summed")
     ap.add_argument("--compare-offline", action="store_true")
@@ -192,7 +232,8 @@ def main(argv: list[str]) -> int:
         _wait_healthy(base, proc)
         with urllib.request.urlopen(base + "/models", timeout=10) as r:
             model = json.loads(r.read())["data"][0]["id"]
-        served = asyncio.run(_levels(base, model, levels, prompts_for, args.output_len, engine, args.repeats))
+        served = asyncio.run(_levels(base, model, levels, prompts_for, args.output_len, engine, args.repeats,
+                                     args.client))
     finally:
         if proc is not None:
             proc.terminate()
@@ -207,11 +248,18 @@ def main(argv: list[str]) -> int:
 
 
 async def _levels(base: str, model: str, levels, prompts_for, output_len: int, engine,
-                  repeats: int) -> list[dict]:
+                  repeats: int, client_kind: str = "openai") -> list[dict]:
     """Each level served, then (with an engine) offline, back to back: both see the same machine load."""
-    from openai import AsyncOpenAI
+    if client_kind == "openai":
+        from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
+        client = AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
+    else:
+        try:
+            import httpx
+        except ImportError:  # newer openai releases ship it as httpx2
+            import httpx2 as httpx
+        client = httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=None))
     await run_level(client, model, prompts_for(1)[:1], 1, 4)  # warm-up
     out = []
     for c in levels:
@@ -230,7 +278,7 @@ async def _levels(base: str, model: str, levels, prompts_for, output_len: int, e
             row["server_overhead_share"] = 1.0 - row["output_tok_s"] / row["offline_tok_s"]
         print(json.dumps({k: v for k, v in row.items() if k != "error_samples"}), flush=True)
         out.append(row)
-    await client.close()
+    await (client.close() if client_kind == "openai" else client.aclose())
     return out
 
 

@@ -42,23 +42,26 @@ class ServingMetrics:
         self.spec_accept = Histogram("deepinfer:spec_decode_acceptance_rate", "Per request draft acceptance",
                                      lab, buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
 
+        # the per-token series, bound once (labels() costs a locked lookup per call)
+        m = model_name
+        self._running, self._waiting, self._kv = self.running.labels(m), self.waiting.labels(m), self.kv_usage.labels(m)
+        self._gen, self._ttft, self._itl = self.generation_tokens.labels(m), self.ttft.labels(m), self.itl.labels(m)
+
     def engine_load(self, load: dict) -> None:
-        m = self.model_name
-        self.running.labels(m).set(load["running"])
-        self.waiting.labels(m).set(load["waiting"])
-        self.kv_usage.labels(m).set(load["kv_usage"])
+        self._running.set(load["running"])
+        self._waiting.set(load["waiting"])
+        self._kv.set(load["kv_usage"])
 
     def tokens_emitted(self, n: int, now: float, arrival: float, first: float | None, last: float | None) -> None:
         """``n`` tokens of one completion became visible at ``now``."""
-        m = self.model_name
-        self.generation_tokens.labels(m).inc(n)
+        self._gen.inc(n)
         if first is None:
-            self.ttft.labels(m).observe(now - arrival)
+            self._ttft.observe(now - arrival)
             n -= 1
         if last is not None and n > 0:  # tokens that arrived together share the gap
             gap = (now - last) / n
             for _ in range(n):
-                self.itl.labels(m).observe(gap)
+                self._itl.observe(gap)
 
     def request_finished(self, reason: str | None, seq, arrival: float | None = None) -> None:
         m = self.model_name
