@@ -195,6 +195,7 @@ def test_deepseek_tool_calls_stream_to_the_whole_result():
         content, _, calls = _stream(MessageParser(None, tools=True, tool_format="deepseek"), DS_TOOL_TEXT, cuts)
         assert content == "Checking."
         assert [(c["name"], c["arguments"]) for c in calls] == [(c["name"], c["arguments"]) for c in whole.tool_calls]
-    v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜> ok"
+    v31 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜>"
+           "<｜tool▁calls▁end｜> ok")
     p = MessageParser(None, tools=True, tool_format="deepseek")
     assert p.feed(v31, final=True).content == " ok" and p.tool_calls[0]["arguments"] == '{"a": 1}'

@@ -201,6 +201,19 @@ def test_bad_fields_are_400_naming_the_field(base, path, body, param):
     assert httpx.get(base + "/health").status_code == 200
 
 
+def test_a_request_that_fails_alone_is_400_and_others_run(client, base):
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "guided_regex": "(("}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    s = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True,
+                                                   "guided_regex": "(("}, timeout=60)
+    frames = [f for f in s.text.split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]" and json.loads(frames[-2][6:])["error"]["code"] == 400
+    ok = client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"guided_regex": "[a-c]{3}"})
+    assert len(ok.choices[0].text) == 3 and set(ok.choices[0].text) <= set("abc")
+    too_many = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 100}, timeout=60)
+    assert too_many.status_code == 429  # n completions count against the admission limit
+
+
 def test_unknown_model_is_404_and_openai_client_raises(client, base):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)

@@ -99,6 +99,7 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self.finished = False
+        self.weight = 1  # completions it draws (n / best_of): what it counts against the admission limit
 
     async def __aiter__(self) -> AsyncIterator[RequestUpdate]:
         try:
@@ -129,7 +130,7 @@ class AsyncLLM:
         self.metrics = metrics
         self.sampling_defaults = dict(sampling_defaults or {})
         self.error: BaseException | None = None
-        self.num_unfinished = 0  # requests added and not yet finished (event-loop side)
+        self.num_unfinished = 0  # completions (n per request) added and not yet finished (event-loop side)
         self._texts = TokenTexts(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -152,7 +153,8 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(self, request_id)
-        self.num_unfinished += 1
+        stream.weight = params.num_samples if isinstance(params, SamplingParams) else 1
+        self.num_unfinished += stream.weight
         self._send(("add", request_id, prompt, params, stream, arrival or time.perf_counter()))
         try:
             await stream.accepted
@@ -160,7 +162,7 @@ class AsyncLLM:
             stream.abort()  # its abort (or rejection) update settles num_unfinished
             raise
         except BaseException:
-            self.num_unfinished -= 1
+            self.num_unfinished -= stream.weight
             stream.finished = True
             raise
         return stream
@@ -193,7 +195,7 @@ class AsyncLLM:
         for stream, item in updates:
             if isinstance(item, BaseException):  # add_request rejected it
                 if stream.accepted.done():  # its caller was cancelled meanwhile: nobody else counts it
-                    self.num_unfinished -= 1
+                    self.num_unfinished -= stream.weight
                 else:
                     stream.accepted.set_exception(item)
                 continue
@@ -201,7 +203,7 @@ class AsyncLLM:
                 stream.accepted.set_result(None)
             if item is not None:
                 if item.finished:
-                    self.num_unfinished -= 1
+                    self.num_unfinished -= stream.weight
                 stream.queue.put_nowait(item)
 
     # ---- engine thread ---------------------------------------------------------------------

@@ -9,7 +9,9 @@ Each level keeps ``c`` requests in flight (a client starts the next as soon as o
 exactly ``--output-len`` output tokens (greedy, ``ignore_eos``). Reported per level: output tok/s,
 requests/s, TTFT and inter-token latency p50/p99 (ITL: the gap between stream chunks), errors, and
 requests *lost* (no error, yet not finished with the expected token count; must be 0). With
-``--repeats R`` each level runs R times and the median run is reported.
+``--repeats R`` each level runs R times and the median run is reported. When the command starts
+the server itself it also reports CPU time per output token of the server process against the
+offline engine's: a figure that other work on the machine barely moves, unlike tok/s.
 
 ``--compare-offline`` builds an in-process engine with the same options and runs the same prompts at
 the same closed-loop concurrency directly on it (no HTTP, no asyncio, no detokenization): the
@@ -154,6 +156,17 @@ def run_offline(engine, prompts: list[list[int]], concurrency: int, output_len: 
     return {"concurrency": concurrency, "seconds": dt, "output_tok_s": out_tokens / dt}
 
 
+def _process_cpu(pid: int | None) -> float:
+    """User + system CPU seconds of a process (Linux /proc), 0.0 where unknown."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,7 +246,7 @@ def main(argv: list[str]) -> int:
         with urllib.request.urlopen(base + "/models", timeout=10) as r:
             model = json.loads(r.read())["data"][0]["id"]
         served = asyncio.run(_levels(base, model, levels, prompts_for, args.output_len, engine, args.repeats,
-                                     args.client))
+                                     args.client, proc.pid if proc is not None else None))
     finally:
         if proc is not None:
             proc.terminate()
@@ -248,7 +261,7 @@ def main(argv: list[str]) -> int:
 
 
 async def _levels(base: str, model: str, levels, prompts_for, output_len: int, engine,
-                  repeats: int, client_kind: str = "openai") -> list[dict]:
+                  repeats: int, client_kind: str = "openai", server_pid: int | None = None) -> list[dict]:
     """Each level served, then (with an engine) offline, back to back: both see the same machine load."""
     if client_kind == "openai":
         from openai import AsyncOpenAI
@@ -264,11 +277,18 @@ async def _levels(base: str, model: str, levels, prompts_for, output_len: int, e
     out = []
     for c in levels:
         runs, offline = [], []
+        cpu_served, cpu_offline = [], []
         for _ in range(repeats):  # served and offline alternate, so slow phases of a shared machine hit both
+            cpu0 = _process_cpu(server_pid)
             runs.append(await run_level(client, model, prompts_for(c), c, output_len))
+            if server_pid is not None and runs[-1]["output_tok_s"]:
+                tokens = runs[-1]["output_tok_s"] * runs[-1]["seconds"]
+                cpu_served.append((_process_cpu(server_pid) - cpu0) / tokens)
             if engine is not None:  # stepped from a worker thread, as AsyncLLM steps the server's engine
+                cpu0 = time.process_time()  # this process: only the offline engine works meanwhile
                 off = await asyncio.to_thread(run_offline, engine, prompts_for(c), c, output_len)
                 offline.append(off["output_tok_s"])
+                cpu_offline.append((time.process_time() - cpu0) / (off["output_tok_s"] * off["seconds"]))
         row = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]  # the median run
         row = {**row, "errors": sum(r["errors"] for r in runs), "lost": sum(r["lost"] for r in runs),
                "runs_tok_s": [round(r["output_tok_s"], 1) for r in runs]}
@@ -276,6 +296,12 @@ async def _levels(base: str, model: str, levels, prompts_for, output_len: int, e
             row["offline_tok_s"] = sorted(offline)[len(offline) // 2]
             row["offline_runs_tok_s"] = [round(x, 1) for x in offline]
             row["server_overhead_share"] = 1.0 - row["output_tok_s"] / row["offline_tok_s"]
+        if cpu_served:  # CPU time per output token: insensitive to what else runs on the machine
+            row["server_cpu_ms_per_token"] = round(1000 * sorted(cpu_served)[len(cpu_served) // 2], 3)
+        if cpu_offline:
+            row["offline_cpu_ms_per_token"] = round(1000 * sorted(cpu_offline)[len(cpu_offline) // 2], 3)
+        if cpu_served and cpu_offline:
+            row["server_cpu_overhead_share"] = 1.0 - row["offline_cpu_ms_per_token"] / row["server_cpu_ms_per_token"]
         print(json.dumps({k: v for k, v in row.items() if k != "error_samples"}), flush=True)
         out.append(row)
     await (client.close() if client_kind == "openai" else client.aclose())
@@ -290,7 +316,7 @@ def _vocab(args) -> int:
 
 def format_table(rows: list[dict]) -> str:
     head = ["conc", "reqs", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "err", "lost",
-            "offline tok/s", "overhead"]
+            "offline tok/s", "overhead (tok/s)", "CPU ms/tok served / offline", "overhead (CPU)"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         off = r.get("offline_tok_s")
@@ -298,5 +324,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(" | ".join(str(x) for x in (
             r["concurrency"], r["requests"], f"{r['output_tok_s']:.0f}", f"{r['req_s']:.2f}", r["ttft_p50_ms"],
             r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["errors"], r["lost"],
-            f"{off:.0f}" if off else "-", f"{share:.1%}" if share is not None else "-")))
+            f"{off:.0f}" if off else "-", f"{share:.1%}" if share is not None else "-",
+            f"{r.get('server_cpu_ms_per_token', '-')} / {r.get('offline_cpu_ms_per_token', '-')}",
+            f"{r['server_cpu_overhead_share']:.1%}" if "server_cpu_overhead_share" in r else "-")))
     return "\n".join(lines)

@@ -56,7 +56,7 @@ class ServerState:
 
     async def start(self, prompts: list, params, request_id: str, arrival: float) -> list[RequestStream]:
         """Queue one request per prompt; all or none (a bad one aborts the others and is a 400)."""
-        self.admit(len(prompts))
+        self.admit(len(prompts) * params.num_samples)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
