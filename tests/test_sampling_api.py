@@ -215,3 +215,38 @@ def test_async_llm_rejects_bad_input_before_any_output():
         assert len(out.outputs[0].token_ids) == 3 and llm.num_unfinished == 0
     finally:
         llm.shutdown()
+
+
+def test_async_llm_engine_failure_fails_every_request_and_refuses_new_ones():
+    from deepinfer_core.config import compose
+    from deepinfer_core.engine.engine import LLMEngine
+    from deepinfer_core.serving.async_llm import AsyncLLM, EngineDeadError
+
+    engine = LLMEngine(compose(None))
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    engine.step = failing_step
+    llm = AsyncLLM(engine)
+
+    async def main():
+        streams = [await llm.add(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True)) for _ in range(2)]
+        last = []
+        for s in streams:
+            async for u in s:
+                last.append(u)
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await llm.add(PROMPT, SamplingParams())
+        return [u for u in last if u.finished]
+
+    try:
+        finals = asyncio.run(main())
+        assert len(finals) == 2 and all(isinstance(u.error, RuntimeError) and u.output is None for u in finals)
+        assert isinstance(llm.error, RuntimeError) and llm.num_unfinished == 0
+    finally:
+        llm.shutdown()

@@ -516,8 +516,8 @@ class LLMEngine:
         self.stats.decode_tokens += 1
         if seq.params.logprobs is not None:
             entry = {tok: Logprob(logprob, rank)}
-            for rank, (t, lp) in enumerate(top or [], start=1):
-                entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
+            for r, (t, lp) in enumerate(top or [], start=1):
+                entry.setdefault(t, Logprob(lp)).rank = r  # the sampled token too
             seq.output_logprobs.append(entry)
         reason = self._stop_reason(seq, tok)
         if reason is not None:
