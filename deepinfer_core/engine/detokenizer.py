@@ -34,10 +34,6 @@ class IncrementalDetokenizer:
         self.text += new
         return new
 
-    def catch_up(self, output_token_ids: list[int]) -> str:
-        """Feed the tokens of ``output_token_ids`` not fed yet."""
-        return self.feed(output_token_ids[self.num_tokens:]) if len(output_token_ids) > self.num_tokens else ""
-
     def find_stop(self, stops: list[str], num_new_chars: int) -> str | None:
         """The first stop string that ends in the last ``num_new_chars`` characters, if any."""
         if not stops or not num_new_chars:
@@ -54,7 +50,7 @@ def stop_string_hit(seq, tokenizer) -> str | None:
     detok = seq.detokenizer
     if detok is None:
         detok = seq.detokenizer = IncrementalDetokenizer(tokenizer, seq.params.skip_special_tokens)
-    new = detok.catch_up(seq.output_token_ids)
+    new = detok.feed(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens : seq.num_known_tokens])
     return detok.find_stop(seq.params.stop, len(new))
 
 
