@@ -2,7 +2,13 @@
 
     deepinfer plugins [--json]        every installed plugin, whether it loads and can run here
     deepinfer generate --model DIR --prompt TEXT [...]
+    deepinfer serve [MODEL] [--host --port ...]   OpenAI-compatible HTTP server (deepinfer_core/serving)
+    deepinfer bench serve --base-url URL [...]    load generator against a server (examples/serve_bench.py)
     deepinfer calibrate ...           fit the scheduler's cost model (deepinfer_core.engine.calibrate)
+
+A configuration, checkpoint or accelerator error is one line on stderr (exit status 2); ``--debug``
+shows the traceback. ``--log-level`` sets the level of the ``deepinfer`` loggers, in worker
+processes too.
 
 ``plugins`` only imports the plugin classes themselves: backends name their ops as
 ``"module:function"`` strings and import TileLang / torch_npu inside them, so listing stays light.
@@ -165,9 +171,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from deepinfer_core import LLM, SamplingParams  # lazy: the engine is heavy
 
-    llm_kwargs: dict[str, Any] = {"model": args.model}
-    if args.accelerator is not None:
-        llm_kwargs["accelerator"] = args.accelerator
+    llm_kwargs: dict[str, Any] = {"model": args.model, **_engine_overrides(args)}
     if args.config is not None:
         llm_kwargs["config"] = args.config
     sp_kwargs: dict[str, Any] = {}
@@ -176,7 +180,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.temperature is not None:
         sp_kwargs["temperature"] = args.temperature
     if args.seed is not None:
-        sp_kwargs["seq_seed"] = args.seed
+        sp_kwargs["seed"] = args.seed
     llm = LLM(**llm_kwargs)
     outputs = llm.generate(list(args.prompt), SamplingParams(**sp_kwargs))
     for i, out in enumerate(outputs):
@@ -184,6 +188,55 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"--- [{i}] {args.prompt[i]!r}")
         print(out.outputs[0].text)
     return 0
+
+
+# ---- serve --------------------------------------------------------------------------------
+def _parse_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE read as a TOML value (``8``, ``true``, ``[1, 2]``, ``"x"``), else a string."""
+    import tomllib
+
+    from deepinfer_core.config import ConfigError
+
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--option expects KEY=VALUE, got {text!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(_parse_option(o) for o in getattr(args, "option", None) or [])
+    for key in ("accelerator", "dp", "ep", "max_num_seqs", "max_model_len", "dtype"):
+        value = getattr(args, key, None)
+        if value is not None:
+            kw[key] = value
+    if args.log_level:
+        kw["log_level"] = args.log_level.upper()
+    return kw
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from deepinfer_core.config import compose
+    from deepinfer_core.llm import make_engine
+    from deepinfer_core.serving.api_server import serve
+
+    kw = _engine_overrides(args)
+    if args.model is not None:
+        kw["model"] = args.model
+    engine = make_engine(compose(args.config, **kw))
+    serve(engine, args.host, args.port, model_name=args.served_model_name or args.model,
+          max_queue_len=args.max_queue_len, chat_template=args.chat_template,
+          reasoning=args.reasoning_parser == "think", log_level=args.log_level or "warning")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from deepinfer_core.serving import bench
+
+    return bench.main(list(args.extra))
 
 
 # ---- calibrate ----------------------------------------------------------------------------
@@ -197,15 +250,22 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 # ---- entry point --------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: inference for DeepSeek models")
-    parser.add_argument("--log-level", default=None, help="logging level (default: WARNING)")
+    parser.add_argument("--log-level", default=None, type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="level of the deepinfer loggers (default: WARNING)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    common = argparse.ArgumentParser(add_help=False)  # the global flags, accepted after the command too
+    common.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help=argparse.SUPPRESS)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("plugins", help="list installed plugins and whether they can run here")
+    p = sub.add_parser("plugins", help="list installed plugins and whether they can run here", parents=[common])
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_plugins)
 
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g = sub.add_parser("generate", help="generate text for one or more prompts", parents=[common])
     g.add_argument("--model", default=None, help="checkpoint directory (default: $DEEPINFER_HF_MODEL_DIR "
                    "or the embedded model)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
@@ -214,7 +274,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="per-sequence sampling seed")
     g.add_argument("--accelerator", default=None, help="accelerator name (default: auto)")
     g.add_argument("--config", default=None, help="TOML config file")
+    g.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="any engine config key (repeat)")
     g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API", parents=[common])
+    s.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hugging Face id (default: "
+                   "$DEEPINFER_HF_MODEL_DIR or the embedded model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--config", default=None, help="TOML config file (every engine key and feature section)")
+    s.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
+                   help="an engine config key, value in TOML syntax, e.g. -o max_num_seqs=64 -o "
+                        "'features=[\"structured_output\"]' (repeat)")
+    s.add_argument("--accelerator", default=None)
+    s.add_argument("--dtype", default=None)
+    s.add_argument("--dp", type=int, default=None, help="data-parallel attention ranks")
+    s.add_argument("--ep", type=int, default=None, help="expert-parallel ranks")
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    s.add_argument("--max-queue-len", type=int, default=1024,
+                   help="requests admitted beyond the running batch; past it, 429 (default: 1024)")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) instead of the "
+                   "checkpoint's")
+    s.add_argument("--reasoning-parser", choices=["none", "think"], default="none",
+                   help="'think': <think>...</think> becomes reasoning_content")
+    s.set_defaults(func=_cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks: `deepinfer bench serve --help`", add_help=False)
+    b.set_defaults(func=_cmd_bench, pass_through=True)
 
     # Everything after `calibrate` (including --help) is passed on to the calibration tool.
     c = sub.add_parser("calibrate", help="fit the scheduler's cost model on this machine", add_help=False)
@@ -228,9 +316,26 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "pass_through", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.log_level:
-        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+        logging.getLogger("deepinfer").setLevel(args.log_level)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"deepinfer {args.command}: error: {_error_line(exc)} (--debug shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _error_line(exc: BaseException) -> str:
+    """One line for an error: its message, with the class name where the message alone is unclear."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, (ValueError, FileNotFoundError)) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on where the platform supports overlap (engine.py docstring)
     measure_device_idle: bool = False  # engine.metrics() reports the device idle time between steps
     batch_invariant: bool = False
-    log_level: str = "WARNING"
+    log_level: str | None = None  # None: leave the "deepinfer" logger as the application set it
     worker_timeout_s: float = 120.0  # dp/ep > 1: a rank silent this long in a step is declared hung
     load_format: str = "auto"  # auto: read the safetensors; random: seeded random weights (benchmarks)
     feature_config: dict = field(default_factory=dict)  # {feature name: its TOML table}
@@ -227,7 +227,7 @@ def _validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"config key 'load_format' must be 'auto' or 'random', got {cfg.load_format!r}")
     if cfg.dtype not in _DTYPES:
         raise ConfigError(f"config key 'dtype' must be one of {_DTYPES}, got {cfg.dtype!r}")
-    if cfg.log_level.upper() not in _LOG_LEVELS:
+    if cfg.log_level is not None and cfg.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"config key 'log_level' must be one of {', '.join(_LOG_LEVELS)} (any case), "
                           f"got {cfg.log_level!r}")
     for key, (low, high, low_open) in _RANGES.items():

@@ -7,9 +7,18 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from deepinfer_core.config import compose
+from deepinfer_core.engine.detokenizer import TokenTexts
 from deepinfer_core.engine.engine import LLMEngine
+from deepinfer_core.engine.sample_group import (
+    SampleGroup,
+    as_params,
+    completion_output,
+    error_output,
+    request_output,
+)
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.outputs import CompletionOutput, RequestOutput
+from deepinfer_core.models.generation_config import sampling_defaults
+from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 
 Prompt = str | dict
@@ -35,21 +44,23 @@ class LLM:
                 kw[key] = value
         self._lock = threading.Lock()  # one caller at a time drives the engine (see the class docstring)
         self.config = compose(config, **kw)
-        if self.config.dp > 1 or self.config.ep > 1:
-            from deepinfer_core.parallel.launcher import ParallelEngine
-
-            self.engine = ParallelEngine(self.config)
-        else:
-            self.engine = LLMEngine(self.config)
+        self.engine = make_engine(self.config)
+        self.sampling_defaults = sampling_defaults(self.engine.model_dir)
+        self._chat_encoder = None
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (what ``None`` means)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
                  = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt. A request with bad input fails alone: its output has
         ``finish_reason == "error"`` and ``.error`` holds the ValueError/TypeError naming the field.
+        ``SamplingParams(n=k)`` gives k completions per prompt, which share the prompt's KV blocks.
         A call from another thread waits for this one to return (see the class docstring)."""
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
@@ -65,12 +76,13 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         engine = self.engine
-        slots: list[Sequence | RequestOutput] = []
+        slots: list[SampleGroup | RequestOutput] = []
         for prompt, p in zip(prompts, params):
             try:
-                slots.append(engine.add_request(prompt, p))
+                slots.append(SampleGroup(engine, prompt, as_params(p, self.sampling_defaults)))
             except (ValueError, TypeError) as exc:
-                slots.append(_error_output(prompt, exc))
+                slots.append(error_output(prompt, exc))
+        groups = [g for g in slots if isinstance(g, SampleGroup)]
         pbar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -79,12 +91,41 @@ class LLM:
         try:
             while engine.has_unfinished():
                 done = engine.step()
+                for g in groups:
+                    if g.pending:
+                        g.release(engine)
                 if pbar is not None and done:
-                    pbar.update(len(done))
+                    pbar.n = sum(g.finished for g in groups) + len(slots) - len(groups)
+                    pbar.refresh()
         finally:
             if pbar is not None:
                 pbar.close()
-        return [s if isinstance(s, RequestOutput) else to_output(s, engine.tokenizer) for s in slots]
+        texts = TokenTexts(engine.tokenizer)
+        return [s if isinstance(s, RequestOutput) else s.output(engine.tokenizer, texts) for s in slots]
+
+    def chat(self, messages: list[dict] | Seq[list[dict]], sampling_params: SamplingParams | Seq[SamplingParams]
+             | None = None, use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of ``{"role", "content"}`` messages) or to each
+        of several. The conversation is encoded by :class:`~deepinfer_core.serving.chat.ChatEncoder`:
+        the checkpoint's chat template (or ``chat_template``), with special tokens placed by id and
+        message text that spells a special token kept as plain text."""
+        from deepinfer_core.serving.chat import ChatEncoder
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        encoder = self.chat_encoder if chat_template is None else ChatEncoder(self.engine.model_dir, self.tokenizer,
+                                                                              chat_template)
+        prompts = [{"prompt_token_ids": encoder.encode(c, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                       **(chat_template_kwargs or {}))} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @property
+    def chat_encoder(self):
+        if self._chat_encoder is None:
+            from deepinfer_core.serving.chat import ChatEncoder
+
+            self._chat_encoder = ChatEncoder(self.engine.model_dir, self.tokenizer)
+        return self._chat_encoder
 
     def metrics(self) -> dict:
         with self._lock:
@@ -101,22 +142,15 @@ class LLM:
         self.shutdown()
 
 
+def make_engine(config):
+    """The engine for a config: one LLMEngine, or the driver of a dp/ep job (same interface)."""
+    if config.dp > 1 or config.ep > 1:
+        from deepinfer_core.parallel.launcher import ParallelEngine
+
+        return ParallelEngine(config)
+    return LLMEngine(config)
+
+
 def to_output(seq: Sequence, tokenizer) -> RequestOutput:
-    out_ids = seq.output_token_ids
-    text = tokenizer.decode(out_ids)
-    if isinstance(seq.stop_reason, str) and seq.stop_reason in text:
-        text = text[: text.index(seq.stop_reason)]
-    completion = CompletionOutput(0, text, out_ids, seq.output_logprobs if seq.params.logprobs is not None else None,
-                                  seq.finish_reason, seq.stop_reason)
-    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids,
-                         seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-                         [completion], True, seq.metrics, seq.error)
-
-
-def _error_output(prompt, exc: BaseException) -> RequestOutput:
-    from deepinfer_core.outputs import RequestMetrics
-
-    text = prompt if isinstance(prompt, str) else None
-    ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else []
-    return RequestOutput("", text, list(ids) if isinstance(ids, list) else [], None,
-                         [CompletionOutput(0, "", [], None, "error")], True, RequestMetrics(), exc)
+    """The output of one finished engine request."""
+    return request_output(seq, [completion_output(seq, tokenizer)], True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    rank: int | None = None  # 1 = the most likely token; the sampled token's true rank even outside the top N
+    decoded_token: str | None = None  # the token's own text
 
 
 @dataclass
@@ -20,6 +20,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None  # "stop" | "length" | "error" | "abort"
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (raw distribution)
 
 
 @dataclass

@@ -19,6 +19,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seq_seed: int | None = None  # per-request RNG seed, any int (taken modulo 2**64); random when None
+    seed: int | None = None  # vLLM's name for seq_seed (either may be given; they must agree)
+    n: int = 1  # completions returned per prompt
+    best_of: int | None = None  # completions drawn per prompt (>= n); the n with the highest cumulative logprob
+    skip_special_tokens: bool = True  # drop special tokens from the output text
+    include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one), clamped to the vocab
     prompt_logprobs: int | None = None  # 0: each prompt token's own logprob; N: also the top N (clamped to the vocab)
     repetition_penalty: float = 1.0
@@ -34,6 +39,19 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.seed is not None and self.seq_seed is None:
+            self.seq_seed = self.seed
+        elif self.seq_seed is not None and self.seed is None:
+            self.seed = self.seq_seed
+
+    @property
+    def num_samples(self) -> int:
+        """Completions drawn per prompt: ``best_of`` when set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
@@ -74,8 +92,20 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"SamplingParams.{name} must be a non-negative int or None, got {v!r}")
-        if self.seq_seed is not None and (isinstance(self.seq_seed, bool) or not isinstance(self.seq_seed, int)):
-            raise TypeError(f"SamplingParams.seq_seed must be an int, got {self.seq_seed!r}")
+        for name in ("seed", "seq_seed"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"SamplingParams.{name} must be an int, got {v!r}")
+        if self.seed is not None and self.seq_seed is not None and self.seed != self.seq_seed:
+            raise ValueError(f"SamplingParams.seed={self.seed} and seq_seed={self.seq_seed} disagree; give one")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if self.best_of is not None:
+            if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or self.best_of < self.n:
+                raise ValueError(f"SamplingParams.best_of must be an int >= n={self.n}, got {self.best_of!r}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"SamplingParams.stop_token_ids has {t!r}, outside the vocabulary [0, {vocab_size})")

@@ -242,7 +242,7 @@ def test_generate_builds_llm_and_sampling_params(fake_llm, capsys):
     out = run_cli(capsys, "generate", "--model", "/ckpt", "--prompt", "Hi", "--max-tokens", "7",
                   "--temperature", "0.5", "--seed", "42", "--accelerator", "cpu", "--config", "c.toml")
     assert fake_llm == [("init", {"model": "/ckpt", "accelerator": "cpu", "config": "c.toml"}),
-                        ("generate", ["Hi"], {"max_tokens": 7, "temperature": 0.5, "seq_seed": 42})]
+                        ("generate", ["Hi"], {"max_tokens": 7, "temperature": 0.5, "seed": 42})]
     assert out == "<Hi done>\n"
 
 
@@ -267,7 +267,8 @@ def test_calibrate_passes_its_arguments_through(monkeypatch):
     ([], "the following arguments are required: COMMAND"),
     (["plugins", "--jsn"], "unrecognized arguments: --jsn"),
     (["generate"], "the following arguments are required: --prompt"),
-    (["serve"], "invalid choice: 'serve'"),
+    (["serve", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--log-level", "LOUD", "plugins"], "invalid choice: 'LOUD'"),
 ])
 def test_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

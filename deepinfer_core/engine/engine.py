@@ -52,6 +52,7 @@ from deepinfer_core import plugins
 from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.cost_model import CostModel, default_path
+from deepinfer_core.engine.detokenizer import stop_string_hit
 from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
 from deepinfer_core.engine.sampler import DeviceSample, Sampler, has_penalty
@@ -144,7 +145,8 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
+        if cfg.log_level is not None:  # else the application's (or the CLI's --log-level) setting stands
+            logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
         self.platform = select_platform(cfg.accelerator)
         backend = plugins.load("deepinfer.kernels", self.platform.kernel_backend, what="kernel backend")
         reference = plugins.load("deepinfer.kernels", "reference", what="kernel backend")
@@ -321,6 +323,11 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.is_finished:
             self._finish(seq, reason, error=error)
+
+    def load_stats(self) -> dict:
+        """Cheap gauges for a serving front end: running and waiting requests, KV-cache usage (0..1)."""
+        return {"running": self.scheduler.num_running(), "waiting": len(getattr(self.scheduler, "waiting", ())),
+                "kv_usage": 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)}
 
     def has_unfinished(self) -> bool:
         """Requests wait or run, or a launched step is still to be post-processed."""
@@ -566,7 +573,7 @@ class LLMEngine:
         tw = time.perf_counter()
         host = step.copy.wait()
         self.stats.forward_time += time.perf_counter() - tw
-        base = 4 if step.sample is not None else 0
+        base = DeviceSample.NUM_TENSORS if step.sample is not None else 0
         for j, (seq, first) in enumerate(step.prompt_lp):
             if not seq.is_finished:
                 self._add_prompt_logprobs(seq, first, *host[base + 3 * j : base + 3 * j + 3])
@@ -578,7 +585,7 @@ class LLMEngine:
         self.stats.completed_steps += 1
 
     def _complete_tokens(self, step: InflightStep, host: list[torch.Tensor | None]) -> None:
-        res = Sampler.to_result(step.sample.want, host[:4])
+        res = Sampler.to_result(step.sample.want, host[:DeviceSample.NUM_TENSORS])
         now = time.perf_counter()
         kept: list[int] = []
         for i, seq in enumerate(step.batch.sample_seqs):
@@ -591,7 +598,7 @@ class LLMEngine:
             seq.num_pending_tokens -= 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            self._accept_token(seq, res.tokens[i], res.logprobs[i], res.top[i])
+            self._accept_token(seq, res.tokens[i], res.logprobs[i], res.top[i], res.ranks[i])
             kept.append(i)
         batch = step.batch
         if len(kept) < len(batch.sample_seqs):
@@ -619,15 +626,16 @@ class LLMEngine:
                 if self._accept_token(seq, tok, logprobs[i][j], tops[i][j] if tops else None):
                     break
 
-    def _accept_token(self, seq: Sequence, tok: int, logprob: float, top: list | None) -> bool:
+    def _accept_token(self, seq: Sequence, tok: int, logprob: float, top: list | None,
+                      rank: int | None = None) -> bool:
         """Account for a real token just placed in ``seq.token_ids``; finish the request if it stops
-        there (True)."""
+        there (True). ``rank``: the token's rank in the full distribution, where known."""
         seq.sum_logprob += logprob
         self.stats.decode_tokens += 1
         if seq.params.logprobs is not None:
-            entry = {tok: Logprob(logprob)}
-            for rank, (t, lp) in enumerate(top or [], start=1):
-                entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
+            entry = {tok: Logprob(logprob, rank)}
+            for r, (t, lp) in enumerate(top or [], start=1):
+                entry.setdefault(t, Logprob(lp)).rank = r  # the sampled token too
             seq.output_logprobs.append(entry)
         reason = self._stop_reason(seq, tok)
         if reason is not None:
@@ -642,10 +650,9 @@ class LLMEngine:
         if tok in p.stop_token_ids:
             return "stop", tok
         if p.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            for s in p.stop:
-                if s in text:
-                    return "stop", s
+            hit = stop_string_hit(seq, self.tokenizer)  # incremental: only the new text is searched
+            if hit is not None:
+                return "stop", hit
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return "length", None
         if seq.num_known_tokens >= self.max_model_len:

@@ -21,6 +21,7 @@ class SampleResult:
     tokens: list[int]
     logprobs: list[float]  # of each sampled token under the raw model distribution
     top: list[list[tuple[int, float]] | None]  # top-N (token, logprob) where requested
+    ranks: list[int | None]  # where logprobs were requested: the sampled token's rank (1 = most likely)
 
 
 @dataclass
@@ -32,9 +33,12 @@ class DeviceSample:
     top_ids: torch.Tensor | None  # [len(want), n] int64: top-n of the rows that asked for logprobs
     top_lps: torch.Tensor | None  # [len(want), n] float32
     want: list[tuple[int, int]]  # (row, how many top entries it asked for)
+    ranks: torch.Tensor | None = None  # [len(want)] int64: rank of each such row's sampled token
+
+    NUM_TENSORS = 5  # len(tensors())
 
     def tensors(self) -> list[torch.Tensor | None]:
-        return [self.tokens, self.logprobs, self.top_ids, self.top_lps]
+        return [self.tokens, self.logprobs, self.top_ids, self.top_lps, self.ranks]
 
 
 def has_penalty(seq: Sequence) -> bool:
@@ -76,8 +80,8 @@ class Sampler:
             )
         lse = self.k.logsumexp(raw)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
-        want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs]
-        top_ids = top_lps = None
+        want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
+        top_ids = top_lps = ranks = None
         if want:
             n = min(max(m for _, m in want), self.V)
             if len(want) == len(params):
@@ -85,20 +89,26 @@ class Sampler:
             else:
                 idx = dev([i for i, _ in want], torch.long)
                 rows_raw, rows_lse = raw[idx], lse[idx]
-            top_lps, top_ids = rows_raw.topk(n, dim=-1)
-            top_lps = top_lps - rows_lse[:, None]
-        return DeviceSample(tokens, chosen, top_ids, top_lps, want)
+            rows_tok = tokens if len(want) == len(params) else tokens[idx]
+            ranks = (rows_raw > rows_raw.gather(1, rows_tok[:, None])).sum(-1) + 1
+            if n:
+                top_lps, top_ids = rows_raw.topk(n, dim=-1)
+                top_lps = top_lps - rows_lse[:, None]
+        return DeviceSample(tokens, chosen, top_ids, top_lps, want, ranks)
 
     @staticmethod
     def to_result(want: list[tuple[int, int]], host: list[torch.Tensor | None]) -> SampleResult:
         """Lists from the host copies of :meth:`DeviceSample.tensors`."""
-        tokens, chosen, top_ids, top_lps = host
+        tokens, chosen, top_ids, top_lps, ranks = host
         top: list[list[tuple[int, float]] | None] = [None] * tokens.shape[0]
+        rank: list[int | None] = [None] * tokens.shape[0]
         if want:
-            ids, lps = top_ids.tolist(), top_lps.tolist()
+            ids, lps = (top_ids.tolist(), top_lps.tolist()) if top_ids is not None else (None, None)
+            rk = ranks.tolist()
             for j, (i, m) in enumerate(want):
-                top[i] = list(zip(ids[j][:m], lps[j][:m]))
-        return SampleResult(tokens.tolist(), chosen.tolist(), top)
+                top[i] = list(zip(ids[j][:m], lps[j][:m])) if ids is not None else []
+                rank[i] = rk[j]
+        return SampleResult(tokens.tolist(), chosen.tolist(), top, rank)
 
     def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if has_penalty(s)]

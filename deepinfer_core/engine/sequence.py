@@ -51,6 +51,7 @@ class Sequence:
         self.sum_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.feature_state: dict = {}  # per-request state owned by feature plugins
+        self.detokenizer = None  # IncrementalDetokenizer, created when stop strings are checked
         self.num_pending_tokens = 0  # trailing placeholders in token_ids (sampled, not yet on the host)
         self.last_token_pending = False  # a placeholder is its last token (max_tokens/max_model_len): not scheduled
 

@@ -52,8 +52,8 @@ class HFTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tk.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
         return self.tk.id_to_token(i)
@@ -69,7 +69,7 @@ class NoTokenizer:
         raise TokenizerError(f"prompt is text but model directory {str(self.model_dir)!r} has no tokenizer.json; "
                              "pass {'prompt_token_ids': [...]}")
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
 
     def id_to_token(self, i: int) -> str | None:

@@ -29,11 +29,17 @@ class CheckpointError(ValueError):
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """``model`` if given, else $DEEPINFER_HF_MODEL_DIR, else the embedded default model."""
+    """``model`` if given, else $DEEPINFER_HF_MODEL_DIR, else the embedded default model. A name
+    that is not a directory but looks like a Hugging Face id (``org/name``) is resolved through
+    ``huggingface_hub`` (its cache first; ``HF_HUB_OFFLINE=1`` never goes online)."""
     path = model or os.environ.get("DEEPINFER_HF_MODEL_DIR") or str(EMBEDDED_MODEL)
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise CheckpointError(f"model directory {str(p)!r} does not exist")
+        from deepinfer_core.models.hub import looks_like_repo_id, resolve_repo_id
+
+        if not looks_like_repo_id(path):
+            raise CheckpointError(f"model directory {str(p)!r} does not exist")
+        p = resolve_repo_id(path)
     if not (p / "config.json").is_file():
         raise CheckpointError(f"model directory {str(p)!r} has no config.json")
     return p
@@ -275,5 +281,13 @@ def load_model(k, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device:
     if expert_range is not None:
         moe_kw = {"expert_start": expert_range[0], "num_local": expert_range[1] - expert_range[0]}
     model = build_model(k, cfg, dtype, device, max_positions, **moe_kw)
-    assign_weights(model, iter_checkpoint(SafetensorsReader(model_dir), cfg, dtype, expert_range))
+    tensors = iter_checkpoint(SafetensorsReader(model_dir), cfg, dtype, expert_range)
+    assign_weights(model, _progress(tensors, len(expected_tensors(cfg)), f"loading {model_dir.name}"))
     return model
+
+
+def _progress(items: Iterator, total: int, desc: str) -> Iterator:
+    """A progress bar over weight loading, on a terminal only (tqdm's ``disable=None``)."""
+    from tqdm.auto import tqdm
+
+    return iter(tqdm(items, total=total, desc=desc, unit="tensor", disable=None, leave=False, dynamic_ncols=True))

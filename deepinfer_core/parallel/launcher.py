@@ -223,7 +223,8 @@ class ParallelEngine:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
+        if cfg.log_level is not None:
+            logging.getLogger("deepinfer").setLevel(cfg.log_level.upper())
         self.platform = select_platform(cfg.accelerator)
         self.model_dir = resolve_model_dir(cfg.model)
         self.model_config = mc = load_model_config(self.model_dir)
@@ -544,6 +545,13 @@ class ParallelEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._failed_seqs)
+
+    def load_stats(self) -> dict:
+        """Running/waiting requests over all ranks and mean KV-cache usage, as of the last step."""
+        b = self.balancer
+        running = sum(b.running)
+        return {"running": running, "waiting": max(0, sum(b.unfinished) - running),
+                "kv_usage": sum(b.kv_usage) / len(b.kv_usage)}
 
     def step(self) -> list[Sequence]:
         """One lock-step step on every rank; returns the requests that finished in it."""

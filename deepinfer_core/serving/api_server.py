@@ -1,0 +1,164 @@
+"""``deepinfer serve``: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over :class:`AsyncLLM`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream=true`` as
+server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET
+/metrics`` (Prometheus text), ``GET /version``.
+
+Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 naming the bad field, 404
+for an unknown model, 429 when the admission queue is full, 503 when the engine has failed. A
+client that disconnects (streaming or not) has its request aborted and its KV blocks freed.
+"""
+
+# No "from __future__ import annotations": FastAPI reads the handlers' annotations as live objects.
+
+import asyncio
+import logging
+import time
+
+from deepinfer_core.serving.common import APIError, ServerState
+
+logger = logging.getLogger("deepinfer.serving")
+
+
+def _param(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) if parts else "body"
+
+
+def build_app(state: ServerState):
+    """The FastAPI application over a started :class:`ServerState`."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    from deepinfer_core.serving.chat_completions import create_chat_completion
+    from deepinfer_core.serving.completions import create_completion
+    from deepinfer_core.serving.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
+    from deepinfer_core.version import CORE_API_VERSION
+
+    app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None)
+    metrics = state.llm.metrics
+
+    def error_response(err: APIError) -> JSONResponse:
+        if metrics is not None and err.status != 429:
+            metrics.reject(err.status)
+        headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(UnsupportedField)
+    async def _unsupported(request: Request, exc: UnsupportedField):
+        return error_response(APIError(400, str(exc), exc.param))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = _param(tuple(first.get("loc", ())))
+        if first.get("type") == "extra_forbidden":
+            message = f"unknown field {param!r}"
+        elif first.get("type") == "json_invalid":
+            message, param = f"request body is not valid JSON: {first.get('msg')}", "body"
+        else:
+            message = f"{param}: {first.get('msg')}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem(s))"
+        return error_response(APIError(400, message, param))
+
+    async def respond(result, request: Request):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def until_disconnect(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def run(coro, request: Request):
+        """The handler, cancelled (its requests aborted) if the client leaves before it answers."""
+        task = asyncio.ensure_future(coro)
+        watch = asyncio.ensure_future(until_disconnect(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not task.done():
+            task.cancel()
+            return Response(status_code=499)
+        return await respond(task.result(), request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await run(create_completion(state, body, time.perf_counter()), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await run(create_chat_completion(state, body, time.perf_counter()), request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "deepinfer", "root": state.model_path,
+                                            "max_model_len": state.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if state.llm.error is not None:
+            return error_response(APIError(503, f"the engine failed: {state.llm.error}", code="engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render() if metrics is not None else b"", media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": "0.1.0", "core_api_version": CORE_API_VERSION}
+
+    return app
+
+
+def make_state(engine, model_name: str | None, max_queue_len: int, chat_template: str | None = None,
+               reasoning: bool = False) -> ServerState:
+    """Wrap a built engine (``deepinfer_core.llm.make_engine``) for serving."""
+    from deepinfer_core.models.generation_config import sampling_defaults
+    from deepinfer_core.serving.async_llm import AsyncLLM
+    from deepinfer_core.serving.chat import ChatEncoder, ChatTemplateError
+    from deepinfer_core.serving.metrics import ServingMetrics
+
+    cfg = engine.cfg
+    name = model_name or (cfg.model if cfg.model else "deepinfer-default")
+    metrics = ServingMetrics(name)
+    llm = AsyncLLM(engine, metrics, sampling_defaults(engine.model_dir))
+    encoder, chat_error = None, None
+    try:
+        encoder = ChatEncoder(engine.model_dir, engine.tokenizer, chat_template)
+    except ChatTemplateError as exc:
+        chat_error = str(exc)
+        logger.warning("chat disabled: %s", exc)
+    max_pending = cfg.max_num_seqs * max(cfg.dp, 1) + max_queue_len
+    return ServerState(llm, name, str(engine.model_dir), engine.max_model_len, max_pending, encoder, chat_error,
+                       reasoning)
+
+
+def serve(engine, host: str, port: int, model_name: str | None = None, max_queue_len: int = 1024,
+          chat_template: str | None = None, reasoning: bool = False, log_level: str = "warning") -> None:
+    """Serve until interrupted; shuts the engine down on exit."""
+    import uvicorn
+
+    state = make_state(engine, model_name, max_queue_len, chat_template, reasoning)
+    app = build_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    print(f"deepinfer serve: {state.model_name!r} on http://{host}:{port}/v1 (max {state.max_pending} requests in "
+          "flight)", flush=True)
+    try:
+        server.run()
+    finally:
+        state.llm.shutdown()
