@@ -3,6 +3,7 @@
     deepinfer plugins [--json]        every installed plugin, whether it loads and can run here
     deepinfer generate --model DIR --prompt TEXT [...]
     deepinfer calibrate ...           fit the scheduler's cost model (deepinfer_core.engine.calibrate)
+    deepinfer eval generate|judge|report|ppl ...   offline evaluation (deepinfer_core/eval/)
 
 ``plugins`` only imports the plugin classes themselves: backends name their ops as
 ``"module:function"`` strings and import TileLang / torch_npu inside them, so listing stays light.
@@ -219,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Everything after `calibrate` (including --help) is passed on to the calibration tool.
     c = sub.add_parser("calibrate", help="fit the scheduler's cost model on this machine", add_help=False)
     c.set_defaults(func=_cmd_calibrate, pass_through=True)
+
+    from deepinfer_core.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
