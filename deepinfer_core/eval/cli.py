@@ -36,7 +36,7 @@ def add_eval_parser(sub) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
     g.add_argument("--sampling-json", default=None, help="other SamplingParams fields as a JSON object")
     _engine_args(g)
-    g.set_defaults(func=_cmd_generate)
+    g.set_defaults(func=_clean_errors(_cmd_generate))
 
     j = esub.add_parser("judge", help="score a generations JSONL (never generates)")
     j.add_argument("--generations", required=True, type=Path)
@@ -50,12 +50,12 @@ def add_eval_parser(sub) -> None:
     j.add_argument("--judge-concurrency", type=int, default=8)
     j.add_argument("--judge-max-tokens", type=int, default=512)
     j.add_argument("--quiet", action="store_true", help="print the summary only, not the per-item table")
-    j.set_defaults(func=_cmd_judge)
+    j.set_defaults(func=_clean_errors(_cmd_judge))
 
     r = esub.add_parser("report", help="summary table and PNG from one or more scores files")
     r.add_argument("scores", nargs="+", type=Path)
     r.add_argument("--png", type=Path, default=None, help="write the Pass@k / by-category PNG here")
-    r.set_defaults(func=_cmd_report)
+    r.set_defaults(func=_clean_errors(_cmd_report))
 
     p = esub.add_parser("ppl", help="held-out perplexity and greedy continuations against the recorded baseline")
     from deepinfer_core.eval import ppl
@@ -72,7 +72,21 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--write-baseline", action="store_true", help="record the baseline instead of checking it")
     p.add_argument("--json", action="store_true", help="print the measurement as JSON")
     _engine_args(p)
-    p.set_defaults(func=_cmd_ppl)
+    p.set_defaults(func=_clean_errors(_cmd_ppl))
+
+
+def _clean_errors(fn):
+    """Bad input (a dataset line, a settings mismatch, a judge endpoint) is one line naming it, exit 2."""
+    from deepinfer_core.eval.llm_judge import JudgeError
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, TypeError, FileNotFoundError, JudgeError) as exc:
+            print(f"deepinfer eval {args.eval_command}: error: {exc}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
