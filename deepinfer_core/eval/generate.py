@@ -149,6 +149,8 @@ def _check_resume(out: Path, old: dict, new: dict) -> None:
 
 
 def _run_info(llm, adapter: str, settings: GenerateSettings, base) -> dict[str, Any]:
+    import torch
+
     engine, cfg = llm.engine, llm.config
     sampling = dataclasses.asdict(base)
     sampling.pop("seq_seed")
@@ -161,6 +163,7 @@ def _run_info(llm, adapter: str, settings: GenerateSettings, base) -> dict[str, 
         "accelerator": engine.platform.name,
         "batch_invariant": cfg.batch_invariant,
         "features": list(cfg.features),
+        "torch_threads": torch.get_num_threads(),  # summation order on the CPU: bitwise results depend on it
         "engine_config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "feature_config"},
         "feature_config": cfg.feature_config,
     }

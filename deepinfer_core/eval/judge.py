@@ -105,7 +105,7 @@ def summarize(scores: list[dict]) -> dict[str, Any]:
     return out
 
 
-def format_itemformat_table(scores: list[dict]) -> str:
+def format_item_table(scores: list[dict]) -> str:
     rows = [("id", "category", "difficulty", "n", "correct", "pass@1", "answer", "extracted (first sample)")]
     for s in scores:
         first = s["samples"][0]["extracted"] if s["samples"] else None
