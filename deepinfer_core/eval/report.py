@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer_core.eval.jsonl import read_jsonl
-from deepinfer_core.eval.judge import format_table, summarize, summary_path
+from deepinfer_core.eval.judge import _clip, format_table, summarize, summary_path
 
 
 def load_runs(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
@@ -67,7 +67,10 @@ def plot_report(runs: list[tuple[str, dict[str, Any]]], png: Path) -> Path:
             for label, s in runs:
                 ks = sorted(int(k) for k in s["pass_at_k"])
                 ax.plot(ks, [s["pass_at_k"][str(k)] for k in ks], marker="o", label=label)
+            ks_all = sorted({int(k) for _, s in runs for k in s["pass_at_k"]})
             ax.set_xscale("log", base=2)
+            ax.set_xticks(ks_all, [str(k) for k in ks_all])
+            ax.minorticks_off()
             ax.set_xlabel("k (samples)")
             ax.set_ylabel("Pass@k (unbiased)")
             ax.set_title("Pass@k against k")
@@ -78,7 +81,8 @@ def plot_report(runs: list[tuple[str, dict[str, Any]]], png: Path) -> Path:
                 by = s.get(f"by_{panel}", {})
                 xs = [j + i * width for j in range(len(groups))]
                 ax.bar(xs, [by.get(g, {}).get("pass@1", 0.0) for g in groups], width, label=label)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups, rotation=30, ha="right")
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], [_clip(g, 28) for g in groups],
+                          rotation=30, ha="right")
             ax.set_ylabel("Pass@1")
             ax.set_title(f"Pass@1 by {panel}")
         ax.set_ylim(0, 1.02)
