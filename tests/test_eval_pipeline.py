@@ -122,6 +122,8 @@ def test_resume_refuses_other_settings_and_skips_finished_items(llm, tmp_path):
     stats = run_generate(SAMPLES / "aime.jsonl", out, _settings(), "aime", llm=llm)
     assert stats["already_done"] == 2 and stats["written"] == 1
     assert [r["id"] for r in read_jsonl(out)] == ["toy-aime-1", "toy-aime-2", "toy-aime-3"]
+    with pytest.raises(ValueError, match=r"different settings \(sampling: file"):  # even with nothing left to do
+        run_generate(SAMPLES / "aime.jsonl", out, _settings(sampling={"max_tokens": 5}), "aime", llm=llm)
 
 
 def test_partly_written_chunk_is_rerun_whole(llm, tmp_path):

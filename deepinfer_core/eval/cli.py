@@ -147,6 +147,10 @@ def _cmd_judge(args: argparse.Namespace) -> int:
     else:
         from deepinfer_core.eval.rule_judge import RuleJudge
 
+        given = [f for f in ("judge_url", "judge_model", "judge_prompt") if getattr(args, f) is not None]
+        if given:
+            raise SystemExit(f"{', '.join('--' + f.replace('_', '-') for f in given)} only apply to --judge llm")
+
         judge, info = RuleJudge(), {"name": "rule"}
     out = args.out or default_scores_path(args.generations, args.judge)
     summary = run_judge(args.generations, out, judge, info)

@@ -6,7 +6,7 @@ Adapters (``--adapter``), one per input shape; each documents the fields it read
     ``{"id", "prompt" | "messages", "answer", "answer_type"?, "choices"?, "category"?, "difficulty"?}``.
     ``answer_type`` is ``math`` (default), ``choice`` (``answer`` is a letter A, B, ...) or ``exact``.
 ``aime``
-    ``{"id"|"ID", "problem"|"Problem", "answer"|"Answer", "year"?}``: a math problem with an integer
+    ``{"id"|"ID", "problem"|"Problem"|"question", "answer"|"Answer", "year"?}``: a math problem with an integer
     answer; the prompt asks for the final answer in ``\\boxed{}``.
 ``gpqa``
     GPQA's CSV columns as JSON keys: ``"Record ID", "Question", "Correct Answer", "Incorrect Answer 1..3",
@@ -108,10 +108,10 @@ def generic(raw: dict, where: str) -> EvalItem:
 
 def aime(raw: dict, where: str) -> EvalItem:
     item_id = _text(_pick(raw, ("id", "ID"), where), "id", where)
-    problem = _text(_pick(raw, ("problem", "Problem"), where), "problem", where)
+    problem = _text(_pick(raw, ("problem", "Problem", "question"), where), "problem", where)
     answer = _text(_pick(raw, ("answer", "Answer"), where), "answer", where).strip()
     year = raw.get("year", raw.get("Year"))
-    used = {"id", "ID", "problem", "Problem", "answer", "Answer"}
+    used = {"id", "ID", "problem", "Problem", "question", "answer", "Answer"}
     return EvalItem(item_id, answer, "math", prompt=f"{problem}\n\n{MATH_INSTRUCTION}", question=problem,
                     category=_opt(year), meta=_rest(raw, used))
 

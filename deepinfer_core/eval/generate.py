@@ -29,7 +29,9 @@ from deepinfer_core.eval.jsonl import append_record, open_for_append
 
 logger = logging.getLogger("deepinfer.eval")
 
-#: ``run`` fields that must match to resume a generations file (they decide the outputs)
+#: ``run`` fields that must match to resume a generations file (they decide the outputs); the static
+#: ones are known without starting the engine
+STATIC_KEYS = ("adapter", "k", "seed", "chunk_items", "sampling")
 RESUME_KEYS = ("adapter", "k", "seed", "chunk_items", "sampling", "model_fingerprint", "dtype", "accelerator",
                "batch_invariant", "features")
 
@@ -70,6 +72,8 @@ def run_generate(dataset: Path, out: Path, settings: GenerateSettings, adapter: 
     try:
         if torn:
             logger.warning("%s: cut off a torn last line (%d bytes) left by an interrupted run", out, torn)
+        if existing:  # the settings that need no engine: checked before deciding there is nothing to do
+            _check_resume(out, existing[0].get("run", {}), _static_run(adapter, settings, base), STATIC_KEYS)
         done = _check_existing(out, existing, items)
         todo_chunks = [chunk for chunk in _chunks(items, settings.chunk_items)
                        if any(it.id not in done for it in chunk)]
@@ -85,7 +89,7 @@ def run_generate(dataset: Path, out: Path, settings: GenerateSettings, adapter: 
             base.validate(engine.model_config.vocab_size)
             run = _run_info(llm, adapter, settings, base)
             if existing:
-                _check_resume(out, existing[0].get("run", {}), run)
+                _check_resume(out, existing[0].get("run", {}), run, RESUME_KEYS)
             renderer = ChatRenderer(engine.model_dir)
             t_start = time.perf_counter()
             for n, chunk in enumerate(todo_chunks, start=1):
@@ -140,23 +144,27 @@ def _check_existing(out: Path, existing: list[dict], items: list[EvalItem]) -> s
     return done
 
 
-def _check_resume(out: Path, old: dict, new: dict) -> None:
-    diff = [k for k in RESUME_KEYS if old.get(k) != new.get(k)]
+def _check_resume(out: Path, old: dict, new: dict, keys: tuple[str, ...]) -> None:
+    diff = [k for k in keys if old.get(k) != new.get(k)]
     if diff:
         detail = "; ".join(f"{k}: file {old.get(k)!r}, now {new.get(k)!r}" for k in diff)
         raise ValueError(f"{out} was written with different settings ({detail}); resume with the same settings "
                          "or write to a new --out file")
 
 
+def _static_run(adapter: str, settings: GenerateSettings, base) -> dict[str, Any]:
+    sampling = dataclasses.asdict(base)
+    sampling.pop("seq_seed")
+    return {"adapter": adapter, "k": settings.k, "seed": settings.seed, "chunk_items": settings.chunk_items,
+            "sampling": sampling}
+
+
 def _run_info(llm, adapter: str, settings: GenerateSettings, base) -> dict[str, Any]:
     import torch
 
     engine, cfg = llm.engine, llm.config
-    sampling = dataclasses.asdict(base)
-    sampling.pop("seq_seed")
     return {
-        "adapter": adapter, "k": settings.k, "seed": settings.seed, "chunk_items": settings.chunk_items,
-        "sampling": sampling,
+        **_static_run(adapter, settings, base),
         "model": str(engine.model_dir),
         "model_fingerprint": getattr(engine, "fingerprint", None),
         "dtype": str(getattr(engine, "dtype", cfg.dtype)).removeprefix("torch."),
