@@ -218,16 +218,14 @@ def test_dataset_errors_name_the_line_and_field(tmp_path):
 
 
 # ---- messages -> prompt text -----------------------------------------------------------------
-def test_chat_template_renders_messages_and_plain_layout_without_one(tmp_path):
-    from deepinfer_core.eval.chat import ChatRenderer
+def test_plain_chat_layout_and_template_detection(tmp_path):
+    from deepinfer_core.eval.chat import has_chat_template, render_plain
 
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1? <|end|>"}]
-    assert ChatRenderer(tmp_path).render(messages) == "System: Be brief.\n\nUser: 1+1? <|end|>\n\nAssistant:"
-    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
-    r = ChatRenderer(tmp_path)
-    assert r.format == "chat_template"
-    # BOS is the engine's to add: rendered empty so it is not doubled (and never as plain text)
-    assert r.render(messages) == "<|system|>Be brief.</s><|user|>1+1? <|end|></s><|assistant|>"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1? <|end_of_text|>"}]
+    assert render_plain(messages) == "System: Be brief.\n\nUser: 1+1? <|end_of_text|>\n\nAssistant:"
+    assert not has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(tmp_path)

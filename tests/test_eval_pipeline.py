@@ -13,6 +13,7 @@ import pytest
 
 from deepinfer_core import LLM
 from deepinfer_core.cli import main
+from deepinfer_core.eval.chat import has_chat_template
 from deepinfer_core.eval.generate import GenerateSettings, run_generate, sample_seed
 from deepinfer_core.eval.jsonl import read_jsonl
 from deepinfer_core.eval.judge import summary_path
@@ -66,9 +67,10 @@ def test_each_adapter_end_to_end(llm, tmp_path, adapter):
             assert s["error"] is None and s["finish_reason"] in ("stop", "length")
             assert 1 <= s["num_tokens"] <= 6
             assert s["timing"]["e2e_s"] >= s["timing"]["ttft_s"] >= 0
-    if adapter == "generic":
+    if adapter == "generic" and not has_chat_template(llm.engine.model_dir):
         chat = next(r for r in records if r["id"] == "g-chat")
-        assert chat["prompt_format"] == "plain" and chat["prompt"].endswith("\n\nAssistant:")
+        assert chat["prompt_format"] == "plain"
+        assert chat["prompt"] == "System: You write Python.\n\nUser: What does len([1, 2, 3]) return?\n\nAssistant:"
 
     assert main(["eval", "judge", "--generations", str(gens), "--out", str(scores)]) == 0
     scored = read_jsonl(scores)
@@ -103,6 +105,38 @@ def test_judge_scores_a_known_right_answer(tmp_path):
     assert s["pass_at_k"] == {"1": pytest.approx(1 / 3), "2": pytest.approx(2 / 3), "3": 1.0}
     summary = json.loads(summary_path(scores).read_text())
     assert summary["generation_errors"] == 1 and summary["by_difficulty"] == {"easy": {"items": 1, "pass@1": 0.333333}}
+
+
+def test_messages_go_through_the_checkpoints_chat_template(tmp_path):
+    """With a chat template, messages are encoded by the LLM's chat encoder (special tokens by id, text
+    that spells one kept plain); a build without that encoder refuses before generating anything."""
+    from deepinfer_core.models.loader import resolve_model_dir
+
+    src = resolve_model_dir(None)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json":
+            (ckpt / f.name).symlink_to(f)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|end_of_text|>{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    dataset = tmp_path / "d.jsonl"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say <|end_of_text|> x"}]
+    dataset.write_text(json.dumps({"id": "m", "messages": messages, "answer": "1"}) + "\n")
+    out = tmp_path / "g.jsonl"
+    with LLM(model=str(ckpt)) as llm:
+        if getattr(llm, "chat_encoder", None) is None:
+            with pytest.raises(ValueError, match=r"has a chat template.*LLM.chat_encoder"):
+                run_generate(dataset, out, _settings(k=1), llm=llm)
+            assert read_jsonl(out) == []
+            return
+        run_generate(dataset, out, _settings(k=1), llm=llm)
+        (rec,) = read_jsonl(out)
+        ids = llm.chat_encoder.encode(messages, add_generation_prompt=True)
+        assert rec["prompt_format"] == "chat_template" and rec["prompt_tokens"] == len(ids)
+        assert ids.count(llm.tokenizer.eos_token_ids[0]) == 2  # the template's two, not the user's spelling
 
 
 def test_deterministic_with_fixed_seed(llm, tmp_path):

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 #: samples per item when --samples is not given (AIME and GPQA are sampled several times by convention)
 DEFAULT_SAMPLES = {"aime": 32, "gpqa": 8, "hle": 1, "generic": 1}
 
@@ -94,8 +96,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--config", default=None, help="engine TOML config (features, dp/ep, ...)")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="engine config key; VALUE is JSON (e.g. dp=2, features='[\"dspark\"]') or a plain string")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any engine config key, VALUE in TOML syntax, e.g. -o dp=2 -o 'features=[\"dspark\"]' "
+                        "(repeat)")
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,14 +106,14 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("model", "accelerator", "dtype", "config"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    for item in args.engine_arg:
+    for item in args.option:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--engine-arg {item!r}: expected KEY=VALUE")
-        try:
-            kw[key] = json.loads(value)
-        except json.JSONDecodeError:
-            kw[key] = value
+        if not sep or not key.strip():
+            raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
+        try:  # a TOML value (8, true, [1, 2], "x"), else the text itself, as `deepinfer serve -o` reads it
+            kw[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            kw[key.strip()] = value
     return kw
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer_core.eval.chat import ChatRenderer
+from deepinfer_core.eval.chat import Prompter
 from deepinfer_core.eval.datasets import EvalItem, load_dataset
 from deepinfer_core.eval.jsonl import append_record, open_for_append
 
@@ -90,17 +90,19 @@ def run_generate(dataset: Path, out: Path, settings: GenerateSettings, adapter: 
             run = _run_info(llm, adapter, settings, base)
             if existing:
                 _check_resume(out, existing[0].get("run", {}), run, RESUME_KEYS)
-            renderer = ChatRenderer(engine.model_dir)
+            prompter = Prompter(llm)
+            if prompter.error and any(it.messages is not None for it in items):
+                raise ValueError(prompter.error)
             t_start = time.perf_counter()
             for n, chunk in enumerate(todo_chunks, start=1):
                 t0 = time.perf_counter()
-                prompts, params, formats = [], [], []
+                prompts, params, texts, formats = [], [], [], []
                 for it in chunk:
-                    text, fmt = (it.prompt, "prompt") if it.prompt is not None else (
-                        renderer.render(it.messages), renderer.format)
+                    prompt, text, fmt = prompter(it.prompt, it.messages)
+                    texts.append(text)
                     formats.append(fmt)
                     for j in range(settings.k):
-                        prompts.append(text)
+                        prompts.append(prompt)
                         params.append(dataclasses.replace(base, seq_seed=sample_seed(settings.seed, it.id, j)))
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 wall = time.perf_counter() - t0
@@ -108,8 +110,8 @@ def run_generate(dataset: Path, out: Path, settings: GenerateSettings, adapter: 
                     if it.id in done:
                         continue
                     group = outs[i * settings.k:(i + 1) * settings.k]
-                    append_record(f, _record(it, prompts[i * settings.k], formats[i], group, params, i, settings,
-                                             run, wall, dataset))
+                    append_record(f, _record(it, texts[i], formats[i], group, params, i, settings, run, wall,
+                                             dataset))
                     done.add(it.id)
                     stats["written"] += 1
                     stats["samples"] += settings.k
