@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e ".[test,structured,cuda,bench,eval]" $(TORCH_CPU)
+	$(BIN)/pip install -q -e ".[test,structured,cuda,bench]" $(TORCH_CPU)
 	touch $(STAMP)
 
 install: $(STAMP)
