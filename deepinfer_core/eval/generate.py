@@ -77,7 +77,7 @@ def run_generate(dataset: Path, out: Path, settings: GenerateSettings, adapter: 
         done = _check_existing(out, existing, items)
         todo_chunks = [chunk for chunk in _chunks(items, settings.chunk_items)
                        if any(it.id not in done for it in chunk)]
-        stats = {"items": len(items), "already_done": len(done), "written": 0, "samples": 0,
+        stats = {"items": len(items), "already_done": len(done), "written": 0, "samples": 0, "output_tokens": 0,
                  "skipped": skipped, "torn_bytes_dropped": torn, "wall_s": 0.0}
         if not todo_chunks:
             return stats
@@ -96,26 +96,19 @@ def run_generate(dataset: Path, out: Path, settings: GenerateSettings, adapter: 
             t_start = time.perf_counter()
             for n, chunk in enumerate(todo_chunks, start=1):
                 t0 = time.perf_counter()
-                prompts, params, texts, formats = [], [], [], []
-                for it in chunk:
-                    prompt, text, fmt = prompter(it.prompt, it.messages)
-                    texts.append(text)
-                    formats.append(fmt)
-                    for j in range(settings.k):
-                        prompts.append(prompt)
-                        params.append(dataclasses.replace(base, seq_seed=sample_seed(settings.seed, it.id, j)))
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                texts, formats, params, outs = _run_chunk(llm, prompter, chunk, base, settings)
                 wall = time.perf_counter() - t0
                 for i, it in enumerate(chunk):
-                    if it.id in done:
+                    if it.id in done:  # written before an interruption; the chunk ran whole for its batch
                         continue
-                    group = outs[i * settings.k:(i + 1) * settings.k]
-                    append_record(f, _record(it, texts[i], formats[i], group, params, i, settings, run, wall,
+                    group = slice(i * settings.k, (i + 1) * settings.k)
+                    append_record(f, _record(it, texts[i], formats[i], outs[group], params[group], run, wall,
                                              dataset))
                     done.add(it.id)
                     stats["written"] += 1
                     stats["samples"] += settings.k
                 ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+                stats["output_tokens"] += ntok
                 print(f"chunk {n}/{len(todo_chunks)}: {len(chunk)} items x {settings.k} samples, {ntok} tokens "
                       f"in {wall:.1f} s", file=sys.stderr, flush=True)
             stats["wall_s"] = round(time.perf_counter() - t_start, 3)
@@ -125,6 +118,19 @@ def run_generate(dataset: Path, out: Path, settings: GenerateSettings, adapter: 
         return stats
     finally:
         f.close()
+
+
+def _run_chunk(llm, prompter: Prompter, chunk: list[EvalItem], base, settings: GenerateSettings):
+    """Every sample of ``chunk`` in one ``generate`` call: (prompt texts, prompt formats, params, outputs)."""
+    prompts, params, texts, formats = [], [], [], []
+    for it in chunk:
+        prompt, text, fmt = prompter(it.prompt, it.messages)
+        texts.append(text)
+        formats.append(fmt)
+        for j in range(settings.k):
+            prompts.append(prompt)
+            params.append(dataclasses.replace(base, seq_seed=sample_seed(settings.seed, it.id, j)))
+    return texts, formats, params, llm.generate(prompts, params, use_tqdm=False)
 
 
 def _chunks(items: list[EvalItem], size: int) -> list[list[EvalItem]]:
@@ -179,14 +185,15 @@ def _run_info(llm, adapter: str, settings: GenerateSettings, base) -> dict[str, 
     }
 
 
-def _record(it: EvalItem, prompt: str, fmt: str, group, params, i: int, settings: GenerateSettings, run: dict,
-            wall: float, dataset: Path) -> dict[str, Any]:
+def _record(it: EvalItem, prompt: str, fmt: str, group, params, run: dict, wall: float,
+            dataset: Path) -> dict[str, Any]:
+    """One item's line: the item, its prompt, every sample (text, seed, tokens, timing) and the run."""
     samples = []
-    for j, out in enumerate(group):
+    for j, (out, p) in enumerate(zip(group, params)):
         comp, m = out.outputs[0], out.metrics
         e2e = None if m.finished_time is None else m.finished_time - m.arrival_time
         samples.append({
-            "index": j, "seed": params[i * settings.k + j].seq_seed, "text": comp.text,
+            "index": j, "seed": p.seq_seed, "text": comp.text,
             "num_tokens": len(comp.token_ids), "finish_reason": comp.finish_reason,
             "stop_reason": comp.stop_reason, "error": None if out.error is None else str(out.error),
             "cached_prompt_tokens": m.num_cached_tokens, "decode_ppl": m.decode_ppl,
