@@ -42,15 +42,16 @@ def test_heldout_texts_were_not_trained_on_and_carry_their_licence():
 
 
 def test_greedy_comparison_allows_departures_only_at_near_ties():
-    base = {"window": 8, "ppl": 10.0, "texts": {}, "continuations": [
+    base = {"model": "m", "window": 8, "ppl": 10.0, "texts": {}, "continuations": [
         {"prompt": "p", "token_ids": [1, 2, 3, 4], "text": "abcd", "margins": [2.0, 0.1, 3.0, 3.0]}]}
-    res = lambda ids: {"window": 8, "ppl": 10.0, "texts": {}, "continuations": [  # noqa: E731
+    res = lambda ids: {"model": "m", "window": 8, "ppl": 10.0, "texts": {}, "continuations": [  # noqa: E731
         {"prompt": "p", "token_ids": ids, "text": "x", "margins": []}]}
     assert ppl.compare(base, res([1, 2, 3, 4])) == []
     assert ppl.compare(base, res([1, 9, 9, 9]), greedy_margin=0.5) == []  # departs at the 0.1 near-tie
     assert "departs from the baseline at token 1" in ppl.compare(base, res([1, 9, 9, 9]))[0]
     assert "at token 2" in ppl.compare(base, res([1, 2, 9, 4]), greedy_margin=0.5)[0]
     assert "at token 3" in ppl.compare(base, res([1, 2, 3]), greedy_margin=0.5)[0]  # stopped early
+    assert "recorded for model m, this is other" in ppl.compare(base, dict(res([1, 2, 3, 4]), model="other"))[0]
     far = dict(res([1, 2, 3, 4]), ppl=10.002)
     assert "relative change 2.00e-04 > tolerance 1.0e-04" in ppl.compare(base, far)[0]
 

@@ -111,11 +111,16 @@ def measure(llm, texts_dir: Path = HELDOUT_DIR, prompts_file: Path = PROMPTS, wi
             max_tokens: int = CONTINUATION_TOKENS) -> dict[str, Any]:
     import json
 
+    import torch
+
+    from deepinfer_core.engine.engine import model_fingerprint
+
     prompts = json.loads(Path(prompts_file).read_text())
     engine = llm.engine
     result = perplexity(llm, load_texts(texts_dir), window)
     result["continuations"] = greedy_continuations(llm, prompts, max_tokens)
-    result["model_fingerprint"] = getattr(engine, "fingerprint", None)
+    # the weights' identity whatever dtype runs them (the engine's own fingerprint includes the dtype)
+    result["model"] = model_fingerprint(engine.model_dir, torch.float32)
     result["dtype"] = str(getattr(engine, "dtype", "")).removeprefix("torch.")
     result["accelerator"] = engine.platform.name
     return result
@@ -125,6 +130,8 @@ def compare(baseline: dict[str, Any], result: dict[str, Any], rtol: float = CPU_
             greedy_margin: float = 0.0) -> list[str]:
     """Every way ``result`` departs from ``baseline`` beyond the tolerances (empty: it passes)."""
     problems = []
+    if baseline.get("model") != result.get("model"):
+        problems.append(f"the baseline was recorded for model {baseline.get('model')}, this is {result.get('model')}")
     if baseline["window"] != result["window"]:
         problems.append(f"window {result['window']} != baseline {baseline['window']}")
     base_texts, texts = baseline["texts"], result["texts"]
