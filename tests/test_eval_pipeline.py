@@ -212,3 +212,18 @@ def test_kill_and_resume_loses_and_duplicates_nothing(tmp_path):
     cmd[cmd.index(str(killed))] = str(reference)
     assert subprocess.run(cmd, capture_output=True, timeout=600, env=env).returncode == 0
     assert _without_timing(resumed) == _without_timing(read_jsonl(reference))
+
+
+@pytest.mark.slow
+def test_any_engine_config_dp_ep_through_the_cli(llm, tmp_path):
+    """`-o dp=2 -o ep=2`: two rank processes (attention data-parallel, experts split); greedy texts equal
+    the single-process engine's."""
+    par, single = tmp_path / "dp.jsonl", tmp_path / "single.jsonl"
+    args = ["eval", "generate", "--dataset", str(SAMPLES / "gpqa.jsonl"), "--adapter", "gpqa", "-k", "2",
+            "--temperature", "0", "--max-tokens", "8"]
+    assert main(args + ["--out", str(par), "-o", "dp=2", "-o", "ep=2"]) == 0
+    greedy = GenerateSettings(k=2, seed=0, chunk_items=16, sampling={"temperature": 0.0, "max_tokens": 8})
+    run_generate(SAMPLES / "gpqa.jsonl", single, greedy, "gpqa", llm=llm)
+    a, b = read_jsonl(par), read_jsonl(single)
+    assert [r["run"]["engine_config"]["dp"] for r in a] == [2, 2] and a[0]["run"]["engine_config"]["ep"] == 2
+    assert [[s["text"] for s in r["samples"]] for r in a] == [[s["text"] for s in r["samples"]] for r in b]
