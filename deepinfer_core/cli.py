@@ -5,6 +5,7 @@
     deepinfer serve [MODEL] [--host --port ...]   OpenAI-compatible HTTP server (deepinfer_core/serving)
     deepinfer bench serve --base-url URL [...]    load generator against a server (examples/serve_bench.py)
     deepinfer calibrate ...           fit the scheduler's cost model (deepinfer_core.engine.calibrate)
+    deepinfer eval generate|judge|report|ppl ...   offline evaluation (deepinfer_core/eval/)
 
 A configuration, checkpoint or accelerator error is one line on stderr (exit status 2); ``--debug``
 shows the traceback. ``--log-level`` sets the level of the ``deepinfer`` loggers, in worker
@@ -307,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Everything after `calibrate` (including --help) is passed on to the calibration tool.
     c = sub.add_parser("calibrate", help="fit the scheduler's cost model on this machine", add_help=False)
     c.set_defaults(func=_cmd_calibrate, pass_through=True)
+
+    from deepinfer_core.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
