@@ -340,3 +340,37 @@ def test_engine_on_ascend_kernels_generates_like_the_reference(monkeypatch):
             assert max(abs(p - q) for p, q in zip(lx, ly)) < 1e-4
         if padded:
             assert sum(llm.engine.runner.graphs.runs.values()) > 0
+
+
+def test_engine_at_deepseek_attention_sizes_takes_the_fia_paths(tmp_path, monkeypatch):
+    """A tiny V3 with the real MLA head sizes (latent 512, rope 64, nope 128, v 128) in bfloat16: prefill
+    and decode go through FIA (emulated) inside the model, and agree with the reference kernels."""
+    from tiny_models import write_checkpoint
+
+    from deepinfer_core import LLM, SamplingParams
+    from hardware.cpu import CpuPlatform
+
+    path, _ = write_checkpoint(tmp_path / "mla", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                               v_head_dim=128, q_lora_rank=None, num_hidden_layers=2)
+    prompts = [[5, 9, 40, 41, 17, 88, 23], [7, 7, 60, 3 + 8, 99, 101, 4, 5, 6, 12, 30], [50]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+
+    def run():
+        llm = LLM(model=str(path), dtype="bfloat16", accelerator="cpu", block_size=16, kv_cache_memory=8 << 20,
+                  max_num_batched_tokens=64)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [params] * len(prompts), use_tqdm=False)
+        llm.engine.blocks.check_no_leaks()
+        return outs
+
+    want = run()
+    monkeypatch.setattr(CpuPlatform, "kernel_backend", "ascend")
+    with npu_emulation.install() as emu:
+        got = run()
+    # 2 layers x (1 prefill step (TND) + 2 decode steps (paged MLA))
+    assert emu.calls["npu_fused_infer_attention_score_v2"] == 2 * 3
+    for x, y in zip(got, want):
+        assert x.error is None and x.outputs[0].token_ids == y.outputs[0].token_ids
+        px = [d[t].logprob for d, t in zip(x.prompt_logprobs[1:], x.prompt_token_ids[1:])]
+        py = [d[t].logprob for d, t in zip(y.prompt_logprobs[1:], y.prompt_token_ids[1:])]
+        assert len(px) == len(py) == len(x.prompt_token_ids) - 1
+        assert max((abs(a - b) for a, b in zip(px, py)), default=0.0) < 0.05  # bf16 (0.016 seen)
