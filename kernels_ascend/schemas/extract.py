@@ -45,6 +45,9 @@ ENUM_PATTERNS: dict[str, tuple[str, str]] = {
     "npu_fused_infer_attention_score_v2.input_layout": (
         r"input_layout形状支持(BSH)、(BSND)、(BNSD)、(BNSD_NBSD)、(BSND_NBSD)、(BSH_NBSD)、(TND)、(TND_NTD)", "str"),
     "npu_fused_infer_attention_score.sparse_mode": (r"当前仅支持取值(0)、(1)、(2)、(3)、(4)、(9)", "int"),
+    "npu_fused_infer_attention_score_v2.sparse_mode": (
+        r"sparse_mode为(0)时, 代表defaultMask[^\n]*\nsparse_mode为(1)时[^\n]*\nsparse_mode为(2)时[^\n]*\n"
+        r"sparse_mode为(3)时[^\n]*\nsparse_mode为(4)时", "int"),
 }
 
 

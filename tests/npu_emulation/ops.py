@@ -261,7 +261,7 @@ def npu_fused_infer_attention_score_v2(
     2), key N 1 and D 512, rope D 64 (约束说明, MLA). query/key/value/rope: float16/bfloat16,
     contiguous (参数说明). page attention: block_table int32 [B, >= max blocks], key/value
     (blocknum, blocksize, H) for BSH/BSND queries, actual_seq_kvlen per batch required, block size 16 or
-    128 in MLA mode. TND: actual_seq_qlen/kvlen are cumulative. sparse_mode 0 without mask (full), 3
+    128 in MLA mode, where Q_S 1 takes sparse_mode 0 without a mask and Q_S > 1 sparse_mode 3 (约束说明, MLA). TND: actual_seq_qlen/kvlen are cumulative. sparse_mode 0 without mask (full), 3
     rightDownCausal with the optimised 2048x2048 mask: query i of a batch sees keys <= kv_len - q_len + i.
     Emulated: BSND (paged) and TND (unpaged), sparse modes 0 and 3, no quantisation."""
     op = "npu_fused_infer_attention_score_v2"
@@ -317,6 +317,8 @@ def npu_fused_infer_attention_score_v2(
                   and query_rope.shape == (B, S, N, 64) and key_rope.shape == (*key.shape[:2], 64), op,
                   "MLA needs query S 1-16, N a power of 2 <= 128, key N 1 and D 512, rope D 64")
             _need(block_size in (16, 128), op, f"MLA page attention block_size {block_size} (16 or 128)")
+            _need(sparse_mode == (0 if S == 1 else 3), op, "MLA with query D 512: Q_S 1 takes only sparse_mode 0 "
+                  "without a mask, Q_S > 1 only sparse_mode 3 with the mask")
         Dk, Dv = key.shape[2] // kv_heads, value.shape[2] // kv_heads
         out = torch.zeros(B, S, N, Dv, dtype=query.dtype)
         for b in range(B):
