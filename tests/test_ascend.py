@@ -91,8 +91,9 @@ def test_schema_check_sees_through_aliases_and_star_args():
     src = ("import torch\nfrom torch_npu import npu\nimport torch_npu.npu as tn\n"
            "def f(x, a, kw):\n    torch.ops.npu.npu_rms_norm(x)\n    npu.Bogus()\n    tn.Event()\n"
            "    import torch_npu\n    torch_npu.npu_swiglu(*a)\n    torch_npu.npu_swiglu(x, **kw)\n")
-    r = check_source(src, "m.py")
+    r = check_source(src + "def g():\n    from torch_npu import npu_bogus\n", "m.py")
     assert r.errors == [
+        "m.py:12: torch_npu.npu_bogus: torch_npu 2.14.0 has no op 'npu_bogus'",  # imports are checked first
         "m.py:5: torch_npu.npu_rms_norm: missing required argument 'gamma'",
         "m.py:6: torch_npu.npu.Bogus: not in torch_npu.npu.__all__ of torch_npu 2.14.0",
         "m.py:9: torch_npu.npu_swiglu: *args/**kwargs cannot be checked statically; spell the arguments out",

@@ -110,9 +110,12 @@ class _Visitor(ast.NodeVisitor):
         self.mods: dict[str, str] = {}  # names bound to a torch_npu submodule -> its dotted name
         self.funcs: dict[str, str] = {}  # names bound to a torch_npu op -> op name
         self.torch: set[str] = {"torch"}
+        self.seen_imports: set[int] = set()
 
-    # -- imports ----------------------------------------------------------------------------
+    # -- imports (bound in a first pass over the whole file, so later passes skip them) ----------
     def visit_Import(self, node: ast.Import) -> None:
+        if not self._first_sight(node):
+            return
         for a in node.names:
             if a.name == "torch_npu":
                 self.pkg.add(a.asname or "torch_npu")
@@ -124,7 +127,15 @@ class _Visitor(ast.NodeVisitor):
             elif a.name == "torch":
                 self.torch.add(a.asname or "torch")
 
+    def _first_sight(self, node: ast.AST) -> bool:
+        if id(node) in self.seen_imports:
+            return False
+        self.seen_imports.add(id(node))
+        return True
+
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if not self._first_sight(node):
+            return
         if node.module == "torch_npu":
             for a in node.names:
                 local = a.asname or a.name

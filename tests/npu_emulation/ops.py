@@ -261,7 +261,8 @@ def npu_fused_infer_attention_score_v2(
     2), key N 1 and D 512, rope D 64 (约束说明, MLA). query/key/value/rope: float16/bfloat16,
     contiguous (参数说明). page attention: block_table int32 [B, >= max blocks], key/value
     (blocknum, blocksize, H) for BSH/BSND queries, actual_seq_kvlen per batch required, block size 16 or
-    128 in MLA mode, where Q_S 1 takes sparse_mode 0 without a mask and Q_S > 1 sparse_mode 3 (约束说明, MLA). TND: actual_seq_qlen/kvlen are cumulative. sparse_mode 0 without mask (full), 3
+    128 in MLA mode, where Q_S 1 takes sparse_mode 0 without a mask and Q_S > 1 sparse_mode 3
+    (约束说明, MLA). TND: actual_seq_qlen/kvlen are cumulative. sparse_mode 0 without mask (full), 3
     rightDownCausal with the optimised 2048x2048 mask: query i of a batch sees keys <= kv_len - q_len + i.
     Emulated: BSND (paged) and TND (unpaged), sparse modes 0 and 3, no quantisation."""
     op = "npu_fused_infer_attention_score_v2"
