@@ -75,8 +75,10 @@ def test_schema_check_rejects_the_wrong_calls_of_the_fixture():
         "(docs: '`1`表示使用Sigmoid函数，`0`表示Softmax函数')",
         f"{path}:16: torch_npu.npu.NotAStream: not in torch_npu.npu.__all__ of torch_npu 2.14.0",
         f"{path}:17: torch_npu.npu_rms_norm: argument 'epsilon' given both by position and by keyword",
+        f"{path}:18: torch_npu.npu.graph: unknown keyword 'pools' (parameters: npu_graph, pool, stream, "
+        "auto_dispatch_capture, capture_error_mode)",
     ]
-    assert [c.op for c in report.calls if c.line >= 20] == ["npu_rms_norm", "torch_npu.npu.Stream"]
+    assert [c.op for c in report.calls if c.line >= 21] == ["npu_rms_norm", "torch_npu.npu.Stream"]
 
 
 def test_schema_check_cli_fails_on_the_fixture():
@@ -84,20 +86,23 @@ def test_schema_check_cli_fails_on_the_fixture():
                            "tests/fixtures/torch_npu_bad_calls.py"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "unknown keyword 'epsilonn'" in proc.stderr
-    assert proc.stdout.strip() == "9 torch_npu use(s) of 6 name(s) checked, 8 error(s)"
+    assert proc.stdout.strip() == "10 torch_npu use(s) of 7 name(s) checked, 9 error(s)"
 
 
 def test_schema_check_sees_through_aliases_and_star_args():
     src = ("import torch\nfrom torch_npu import npu\nimport torch_npu.npu as tn\n"
            "def f(x, a, kw):\n    torch.ops.npu.npu_rms_norm(x)\n    npu.Bogus()\n    tn.Event()\n"
            "    import torch_npu\n    torch_npu.npu_swiglu(*a)\n    torch_npu.npu_swiglu(x, **kw)\n")
-    r = check_source(src + "def g():\n    from torch_npu import npu_bogus\n", "m.py")
+    r = check_source(src + "def g():\n    from torch_npu import npu_bogus\n    tn.Event(True, False, False, 1)\n"
+                     "    tn.graph()\n", "m.py")
     assert r.errors == [
         "m.py:12: torch_npu.npu_bogus: torch_npu 2.14.0 has no op 'npu_bogus'",  # imports are checked first
         "m.py:5: torch_npu.npu_rms_norm: missing required argument 'gamma'",
         "m.py:6: torch_npu.npu.Bogus: not in torch_npu.npu.__all__ of torch_npu 2.14.0",
         "m.py:9: torch_npu.npu_swiglu: *args/**kwargs cannot be checked statically; spell the arguments out",
         "m.py:10: torch_npu.npu_swiglu: *args/**kwargs cannot be checked statically; spell the arguments out",
+        "m.py:13: torch_npu.npu.Event: takes at most 3 positional argument(s), got 4",
+        "m.py:14: torch_npu.npu.graph: missing required argument 'npu_graph'",
     ]
 
 

@@ -112,6 +112,7 @@ class Schemas:
     ops: dict[str, tuple[OpSchema, ...]]  # Python name -> overloads
     modules: dict[str, frozenset[str]]  # "torch_npu.npu" -> its public names (__all__)
     enums: dict[str, dict[str, list]]  # "op.param" -> {"values": [...], "doc": excerpt}
+    signatures: dict[str, list[list[dict]]]  # "torch_npu.npu.graph" -> parameter lists (function, or __new__/__init__)
 
 
 @cache
@@ -122,4 +123,4 @@ def load(path: str | Path = SCHEMA_FILE) -> Schemas:
         s = parse_schema(text)
         ops.setdefault(s.name, []).append(s)
     return Schemas(doc["version"], doc["wheel"], doc["sha256"], {k: tuple(v) for k, v in ops.items()},
-                   {k: frozenset(v) for k, v in doc["modules"].items()}, doc["enums"])
+                   {k: frozenset(v) for k, v in doc["modules"].items()}, doc["enums"], doc["signatures"])

@@ -8,7 +8,8 @@ t``, ``from torch_npu import npu_x [as y]`` or ``torch.ops.npu.npu_x(...)``) and
 * every keyword is a parameter of the op, no parameter is given twice, the positional arguments fit
   the positional parameters, and every required parameter is given;
 * literal values of enum-like parameters are among the values the op's docs allow;
-* ``torch_npu.npu.<name>`` is in that module's ``__all__``.
+* ``torch_npu.npu.<name>`` is in that module's ``__all__`` and, where the wheel defines it in Python,
+  the call fits its signature (keywords, positional count, required parameters).
 
     python -m kernels_ascend.schemas.check [paths...]    # default: kernels_ascend/ hardware/ascend.py
 """
@@ -101,6 +102,28 @@ def check_call(schemas: Schemas, op: str, call: ast.Call) -> list[str]:
             return []
         best = errs if best is None else best
     return best or []
+
+
+def check_api_call(schemas: Schemas, name: str, call: ast.Call) -> list[str]:
+    """Why ``call`` of Python API ``name`` (e.g. "torch_npu.npu.graph") does not fit its signature in the
+    wheel; empty when it fits or when the wheel defines ``name`` outside Python (then unknown)."""
+    errs: list[str] = []
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return ["*args/**kwargs cannot be checked statically; spell the arguments out"]
+    for params in schemas.signatures.get(name, []):
+        positional = [p for p in params if p["kind"] in ("posonly", "pos")]
+        names = {p["name"] for p in params if p["kind"] in ("pos", "kwonly")}
+        varargs = any(p["kind"] == "varargs" for p in params)
+        varkw = any(p["kind"] == "varkw" for p in params)
+        if len(call.args) > len(positional) and not varargs:
+            errs.append(f"takes at most {len(positional)} positional argument(s), got {len(call.args)}")
+        given = {p["name"] for p in positional[: len(call.args)]}
+        for kw in call.keywords:
+            if kw.arg not in names and not varkw:
+                errs.append(f"unknown keyword {kw.arg!r} (parameters: {', '.join(p['name'] for p in params)})")
+            given.add(kw.arg)
+        errs += [f"missing required argument {p['name']!r}" for p in params if p["required"] and p["name"] not in given]
+    return list(dict.fromkeys(errs))
 
 
 class _Visitor(ast.NodeVisitor):
@@ -204,6 +227,9 @@ class _Visitor(ast.NodeVisitor):
             if isinstance(node.func, ast.Attribute):
                 self.visit(node.func.value)
             return
+        if target is not None:  # a torch_npu.npu.* call: the name (visit_Attribute), then its signature
+            for err in check_api_call(self.schemas, target[1], node):
+                self._error(node.lineno, f"{target[1]}: {err}")
         self.generic_visit(node)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:

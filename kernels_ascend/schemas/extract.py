@@ -66,6 +66,70 @@ def _module_all(src: str) -> list[str]:
     raise ValueError("no __all__")
 
 
+def _params(fn: ast.FunctionDef, drop_first: bool) -> list[dict]:
+    a = fn.args
+    out = []
+    positional = [*a.posonlyargs, *a.args]
+    first_default = len(positional) - len(a.defaults)
+    for i, arg in enumerate(positional):
+        if drop_first and i == 0:
+            continue
+        kind = "posonly" if i < len(a.posonlyargs) else "pos"
+        out.append({"name": arg.arg, "kind": kind, "required": i < first_default})
+    if a.vararg:
+        out.append({"name": a.vararg.arg, "kind": "varargs", "required": False})
+    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+        out.append({"name": arg.arg, "kind": "kwonly", "required": default is None})
+    if a.kwarg:
+        out.append({"name": a.kwarg.arg, "kind": "varkw", "required": False})
+    return out
+
+
+def _signatures(z: zipfile.ZipFile, module_file: str, names: list[str]) -> dict[str, list[list[dict]]]:
+    """Python signatures of ``names`` (a package's public API) where the wheel defines them in Python:
+    a function's parameters, or a class's ``__new__`` and ``__init__`` parameters (a call must fit
+    each). Names defined in C extensions are left out (only their existence is checked)."""
+    pkg_dir = module_file.rsplit("/", 1)[0]
+    trees: dict[str, ast.Module] = {}
+
+    def tree(path: str) -> ast.Module | None:
+        if path not in trees:
+            try:
+                trees[path] = ast.parse(z.read(path).decode())
+            except KeyError:
+                return None
+        return trees[path]
+
+    init = tree(module_file)
+    sources = [module_file]  # where to look for a name, in order: the package, its relative imports
+    explicit: dict[str, str] = {}
+    for node in init.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            path = f"{pkg_dir}/{node.module.replace('.', '/')}.py"
+            for a in node.names:
+                if a.name == "*":
+                    sources.append(path)
+                else:
+                    explicit[a.asname or a.name] = path
+    out = {}
+    for name in names:
+        for path in [explicit[name]] if name in explicit else sources:
+            t = tree(path)
+            node = next((n for n in (t.body if t else []) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                         and n.name == name), None)
+            if node is None:
+                continue
+            if isinstance(node, ast.FunctionDef):
+                out[name] = [_params(node, drop_first=False)]
+            else:
+                ctors = [_params(m, drop_first=True) for m in node.body
+                         if isinstance(m, ast.FunctionDef) and m.name in ("__new__", "__init__")]
+                if ctors:
+                    out[name] = ctors
+            break
+    return out
+
+
 def _enums(docs: dict[str, str]) -> dict[str, dict]:
     conv = {"int": int, "str": str, "bool": lambda s: s == "True"}
     out = {}
@@ -92,6 +156,8 @@ def extract(wheel: Path) -> dict:
                 funcs.add(m.group(1).strip())
         docs = _docstrings(z.read(DOCS).decode())
         modules = {mod: _module_all(z.read(path).decode()) for mod, path in MODULES.items()}
+        signatures = {f"{mod}.{name}": sig for mod, path in MODULES.items()
+                      for name, sig in _signatures(z, path, modules[mod]).items()}
     return {
         "version": TORCH_NPU_VERSION,
         "wheel": wheel.name,
@@ -100,6 +166,7 @@ def extract(wheel: Path) -> dict:
         "ops": sorted(funcs),
         "documented_ops": sorted(docs),
         "modules": modules,
+        "signatures": signatures,
         "enums": _enums(docs),
     }
 
