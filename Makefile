@@ -6,7 +6,12 @@ BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean
+# torch_npu is never installed here (without CANN it breaks `import torch`): its wheel is only
+# downloaded, to re-extract the pinned op schemas that kernels_ascend is checked against.
+TORCH_NPU := 2.14.0
+NPU_CACHE := .cache/torch_npu
+
+.PHONY: run test lint install clean check-npu-schemas
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,7 +27,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m kernels_ascend.schemas.check
 	$(BIN)/python -m pytest -q -ra tests
+
+# The committed kernels_ascend/schemas/torch_npu-$(TORCH_NPU).json must equal a fresh extraction from
+# the wheel (downloaded once into $(NPU_CACHE); fails loudly when the download fails).
+check-npu-schemas: $(STAMP)
+	ls $(NPU_CACHE)/torch_npu-$(TORCH_NPU)-*.whl >/dev/null 2>&1 || \
+		$(BIN)/python -m pip download -q --no-deps torch-npu==$(TORCH_NPU) -d $(NPU_CACHE) || \
+		{ echo "check-npu-schemas: cannot download torch-npu==$(TORCH_NPU) (network?)" >&2; exit 1; }
+	$(BIN)/python -m kernels_ascend.schemas.extract --check $(NPU_CACHE)/torch_npu-$(TORCH_NPU)-*.whl
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -95,6 +95,7 @@ def collect_plugins() -> dict[str, Any]:
             row["kernel_error"] = f"kernel backend {kb!r} is not installed in {KERNELS}"
         if info.error is not None:  # loaded but unusable (e.g. core API mismatch): not probed
             continue
+        row["features"] = _platform_features(cls)
         try:
             verdict = cls.probe()
             row["available"], row["reason"] = bool(verdict.ok), verdict.reason or ""
@@ -116,6 +117,28 @@ def collect_plugins() -> dict[str, Any]:
         "selection_error": selection_error,
         "groups": {group: [row for row, _ in rows] for group, rows in groups.items()},
     }
+
+
+def _platform_features(cls: type) -> dict[str, Any] | str:
+    """What the platform says it supports (its ``describe()`` less the fields shown elsewhere), or why
+    it could not say."""
+    try:
+        facts = cls().describe()
+    except Exception as exc:
+        return f"describe() raised {_error_text(exc)}"
+    return {k: v for k, v in facts.items() if k not in ("device_type", "dist_backend", "kernel_backend")}
+
+
+def _features_text(features: dict[str, Any] | str) -> str:
+    if isinstance(features, str):
+        return features
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if isinstance(v, (list, tuple)):
+            return "+".join(map(str, v)) or "none"
+        return str(v)
+    return ", ".join(f"{k}={value(v)}" for k, v in features.items())
 
 
 def _ops_text(names: list[str]) -> str:
@@ -155,6 +178,8 @@ def format_plugins(doc: dict[str, Any]) -> str:
                 else:
                     fallbacks = _ops_text(row["kernel_fallbacks"])
                     lines.append(f"      kernels: {kb}; reference fallback for: {fallbacks}")
+                if row.get("features") is not None:
+                    lines.append(f"      features: {_features_text(row['features'])}")
             elif group == KERNELS:
                 lines.append(f"      overrides: {_ops_text(row['overrides'])}")
                 if row["name"] != REFERENCE:

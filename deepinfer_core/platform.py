@@ -150,6 +150,10 @@ class Platform(ABC):
             "dist_backend": self.dist_backend,
             "kernel_backend": self.kernel_backend,
             "graph_capture": self.supports_graph_capture(),
+            "graph_capture_dtypes": [str(d).removeprefix("torch.") for d in self.graph_capture_dtypes()],
+            "pinned_memory": self.supports_pinned_memory(),
+            "async_overlap": self.supports_async_overlap(),
+            "fp8_gemm": self.supports_fp8_gemm(),
         }
 
 

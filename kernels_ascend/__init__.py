@@ -1,4 +1,6 @@
-"""Ascend kernels through torch_npu's fused ops (imported lazily inside each op)."""
+"""Ascend kernels through torch_npu's documented fused ops (torch_npu is imported lazily, inside
+each op: listing this backend never loads it). The op table with the torch_npu call of each op is in
+docs/ascend.md; ``kernels_ascend/schemas`` holds the pinned op schemas every call is checked against."""
 
 from deepinfer_core.kernels import KernelBackend
 
@@ -6,9 +8,18 @@ from deepinfer_core.kernels import KernelBackend
 class AscendKernels(KernelBackend):
     name = "ascend"
     core_api_version = "1.0"
+    #: Not named here, so they run the reference ops (plain torch, on the NPU), as ``deepinfer plugins``
+    #: lists: linear and head_linear (aclnn MatMul/BatchMatMul already are the NPU's GEMMs),
+    #: paged_kv_gather (prefill-only gather), apply_penalties and logsumexp (elementwise/reductions).
     ops = {
-        "rms_norm": "kernels_ascend.ops:rms_norm",
-        "add_rms_norm": "kernels_ascend.ops:add_rms_norm",
-        "moe_route": "kernels_ascend.ops:moe_route",
-        "paged_kv_write": "kernels_ascend.ops:paged_kv_write",
+        "rms_norm": "kernels_ascend.dense:rms_norm",
+        "add_rms_norm": "kernels_ascend.dense:add_rms_norm",
+        "silu_and_mul": "kernels_ascend.dense:silu_and_mul",
+        "rope": "kernels_ascend.dense:rope",
+        "paged_kv_write": "kernels_ascend.attention:paged_kv_write",
+        "mla_decode": "kernels_ascend.attention:mla_decode",
+        "mla_prefill": "kernels_ascend.attention:mla_prefill",
+        "moe_route": "kernels_ascend.moe:moe_route",
+        "fused_moe": "kernels_ascend.moe:fused_moe",
+        "sample": "kernels_ascend.sampling:sample",
     }

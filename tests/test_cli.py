@@ -21,7 +21,8 @@ from hardware.ascend import AscendPlatform
 from hardware.nvidia import NvidiaPlatform
 from kernels_cuda import CudaKernels
 
-ASCEND_OVERRIDES = ["rms_norm", "add_rms_norm", "paged_kv_write", "moe_route"]
+ASCEND_OVERRIDES = ["rms_norm", "add_rms_norm", "silu_and_mul", "rope", "paged_kv_write", "mla_decode", "mla_prefill",
+                    "moe_route", "fused_moe", "sample"]
 CUDA_OVERRIDES = CudaKernels.overrides()  # grows as TileLang kernels land
 CUDA_FALLBACKS = [n for n in OP_NAMES if n not in CUDA_OVERRIDES]
 
@@ -70,12 +71,15 @@ def test_plugins_text_lists_every_backend_with_status(capsys):
         "      loads: yes",
         "      available: yes",
         "      kernels: reference (all ops are the reference)",
+        "      features: graph_capture=no, graph_capture_dtypes=none, pinned_memory=no, async_overlap=no, fp8_gemm=no",
     ]
     assert entry(hw, "nvidia") == [
         "  nvidia       deepinfer 0.1.0  (hardware.nvidia:NvidiaPlatform)",
         "      loads: yes",
         f"      available: no: {NvidiaPlatform.probe().reason}",
         f"      kernels: cuda; reference fallback for: {ops_text(CUDA_FALLBACKS)}",
+        "      features: graph_capture=yes, graph_capture_dtypes=bfloat16+float16, pinned_memory=yes, "
+        "async_overlap=yes, fp8_gemm=no",
     ]
     fallbacks = ", ".join(n for n in OP_NAMES if n not in ASCEND_OVERRIDES)
     assert entry(hw, "ascend") == [
@@ -83,6 +87,8 @@ def test_plugins_text_lists_every_backend_with_status(capsys):
         "      loads: yes",
         f"      available: no: {AscendPlatform.probe().reason}",
         f"      kernels: ascend; reference fallback for: {fallbacks}",
+        "      features: graph_capture=yes, graph_capture_dtypes=bfloat16+float16, pinned_memory=yes, "
+        "async_overlap=yes, fp8_gemm=no, verified_on_hardware=no",
     ]
     kernels = section(out, "deepinfer.kernels")
     assert entry(kernels, "ascend")[1:] == [
@@ -106,7 +112,8 @@ def test_plugins_json(capsys):
         "name": "cpu", "target": "hardware.cpu:CpuPlatform", "distribution": "deepinfer", "version": "0.1.0",
         "loads": True, "error": None, "core_api_version": "1.0", "available": True, "reason": "",
         "probe_priority": 1000, "device_type": "cpu", "dist_backend": "gloo", "kernel_backend": "reference",
-        "kernel_fallbacks": [],
+        "kernel_fallbacks": [], "features": {"graph_capture": False, "graph_capture_dtypes": [],
+                                             "pinned_memory": False, "async_overlap": False, "fp8_gemm": False},
     }
     assert (hw["nvidia"]["available"], hw["nvidia"]["reason"]) == (
         NvidiaPlatform.probe().ok, NvidiaPlatform.probe().reason)

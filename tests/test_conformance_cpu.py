@@ -50,12 +50,13 @@ def test_reference_backend_conforms_at_other_block_sizes(block_size):
 def test_conformance_cases():
     empty = type("Empty", (KernelBackend,), {"name": "empty", "core_api_version": "1.0", "ops": {}})
     assert kernel_conformance_cases(empty) == []
-    assert kernel_conformance_cases(AscendKernels) == [
+    assert kernel_conformance_cases(AscendKernels)[:5] == [
         ("rms_norm", torch.float32), ("rms_norm", torch.bfloat16),
         ("add_rms_norm", torch.float32), ("add_rms_norm", torch.bfloat16),
-        ("paged_kv_write", torch.float32), ("paged_kv_write", torch.bfloat16),
-        ("moe_route", torch.float32),
+        ("silu_and_mul", torch.float32),
     ]
+    assert [c for c in kernel_conformance_cases(AscendKernels) if c[0] in ("moe_route", "sample")] == [
+        ("moe_route", torch.float32), ("sample", torch.float32)]
     cases = kernel_conformance_cases(ReferenceKernels)
     assert {op for op, _ in cases} == set(OP_NAMES)
     assert [d for op, d in cases if op == "sample"] == [torch.float32]

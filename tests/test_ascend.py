@@ -1,0 +1,382 @@
+"""The Ascend backend without an NPU: every torch_npu use checked against the pinned wheel's
+schemas, and kernels_ascend run through the emulated torch_npu against the reference ops.
+
+None of this is evidence of NPU behaviour beyond what the vendor docs state (docs/ascend.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import npu_emulation
+import pytest
+import torch
+from npu_emulation import bind
+
+from deepinfer_core.testing import check_op, kernel_conformance_cases
+from hardware.ascend import AscendPlatform
+from kernels_ascend import AscendKernels
+from kernels_ascend import attention as npu_attention
+from kernels_ascend.schemas import SCHEMA_FILE, TORCH_NPU_VERSION, load
+from kernels_ascend.schemas.check import check_paths, check_source
+from kernels_cpu import ops as ref
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def emu():
+    with npu_emulation.install() as e:
+        yield e
+
+
+# ---- the static schema check ----------------------------------------------------------------
+def test_every_torch_npu_use_fits_the_pinned_schemas():
+    report = check_paths()
+    assert report.errors == []
+    assert report.ops == {
+        "npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_scatter_nd_update_",
+        "npu_fused_infer_attention_score_v2", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
+        "npu_grouped_matmul", "npu_moe_finalize_routing", "npu_top_k_top_p",
+        "torch_npu.npu.is_current_stream_capturing", "torch_npu.npu.device_count", "torch_npu.npu.set_device",
+        "torch_npu.npu.mem_get_info", "torch_npu.npu.synchronize", "torch_npu.npu.Stream", "torch_npu.npu.stream",
+        "torch_npu.npu.Event", "torch_npu.npu.NPUGraph", "torch_npu.npu.graph",
+    }
+    # every fused op used is one the wheel documents (the emulation cites those docs)
+    documented = set(json.loads(SCHEMA_FILE.read_text())["documented_ops"])
+    assert {op for op in report.ops if not op.startswith("torch_npu.")} <= documented
+
+
+def test_schema_check_rejects_the_wrong_calls_of_the_fixture():
+    path = "tests/fixtures/torch_npu_bad_calls.py"
+    report = check_source((ROOT / path).read_text(), path)
+    assert report.errors == [
+        f"{path}:10: torch_npu.npu_rms_norm: unknown keyword 'epsilonn' (parameters: self, gamma, epsilon)",
+        f"{path}:11: torch_npu.npu_rms_normm: torch_npu 2.14.0 has no op 'npu_rms_normm'",
+        f"{path}:12: torch_npu.npu_rms_norm: missing required argument 'gamma'",
+        f"{path}:13: torch_npu.npu_swiglu: takes at most 2 positional argument(s) (self, dim), got 3",
+        f"{path}:14: torch_npu.npu_rotary_mul: argument 'rotary_mode'='interleaved' is not an allowed value "
+        "['half', 'interleave'] (docs: \"支持'half'、'interleave'两种模式\")",
+        f"{path}:15: torch_npu.npu_moe_gating_top_k: argument 'norm_type'=2 is not an allowed value [0, 1] "
+        "(docs: '`1`表示使用Sigmoid函数，`0`表示Softmax函数')",
+        f"{path}:16: torch_npu.npu.NotAStream: not in torch_npu.npu.__all__ of torch_npu 2.14.0",
+        f"{path}:17: torch_npu.npu_rms_norm: argument 'epsilon' given both by position and by keyword",
+        f"{path}:18: torch_npu.npu.graph: unknown keyword 'pools' (parameters: npu_graph, pool, stream, "
+        "auto_dispatch_capture, capture_error_mode)",
+    ]
+    assert [c.op for c in report.calls if c.line >= 21] == ["npu_rms_norm", "torch_npu.npu.Stream"]
+
+
+def test_schema_check_cli_fails_on_the_fixture():
+    proc = subprocess.run([sys.executable, "-m", "kernels_ascend.schemas.check",
+                           "tests/fixtures/torch_npu_bad_calls.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "unknown keyword 'epsilonn'" in proc.stderr
+    assert proc.stdout.strip() == "10 torch_npu use(s) of 7 name(s) checked, 9 error(s)"
+
+
+def test_schema_check_sees_through_aliases_and_star_args():
+    src = ("import torch\nfrom torch_npu import npu\nimport torch_npu.npu as tn\n"
+           "def f(x, a, kw):\n    torch.ops.npu.npu_rms_norm(x)\n    npu.Bogus()\n    tn.Event()\n"
+           "    import torch_npu\n    torch_npu.npu_swiglu(*a)\n    torch_npu.npu_swiglu(x, **kw)\n")
+    r = check_source(src + "def g():\n    from torch_npu import npu_bogus\n    tn.Event(True, False, False, 1)\n"
+                     "    tn.graph()\n", "m.py")
+    assert r.errors == [
+        "m.py:12: torch_npu.npu_bogus: torch_npu 2.14.0 has no op 'npu_bogus'",  # imports are checked first
+        "m.py:5: torch_npu.npu_rms_norm: missing required argument 'gamma'",
+        "m.py:6: torch_npu.npu.Bogus: not in torch_npu.npu.__all__ of torch_npu 2.14.0",
+        "m.py:9: torch_npu.npu_swiglu: *args/**kwargs cannot be checked statically; spell the arguments out",
+        "m.py:10: torch_npu.npu_swiglu: *args/**kwargs cannot be checked statically; spell the arguments out",
+        "m.py:13: torch_npu.npu.Event: takes at most 3 positional argument(s), got 4",
+        "m.py:14: torch_npu.npu.graph: missing required argument 'npu_graph'",
+    ]
+
+
+def test_schema_file_names_the_pinned_wheel():
+    doc = json.loads(SCHEMA_FILE.read_text())
+    assert doc["version"] == TORCH_NPU_VERSION == "2.14.0"
+    assert doc["wheel"] == "torch_npu-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl"
+    assert doc["sha256"] == "7736f7d82cf9f16c7dfc4537f7e7c638153da760273a193455e70857f912189e"
+    s = load()
+    fia = s.ops["npu_fused_infer_attention_score_v2"][0]
+    assert fia.param("block_table").kw_only and fia.param("query_rope").type == "Tensor?"
+    assert [p.name for p in s.ops["npu_moe_gating_top_k"][0].positional] == ["x", "k"]
+
+
+# ---- the emulation itself ---------------------------------------------------------------------
+def test_emulation_binds_calls_like_the_schema(emu):
+    import torch_npu
+
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(TypeError, match=r"^torch_npu.npu_rms_norm\(\) got an unexpected keyword argument 'eps'$"):
+        torch_npu.npu_rms_norm(x, w, eps=1e-6)
+    with pytest.raises(TypeError, match=r"^torch_npu.npu_moe_gating_top_k\(\) missing required argument 'k'$"):
+        torch_npu.npu_moe_gating_top_k(x)
+    with pytest.raises(TypeError, match=r"takes at most 2 positional argument\(s\), got 3"):
+        torch_npu.npu_moe_gating_top_k(x, 2, None)  # bias is keyword-only
+    with pytest.raises(TypeError, match=r"argument 'actual_seq_kvlen': Tensor, expected a list of Python ints"):
+        torch_npu.npu_fused_infer_attention_score_v2(x, x, x, actual_seq_kvlen=torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"argument 'rotary_mode'='half2' is not one of \['half', 'interleave'\]"):
+        torch_npu.npu_rotary_mul(x, x, x, rotary_mode="half2")
+    with pytest.raises(ValueError, match=r"gamma dtype torch.bfloat16 must equal self's torch.float32"):
+        torch_npu.npu_rms_norm(x, w.bfloat16())
+    with pytest.raises(NotImplementedError, match=r"torch_npu.npu_prompt_flash_attention is not emulated"):
+        torch_npu.npu_prompt_flash_attention(x, x, x)
+    with pytest.raises(AttributeError, match=r"has no attribute 'npu_flash_magic'"):
+        torch_npu.npu_flash_magic  # noqa: B018
+    with pytest.raises(NotImplementedError, match=r"torch_npu.npu.NPUGraph is not emulated"):
+        torch_npu.npu.NPUGraph()
+    assert emu.calls == {}  # rejected calls never ran
+
+
+def test_bind_fills_defaults():
+    schema = load().ops["npu_rms_norm"][0]
+    x = torch.zeros(1)
+    assert bind(schema, (x, x), {}) == {"self": x, "gamma": x, "epsilon": 1e-06}
+
+
+def test_emulated_ops_match_their_schemas():
+    emu = npu_emulation.EmulatedTorchNpu()  # raises if an implementation's parameters differ from its schema
+    assert set(emu._impls) == {op for op in check_paths().ops if not op.startswith("torch_npu.")}
+
+
+# ---- conformance through the emulation ----------------------------------------------------------
+#: The torch_npu ops each override must have called at the conformance kit's (small) shapes.
+FUSED_AT_KIT_SHAPES = {
+    "rms_norm": {"npu_rms_norm"}, "add_rms_norm": {"npu_rms_norm"}, "silu_and_mul": {"npu_swiglu"},
+    "rope": {"npu_rotary_mul"}, "paged_kv_write": {"npu_scatter_nd_update_"}, "moe_route": {"npu_moe_gating_top_k"},
+    "fused_moe": {"npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_swiglu", "npu_moe_finalize_routing"},
+    "sample": {"npu_top_k_top_p"},
+    # the kit's head dims are not FIA's (latent 512 + rope 64; prefill 192/128): the torch path runs;
+    # the FIA paths are checked at those sizes below
+    "mla_decode": set(), "mla_prefill": set(),
+}
+
+
+def test_every_registry_op_is_overridden_or_a_listed_plain_torch_fallback():
+    from deepinfer_core.kernels import OP_NAMES
+
+    plain = {"linear", "head_linear", "paged_kv_gather", "apply_penalties", "logsumexp"}
+    assert set(AscendKernels.overrides()) | plain == set(OP_NAMES)
+    assert set(AscendKernels.overrides()) == set(FUSED_AT_KIT_SHAPES)
+
+
+@pytest.mark.parametrize("op,dtype", kernel_conformance_cases(AscendKernels, ALL_DTYPES))
+def test_ascend_kernels_conform_under_emulation(emu, op, dtype):
+    check_op(AscendKernels, op, dtype, "cpu")
+    assert set(emu.calls) == FUSED_AT_KIT_SHAPES[op]
+
+
+@pytest.mark.parametrize("block_size", [1, 64])
+def test_ascend_cache_ops_conform_at_other_block_sizes(emu, block_size):
+    for op in ("paged_kv_write", "mla_decode"):
+        check_op(AscendKernels, op, torch.bfloat16, "cpu", block_size=block_size, seed=3)
+
+
+def _close(out: torch.Tensor, truth: torch.Tensor, rtol: float = 2e-2) -> None:
+    out, truth = out.double(), truth.double()
+    bound = rtol * (truth.abs() + truth.pow(2).mean().sqrt())
+    assert out.shape == truth.shape and bool(((out - truth).abs() <= bound).all()), (out - truth).abs().max()
+
+
+def _paged(g, seq_lens, bs, D, dtype):
+    per_seq = [math.ceil(n / bs) for n in seq_lens]
+    nb = sum(per_seq) + 2
+    order = torch.randperm(nb, generator=g)
+    tables = torch.randint(0, nb, (len(seq_lens), max(per_seq) + 1), generator=g)
+    used = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    return (torch.randn(nb, bs, D, generator=g) * 0.5).to(dtype), tables.to(torch.int32)
+
+
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 3, 16]])
+def test_mla_decode_through_fia_at_deepseek_sizes(emu, bs, q_lens):
+    """Latent 512 + rope 64 (V2/V3), 4 heads: the FIA v2 MLA path, block tables, ragged queries."""
+    g = torch.Generator().manual_seed(1)
+    seq_lens = [5, 17, 40]
+    cache, tables = _paged(g, seq_lens, bs, 576, torch.bfloat16)
+    q = torch.randn(sum(q_lens), 4, 576, generator=g).bfloat16()
+    cu = torch.tensor([0, *q_lens]).cumsum(0)
+    args = (q, cache, tables, cu, torch.tensor(seq_lens), 576**-0.5, 512)
+    out = npu_attention.mla_decode(*args)
+    assert emu.calls == {"npu_fused_infer_attention_score_v2": 1} and out.dtype == torch.bfloat16
+    truth = ref.mla_decode(q.float(), cache.float(), *args[2:])
+    _close(out, truth)
+    # while an NPU graph is being captured the capturable torch path runs instead, with the same result
+    emu.npu.capturing = True
+    captured = npu_attention.mla_decode(*args)
+    assert emu.calls == {"npu_fused_infer_attention_score_v2": 1}
+    _close(captured, truth)
+
+
+@pytest.mark.parametrize("dqk,dv", [(192, 128), (128, 128)])
+def test_mla_prefill_through_fia_tnd(emu, dqk, dv):
+    g = torch.Generator().manual_seed(2)
+    q_lens, k_lens = [5, 1, 9], [5, 17, 9]  # the second sequence has a cached prefix
+    H = 2
+    q = torch.randn(sum(q_lens), H, dqk, generator=g).bfloat16()
+    k = torch.randn(sum(k_lens), H, dqk, generator=g).bfloat16()
+    v = torch.randn(sum(k_lens), H, dv, generator=g).bfloat16()
+    cq, ck = torch.tensor([0, *q_lens]).cumsum(0), torch.tensor([0, *k_lens]).cumsum(0)
+    out = npu_attention.mla_prefill(q, k, v, cq, ck, dqk**-0.5)
+    assert emu.calls == {"npu_fused_infer_attention_score_v2": 1}
+    _close(out, ref.mla_prefill(q.float(), k.float(), v.float(), cq, ck, dqk**-0.5))
+
+
+def test_fia_rejects_the_fused_cache_slice(emu):
+    """Why mla_decode copies blocks into planes: FIA does not take a non-contiguous latent slice."""
+    import torch_npu
+
+    cache = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, 4, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="key is not contiguous"):
+        torch_npu.npu_fused_infer_attention_score_v2(
+            q, cache[..., :512], cache[..., :512], query_rope=torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16),
+            key_rope=cache[..., 512:], actual_seq_kvlen=[3], block_table=torch.zeros(1, 1, dtype=torch.int32),
+            num_query_heads=4, num_key_value_heads=1, input_layout="BSND", block_size=16)
+
+
+def test_fused_moe_drops_remote_experts_and_reads_no_undefined_rows(emu):
+    """All experts remote: every grouped_matmul row is undefined (NaN in the emulation); the result
+    must still be exactly zero."""
+    from kernels_ascend.moe import fused_moe
+
+    x = torch.randn(3, 8)
+    out = fused_moe(x, torch.randn(2, 6, 8), torch.randn(2, 8, 3), torch.rand(3, 2),
+                    torch.tensor([[-1, 2], [5, -3], [2, 2]]))
+    assert torch.equal(out, torch.zeros(3, 8))
+
+
+# ---- the platform -----------------------------------------------------------------------------
+def test_ascend_platform_reports_what_it_supports():
+    p = AscendPlatform()
+    assert p.describe() == {
+        "device_type": "npu", "dist_backend": "hccl", "kernel_backend": "ascend", "graph_capture": True,
+        "graph_capture_dtypes": ["bfloat16", "float16"], "pinned_memory": True, "async_overlap": True,
+        "fp8_gemm": False, "verified_on_hardware": False,
+    }
+    w = torch.randn(4, 6, 8)
+    laid = p.linear_weight_layout(w)
+    assert torch.equal(laid, w) and laid.transpose(1, 2).is_contiguous()
+    w2 = torch.randn(6, 8)
+    assert p.linear_weight_layout(w2) is w2
+
+
+def test_torch_npu_is_never_imported_here():
+    """CI never installs torch_npu (it breaks ``import torch`` without CANN); importing and listing the
+    Ascend plugin must not import it either."""
+    assert importlib.util.find_spec("torch_npu") is None
+    code = ("import sys, torch, hardware.ascend, kernels_ascend, kernels_ascend.dense, kernels_ascend.attention, "
+            "kernels_ascend.moe, kernels_ascend.sampling, kernels_ascend.schemas.check\n"
+            "from deepinfer_core.kernels import Kernels\nfrom kernels_ascend import AscendKernels\n"
+            "from kernels_cpu import ReferenceKernels\nKernels(AscendKernels, ReferenceKernels)\n"
+            "print('torch_npu' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_ascend_accelerator_says_torch_npu_is_missing():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEEPINFER_", "ASCEND_"))}
+    env["DEEPINFER_ACCELERATOR"] = "ascend"
+    code = "from deepinfer_core.selection import select_platform\nselect_platform()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert ("accelerator 'ascend' is not available: torch_npu is not installed (pip install torch-npu, "
+            "with Ascend CANN)") in proc.stderr
+
+
+# ---- the engine on the Ascend kernels (emulated, on the CPU) -------------------------------------
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n", "for i in range(",
+           "x = [", "# read a file\nwith open("]
+
+
+def _generate(padded: bool):
+    from deepinfer_core import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory=4 << 20,
+              graph_batch_sizes=[1, 2, 4, 8], accelerator="cpu")
+    if padded:  # the decode-graph runner's static, padded buffers (run eagerly: no capture on the CPU)
+        e = llm.engine
+        e.runner.setup_graphs(e.platform, e.cfg, e.max_model_len, capture=False)
+    params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True, logprobs=1) for i in range(6)]
+    params[1] = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seq_seed=7, max_tokens=6,
+                               ignore_eos=True, logprobs=1, repetition_penalty=1.1)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.engine.blocks.check_no_leaks()
+    return llm, outs
+
+
+def test_engine_on_ascend_kernels_generates_like_the_reference(monkeypatch):
+    """The embedded DeepSeek-style model through kernels_ascend (emulated torch_npu) against the
+    reference kernels: same tokens, logprobs within 1e-4, eager and through the padded decode-graph path."""
+    _, want = _generate(padded=False)
+    from hardware.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "kernel_backend", "ascend")
+    for padded in (False, True):
+        with npu_emulation.install() as emu:
+            llm, got = _generate(padded)
+        assert llm.engine.kernels.backend_name == "ascend"
+        assert set(emu.calls) == {"npu_rms_norm", "npu_rotary_mul", "npu_scatter_nd_update_", "npu_swiglu",
+                                  "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_grouped_matmul",
+                                  "npu_moe_finalize_routing", "npu_top_k_top_p"}
+        for x, y in zip(got, want):
+            assert x.error is None and x.outputs[0].token_ids == y.outputs[0].token_ids
+            lx = [x.outputs[0].logprobs[j][t].logprob for j, t in enumerate(x.outputs[0].token_ids)]
+            ly = [y.outputs[0].logprobs[j][t].logprob for j, t in enumerate(y.outputs[0].token_ids)]
+            assert max(abs(p - q) for p, q in zip(lx, ly)) < 1e-4
+        if padded:
+            assert sum(llm.engine.runner.graphs.runs.values()) > 0
+
+
+def test_engine_at_deepseek_attention_sizes_takes_the_fia_paths(tmp_path, monkeypatch):
+    """A tiny V3 with the real MLA head sizes (latent 512, rope 64, nope 128, v 128) in bfloat16: prefill
+    and decode go through FIA (emulated) inside the model, and agree with the reference kernels."""
+    from tiny_models import write_checkpoint
+
+    from deepinfer_core import LLM, SamplingParams
+    from hardware.cpu import CpuPlatform
+
+    path, _ = write_checkpoint(tmp_path / "mla", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                               v_head_dim=128, q_lora_rank=None, num_hidden_layers=2)
+    prompts = [[5, 9, 40, 41, 17, 88, 23], [7, 7, 60, 3 + 8, 99, 101, 4, 5, 6, 12, 30], [50]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+
+    def run():
+        llm = LLM(model=str(path), dtype="bfloat16", accelerator="cpu", block_size=16, kv_cache_memory=8 << 20,
+                  max_num_batched_tokens=64)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [params] * len(prompts), use_tqdm=False)
+        llm.engine.blocks.check_no_leaks()
+        return outs
+
+    want = run()
+    monkeypatch.setattr(CpuPlatform, "kernel_backend", "ascend")
+    with npu_emulation.install() as emu:
+        got = run()
+    # 2 layers x (1 prefill step (TND) + 2 decode steps (paged MLA))
+    assert emu.calls["npu_fused_infer_attention_score_v2"] == 2 * 3
+    for x, y in zip(got, want):
+        assert x.error is None and x.outputs[0].token_ids == y.outputs[0].token_ids
+        px = [d[t].logprob for d, t in zip(x.prompt_logprobs[1:], x.prompt_token_ids[1:])]
+        py = [d[t].logprob for d, t in zip(y.prompt_logprobs[1:], y.prompt_token_ids[1:])]
+        assert len(px) == len(py) == len(x.prompt_token_ids) - 1
+        assert max((abs(a - b) for a, b in zip(px, py)), default=0.0) < 0.05  # bf16 (0.016 seen)
