@@ -272,13 +272,13 @@ def test_mtp_cache_matches_teacher_forced(tiny_mtp):
     L = len(ids)
     from deepinfer_core.models.metadata import AttentionMetadata, PrefillMeta
 
-    cache = [torch.zeros(-(-L // BS), BS, c.shape[-1]) for c in eng.kv_caches]
+    cache = [torch.zeros(-(-L // BS), BS, c.shape[-1]) for c in eng.kv_caches["latent"]]
     cu = torch.tensor([0, L])
     meta = AttentionMetadata(L, torch.arange(L), PrefillMeta(cu, cu, torch.tensor([L]),
                                                              torch.arange(-(-L // BS))[None].int(), False), None)
     pos = torch.arange(L)
     with torch.inference_mode():
-        hidden = eng.model(ids, pos, meta, cache)
+        hidden = eng.model(ids, pos, meta, {"latent": cache})
         src, k = feat.source, eng.kernels
         n = st.done
         e = k.rms_norm(eng.model.embed_tokens[ids[1 : n + 1]], src.enorm, src.eps)

@@ -1,8 +1,9 @@
 """Draft sources: a small DeepSeek model with its own paged cache, or the checkpoint's MTP layer.
 
-Both keep their KV in cache tensors of their own, indexed by the *target's* block tables and slots,
-so a draft needs no block management: a request's blocks hold the target's KV in the target's
-cache and the draft's KV at the same slots of the draft's cache.
+Both keep their KV in the cache group "dspark" that the feature declares (``DSpark.cache_groups``):
+tensors of their own inside the engine's KV budget, in the target's block pool, so indexed by the
+*target's* block tables and slots. A draft needs no block management: a request's blocks hold the
+target's KV in the target's cache and the draft's KV at the same slots of the draft's cache.
 
 A source runs one forward over a flat batch laid out like the target's (prefill items first, then
 decode items, ``AttentionMetadata``) and returns ``(carry, normed)``: the hidden state a next draft
@@ -38,10 +39,17 @@ from plugins.dspark.lean import LeanDecoder
 logger = logging.getLogger("deepinfer.dspark")
 
 
+CACHE_GROUP = "dspark"
+
+
 def _alloc_caches(engine, num_layers: int, entry_dim: int) -> list[torch.Tensor]:
-    num_blocks, bs = engine.kv_caches[0].shape[:2]
-    return [torch.zeros(num_blocks, bs, entry_dim, dtype=engine.dtype, device=engine.device)
-            for _ in range(num_layers)]
+    """The draft's cache tensors: the "dspark" group the feature declared."""
+    caches = engine.kv_caches.get(CACHE_GROUP)
+    if caches is None or len(caches) != num_layers or caches[0].shape[-1] != entry_dim:
+        got = None if caches is None else (len(caches), caches[0].shape[-1])
+        raise ConfigError(f"[dspark] the draft needs {num_layers} cache layers of {entry_dim} values in cache group "
+                          f"{CACHE_GROUP!r}, the engine has {got}")
+    return caches
 
 
 def tokenizer_id(model_dir: Path) -> str | None:
@@ -93,7 +101,7 @@ class DraftModel:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 prev_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = self.model(ids, positions, meta, self.caches)
+        normed = self.model(ids, positions, meta, {self.model.CACHE_GROUP: self.caches})
         return normed, normed
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
