@@ -30,7 +30,9 @@ Prefix hits (``hit_rule``): a hit of n blocks is the minimum over the groups who
 ``REQUIRED`` of what each holds: a FULL group every block before n, a WINDOW group the blocks
 that the window of the first recomputed token (position ``n * block_size``) reads (vLLM's
 ``SlidingWindowManager`` rule). A ``NOT_NEEDED`` group does not limit hits; it gets the blocks it
-still holds and -1 elsewhere (the model must cope, e.g. by replaying the window).
+still holds and -1 elsewhere (the model must cope, e.g. by replaying the window). A group that is
+not ``prefix_cacheable`` is never hashed, so it never limits a hit either (its entries for the hit
+are -1: state the model does not read after a block boundary).
 """
 
 from __future__ import annotations

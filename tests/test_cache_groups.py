@@ -137,6 +137,24 @@ def test_not_needed_window_group_does_not_limit_hits():
     m.check_no_leaks()
 
 
+def test_state_group_that_is_not_prefix_cacheable_does_not_limit_hits():
+    layout = CacheLayout((KVCacheSpec("full", (0,), 2), KVCacheSpec("swa", (1,), 2, window=4),
+                          KVCacheSpec("state", (1,), 3, window=2, prefix_cacheable=False)))
+    num = {"full": 16, "swa": 16, "state": 16}
+    m = KVCacheManager(layout, 2, num, allocate_caches(layout, num, 2, torch.float32, torch.device("cpu")))
+    assert set(m.pools) == {"full", "swa", "state"} and m.pool_of == {"full": "full", "swa": "swa", "state": "state"}
+    a = _seq(list(range(12)), "a")
+    _run(m, a, 12, step=12)
+    m.release(a)
+    assert not m.pools["state"].block_of  # never hashed
+    b = _seq(list(range(12)), "b")
+    assert m.acquire_cached(b, m.prefix_hashes(b)) == 5  # limited by nothing but full and swa
+    assert m.tables(b)["state"] == [-1] * 5 and m.tables(b)["swa"][:3] == [-1] * 3
+    m.allocate(b, 12)
+    m.release(b)
+    m.check_no_leaks()
+
+
 # ---- a third-party model through deepinfer.models -----------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@
   sliding-window group needs at most its window per request.
 * Admission: allocation is all-or-nothing across pools (:meth:`KVCacheManager.can_allocate`
   accounts every pool, counting the window blocks it frees first); release frees every pool.
-* Prefix hits: the minimum over the pools whose groups require them (``HitRule``).
+* Prefix hits: the minimum over the pools whose groups require them (``HitRule``). A pool of
+  groups that are not prefix-cacheable never limits a hit: its table starts with -1 entries for the
+  hit (the model declares such state unneeded at a block boundary).
 * Device tier of the prefix cache (the :class:`KVStore` methods): a block record carries the rows
   of every group of the first FULL prefix-cacheable pool ("record pool"); window pools are not
   recorded (a hit that needs them is served from device memory only).
@@ -44,7 +46,7 @@ class PoolSpec:
     name: str  # the name of its first group
     groups: tuple[KVCacheSpec, ...]
     window: int | None
-    required: bool  # a prefix hit must be held by this pool
+    required: bool  # a prefix hit must be held by this pool (a pool that is never hashed cannot be)
 
     def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         return sum(g.block_bytes(block_size, dtype) for g in self.groups)
@@ -58,7 +60,8 @@ def pool_specs(layout: CacheLayout) -> list[PoolSpec]:
     by_key: dict[tuple, list[KVCacheSpec]] = {}
     for g in layout.groups:
         by_key.setdefault(g.pool_key, []).append(g)
-    return [PoolSpec(gs[0].name, tuple(gs), gs[0].window, any(g.hit_rule == HitRule.REQUIRED for g in gs))
+    return [PoolSpec(gs[0].name, tuple(gs), gs[0].window,
+                     gs[0].prefix_cacheable and any(g.hit_rule == HitRule.REQUIRED for g in gs))
             for gs in by_key.values()]
 
 

@@ -161,6 +161,7 @@ class DSpark(Feature):
         self.k = o["k"]
         self.varlen = o["budget_policy"] == "throughput" and varlen_enabled()
         self.engine = None
+        self._source_plan: tuple | None = None  # (kind, path) of the draft, decided in cache_groups
         self.source = None
         self.head = None
         self.cost: StepCost | None = None  # the start-up measurement
@@ -240,7 +241,7 @@ class DSpark(Feature):
     def cache_groups(self, engine, layout):
         """The draft's KV: one FULL group beside the target's, inside the KV budget. It shares the
         target's block pool, so the draft reads and writes at the target's slots."""
-        kind, path = self._plan = self._plan_source(engine)
+        kind, path = self._source_plan = self._plan_source(engine)
         target = engine.model_config
         if not hasattr(target, "kv_entry_dim"):
             raise ConfigError(f"[dspark] drafts for a {target.architecture} target are not supported "
@@ -257,7 +258,7 @@ class DSpark(Feature):
     def _resolve_source(self, engine):
         if engine.blocks.pool_of.get(CACHE_GROUP) != engine.blocks.primary.name:
             raise ConfigError("[dspark] the draft cache must share the target's first cache pool")
-        kind, path = self._plan
+        kind, path = self._source_plan
         if kind == "mtp":
             return MTPDraft(engine, path)
         return DraftModel(engine, path)
