@@ -74,7 +74,8 @@ def main(argv=None) -> None:
             rows.append(report(d, json.loads((Path(d) / "config.json").read_text()), args.tokens, args.block_size,
                                DTYPES[args.dtype], args.step_tokens))
         for s in args.shape or ([] if args.model else ["v3-671b"]):
-            rows.append(report(s, FULL[s] if s in FULL else shape_config(s), args.tokens, args.block_size, DTYPES[args.dtype],
+            raw = FULL[s] if s in FULL else shape_config(s)
+            rows.append(report(s, raw, args.tokens, args.block_size, DTYPES[args.dtype],
                                args.step_tokens))
     for r in rows:
         print(f"{r['model']} ({r['architecture']}), block {r['block_size']}, {args.dtype}:")

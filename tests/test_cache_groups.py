@@ -155,6 +155,28 @@ def test_state_group_that_is_not_prefix_cacheable_does_not_limit_hits():
     m.check_no_leaks()
 
 
+def test_records_carry_every_group_of_the_record_pool():
+    from deepinfer_core.engine.kv_tiers import _copies_by_layer
+
+    layout = CacheLayout((KVCacheSpec("a", (0, 1), 3), KVCacheSpec("b", (0,), 5, tokens_per_entry=2),
+                          KVCacheSpec("swa", (1,), 2, window=4)))
+    num = {"a": 6, "swa": 6}
+    m = KVCacheManager(layout, 4, num, allocate_caches(layout, num, 4, torch.float32, torch.device("cpu")))
+    assert [g.name for g in m.record_groups] == ["a", "b"] and m.record_pool is m.pools["a"]
+    for name in ("a", "b", "swa"):
+        for t in m.kv_caches[name]:
+            t.copy_(torch.randn(t.shape))
+    rec = m.read_block(2)
+    assert rec.shape == (2 * 4 * 3 + 2 * 5,)  # two layers of a (4 entries x 3), one of b (2 entries x 5)
+    m.write_block(5, rec)
+    for name in ("a", "b"):
+        for t in m.kv_caches[name]:
+            assert torch.equal(t[5], t[2])
+    assert not torch.equal(m.kv_caches["swa"][0][5], m.kv_caches["swa"][0][2])  # window groups are not recorded
+    assert [layer for layer, _ in _copies_by_layer(m)] == [0, 1]
+    assert m.put(1234, rec) and torch.equal(m.get(1234), rec) and m.contains(1234)
+
+
 # ---- a third-party model through deepinfer.models -----------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,7 @@ class BlockManager:
         if key in self.block_of or not self.free:
             return None
         (b,) = self._take(1)
-        self.block_of[key], self.hash_of[b] = key, key
+        self.block_of[key], self.hash_of[b] = b, key
         self.ref[b] = 0
         self.free[b] = None
         return b

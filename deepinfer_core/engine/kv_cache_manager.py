@@ -177,10 +177,12 @@ class KVCacheManager(KVStore):
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether every pool can grow ``seq`` to ``num_tokens`` tokens now (counting the window
         blocks that allocation frees first)."""
-        tables, c = self.tables(seq), seq.num_computed_tokens
+        tables, n = self.tables(seq), -(-num_tokens // self.block_size)
         for name, pool in self.pools.items():
             t = tables[name]
-            if pool.blocks_needed(t, num_tokens) > pool.num_free + pool.freeable(t, c):
+            new = n - len(t)
+            if new > pool.num_free and (pool.window is None
+                                        or new > pool.num_free + pool.freeable(t, seq.num_computed_tokens)):
                 return False
         return True
 
@@ -199,7 +201,8 @@ class KVCacheManager(KVStore):
         for pool in self._windows:
             pool.free_outside_window(tables[pool.name], seq.num_computed_tokens)
         for name, pool in self.pools.items():
-            pool.allocate(tables[name], num_tokens)
+            if len(tables[name]) * self.block_size < num_tokens:
+                pool.allocate(tables[name], num_tokens)
 
     def release(self, seq: Sequence) -> None:
         for name, table in seq.block_tables.items():

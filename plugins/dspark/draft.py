@@ -42,9 +42,10 @@ logger = logging.getLogger("deepinfer.dspark")
 CACHE_GROUP = "dspark"
 
 
-def _alloc_caches(engine, num_layers: int, entry_dim: int) -> list[torch.Tensor]:
-    """The draft's cache tensors: the "dspark" group the feature declared."""
-    caches = engine.kv_caches.get(CACHE_GROUP)
+def _alloc_caches(engine, num_layers: int, entry_dim: int, caches: list[torch.Tensor] | None = None
+                  ) -> list[torch.Tensor]:
+    """The draft's cache tensors: ``caches`` if given, else the "dspark" group the feature declared."""
+    caches = engine.kv_caches.get(CACHE_GROUP) if caches is None else caches
     if caches is None or len(caches) != num_layers or caches[0].shape[-1] != entry_dim:
         got = None if caches is None else (len(caches), caches[0].shape[-1])
         raise ConfigError(f"[dspark] the draft needs {num_layers} cache layers of {entry_dim} values in cache group "
@@ -70,7 +71,8 @@ class DraftModel:
     needs_hidden = False
     kind = "model"
 
-    def __init__(self, engine, path: Path) -> None:
+    def __init__(self, engine, path: Path, caches: list[torch.Tensor] | None = None) -> None:
+        """``caches``: the draft's KV tensors (default: the engine's "dspark" cache group)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"[dspark] draft {str(path)!r} is not an HF checkpoint directory (no config.json)")
@@ -85,7 +87,7 @@ class DraftModel:
         self.path, self.cfg = path, cfg
         self.max_positions = engine.max_model_len + 32
         self.model = load_model(engine.kernels, path, cfg, engine.dtype, engine.device, self.max_positions)
-        self.caches = _alloc_caches(engine, cfg.num_hidden_layers, cfg.kv_entry_dim)
+        self.caches = _alloc_caches(engine, cfg.num_hidden_layers, cfg.kv_entry_dim, caches)
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.fingerprint = model_fingerprint(path, torch.float32)[:12]
