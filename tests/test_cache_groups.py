@@ -58,6 +58,9 @@ def test_split_budget_caps_window_pool_by_full_pool_and_requests():
     assert split_budget(pools, 128 * 30, **kw) == {"full": 22, "swa": 8}  # 22 + min(22, 2 * 4) = 30 blocks
     assert split_budget(pools, 128 * 6, **kw) == {"full": 3, "swa": 3}  # never more window than full blocks
     assert split_budget(pools, 128 * 30, **kw, max_full_blocks=10) == {"full": 10, "swa": 8}
+    # 8 requests sharing a 64-token step hold at most 8 * (2 + 2) + 16 = 48 window blocks, not 8 * 17
+    kw.update(max_num_seqs=8, max_step_tokens=64)
+    assert split_budget(pools, 128 * 1000, **kw) == {"full": 952, "swa": 48}
 
 
 def test_window_blocks_leave_to_the_head_of_the_free_list():

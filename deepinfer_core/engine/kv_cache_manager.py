@@ -7,11 +7,13 @@
   lockstep, so separate tables would only repeat each other.
 * Budget (:func:`split_budget`): every FULL pool grows one block per ``block_size`` tokens, so all
   FULL pools get the same block count. A window block is only ever held next to a FULL block of
-  the same index and a request holds at most ``max_blocks_per_request`` window blocks, so a window
-  pool larger than ``min(full blocks, max_num_seqs * max_blocks_per_request)`` could never be used:
-  it gets exactly that, and the rest of the budget goes to the FULL pools. This is SGLang's
-  ``swa_full_tokens_ratio`` chosen from the model instead of by hand, and vLLM's rule that a
-  sliding-window group needs at most its window per request.
+  the same index, and at once all requests hold at most their windows plus the step's tokens
+  (:func:`window_pool_bound`: ``max_num_seqs * (ceil((W-1)/B) + 2) + ceil(max_num_batched_tokens/B)``),
+  so a window pool larger than ``min(full blocks, that bound)`` could never be used: it gets exactly
+  that, and the rest of the budget goes to the FULL pools. This is SGLang's ``swa_full_tokens_ratio``
+  chosen from the model and the batch limits instead of by hand, and vLLM's rule that a
+  sliding-window group needs at most its window per request. (A window-only model scales the bound
+  down to the budget, keeping at least one request's window.)
 * Admission: allocation is all-or-nothing across pools (:meth:`KVCacheManager.can_allocate`
   accounts every pool, counting the window blocks it frees first); release frees every pool.
 * Prefix hits: the minimum over the pools whose groups require them (``HitRule``). A pool of
@@ -65,19 +67,28 @@ def pool_specs(layout: CacheLayout) -> list[PoolSpec]:
             for gs in by_key.values()]
 
 
+def window_pool_bound(pool: PoolSpec, block_size: int, max_num_seqs: int, max_model_len: int,
+                      max_step_tokens: int) -> int:
+    """The most blocks a window pool can hold at once: each request its window plus its tokens of the
+    step (and a block of misalignment on each side), the step's tokens shared by all requests."""
+    per_request = pool.max_blocks_per_request(block_size, max_model_len, max_step_tokens)
+    window = max(g.window for g in pool.groups)
+    shared = max_num_seqs * (-(-(window - 1) // block_size) + 2) + -(-max_step_tokens // block_size)
+    return min(max_num_seqs * per_request, shared)
+
+
 def split_budget(pools: list[PoolSpec], budget: int, block_size: int, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, max_step_tokens: int, max_full_blocks: int | None = None) -> dict[str, int]:
     """Blocks per pool within ``budget`` bytes (module docstring). ``max_full_blocks``: at most this
     many blocks per FULL pool (no more than ``max_num_seqs`` requests of ``max_model_len`` need)."""
     full = [p for p in pools if p.window is None]
     windows = [p for p in pools if p.window is not None]
-    cap = {p.name: max_num_seqs * p.max_blocks_per_request(block_size, max_model_len, max_step_tokens)
-           for p in windows}
+    cap = {p.name: window_pool_bound(p, block_size, max_num_seqs, max_model_len, max_step_tokens) for p in windows}
     row = {p.name: p.block_bytes(block_size, dtype) for p in pools}
     if not full:  # window-only model: as many whole-window requests as fit
-        per_request = sum(cap[p.name] // max_num_seqs * row[p.name] for p in windows)
-        n = max(1, min(max_num_seqs, budget // per_request))
-        return {p.name: n * (cap[p.name] // max_num_seqs) for p in windows}
+        scale = min(1.0, budget / sum(cap[p.name] * row[p.name] for p in windows))
+        return {p.name: max(p.max_blocks_per_request(block_size, max_model_len, max_step_tokens),
+                            int(cap[p.name] * scale)) for p in windows}
     full_row = sum(row[p.name] for p in full)
 
     def cost(x: int) -> int:
