@@ -46,13 +46,7 @@ from deepinfer_core import plugins
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.cost_model import CostModel, default_path
 from deepinfer_core.engine.idle import DeviceIdleMeter
-from deepinfer_core.engine.kv_cache_manager import (
-    KVCacheManager,
-    allocate_caches,
-    max_full_blocks,
-    pool_specs,
-    split_budget,
-)
+from deepinfer_core.engine.kv_cache_manager import KVCacheManager, allocate_caches, size_pools
 from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
 from deepinfer_core.engine.sampler import DeviceSample, Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
@@ -221,32 +215,17 @@ class LLMEngine:
         return layout
 
     def _size_kv_cache(self) -> dict[str, int]:
-        """Blocks per cache pool within the KV memory budget (``kv_cache_manager.split_budget``)."""
-        cfg, bs = self.cfg, self.block_size
-        pools = pool_specs(self.cache_layout)
-        per_block = sum(p.block_bytes(bs, self.dtype) for p in pools)
-        cap = None
+        """Blocks per cache pool within the KV memory budget (``kv_cache_manager.size_pools``)."""
+        cfg = self.cfg
         if isinstance(cfg.kv_cache_memory, int):
-            budget = cfg.kv_cache_memory
+            budget, fraction = cfg.kv_cache_memory, False
         else:
             free, _ = self.platform.memory_info(self.device_index)
             share = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else self.platform.kv_cache_memory_fraction
-            budget, cap = int(free * share), max_full_blocks(cfg.max_num_seqs, self.max_model_len, bs)
-        num = split_budget(pools, budget, bs, self.dtype, cfg.max_num_seqs, self.max_model_len,
-                           cfg.max_num_batched_tokens, cap)
-        min_blocks = math.ceil(self.max_model_len / bs) if cfg.kv_cache_memory is None else 1
-        for p in pools:  # the default budget always holds one request of max_model_len
-            if num[p.name] < min_blocks:
-                num[p.name] = min(min_blocks, p.max_blocks_per_request(bs, self.max_model_len,
-                                                                      cfg.max_num_batched_tokens))
-        if min(num.values()) < 2:
-            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory} holds {min(num.values())} KV blocks of "
-                             f"{per_block} bytes (all cache groups); at least 2 are needed")
-        for p in pools:
-            logger.info("KV cache pool %r (%s): %d blocks x %d tokens (%.1f MiB)", p.name,
-                        ", ".join(g.name for g in p.groups), num[p.name], bs,
-                        num[p.name] * p.block_bytes(bs, self.dtype) / 2**20)
-        return num
+            budget, fraction = int(free * share), True
+        return size_pools(self.cache_layout, budget, self.block_size, self.dtype, cfg.max_num_seqs,
+                          self.max_model_len, cfg.max_num_batched_tokens, budget_is_share=fraction,
+                          at_least_one_request=cfg.kv_cache_memory is None, setting=cfg.kv_cache_memory)
 
     def _load_cost_model(self) -> CostModel | None:
         path = self.cfg.cost_model or default_path(self.platform.name, self.fingerprint)

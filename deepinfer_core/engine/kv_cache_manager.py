@@ -40,7 +40,8 @@ from deepinfer_core.kv_store import KVStore, KVStoreStats
 
 logger = logging.getLogger("deepinfer.kv_cache")
 
-__all__ = ["KVCacheManager", "NoFreeBlocks", "PoolSpec", "allocate_caches", "pool_specs", "split_budget"]
+__all__ = ["KVCacheManager", "NoFreeBlocks", "PoolSpec", "allocate_caches", "blocks_for_all_requests", "pool_specs",
+           "size_pools", "split_budget", "window_pool_bound"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,32 @@ def split_budget(pools: list[PoolSpec], budget: int, block_size: int, dtype: tor
     out = {p.name: x for p in full}
     out.update({p.name: min(x, cap[p.name]) for p in windows})
     return out
+
+
+def size_pools(layout: CacheLayout, budget: int, block_size: int, dtype: torch.dtype, max_num_seqs: int,
+               max_model_len: int, max_step_tokens: int, budget_is_share: bool, at_least_one_request: bool,
+               setting=None) -> dict[str, int]:
+    """Blocks per pool for the engine: :func:`split_budget`, capped at what ``max_num_seqs`` requests
+    of ``max_model_len`` need when the budget is a share of free memory, and (``at_least_one_request``,
+    the default budget) never below one ``max_model_len`` request. ``setting``: the configured
+    ``kv_cache_memory``, named in the error when the budget holds fewer than 2 blocks."""
+    pools = pool_specs(layout)
+    cap = blocks_for_all_requests(max_num_seqs, max_model_len, block_size) if budget_is_share else None
+    num = split_budget(pools, budget, block_size, dtype, max_num_seqs, max_model_len, max_step_tokens, cap)
+    if at_least_one_request:
+        for p in pools:
+            one = min(-(-max_model_len // block_size), p.max_blocks_per_request(block_size, max_model_len,
+                                                                              max_step_tokens))
+            num[p.name] = max(num[p.name], one)
+    if min(num.values()) < 2:
+        per_block = sum(p.block_bytes(block_size, dtype) for p in pools)
+        raise ValueError(f"kv_cache_memory={setting} holds {min(num.values())} KV blocks of {per_block} bytes "
+                         "(all cache groups); at least 2 are needed")
+    for p in pools:
+        logger.info("KV cache pool %r (%s): %d blocks x %d tokens (%.1f MiB)", p.name,
+                    ", ".join(g.name for g in p.groups), num[p.name], block_size,
+                    num[p.name] * p.block_bytes(block_size, dtype) / 2**20)
+    return num
 
 
 def allocate_caches(layout: CacheLayout, num_blocks: dict[str, int], block_size: int, dtype: torch.dtype,
@@ -342,15 +369,6 @@ class KVCacheManager(KVStore):
             pool.check_no_leaks()
 
 
-def record_dtype(manager: KVCacheManager) -> torch.dtype | None:
-    """The one dtype of the record pool's tensors, or None when they mix dtypes."""
-    dtypes = {t.dtype for _, t in manager.record_parts()}
-    return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def record_numel(manager: KVCacheManager) -> int:
-    return sum(t[0].numel() for _, t in manager.record_parts())
-
-
-def max_full_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+def blocks_for_all_requests(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """Blocks that ``max_num_seqs`` requests of ``max_model_len`` tokens hold (plus one)."""
     return max_num_seqs * math.ceil(max_model_len / block_size) + 1

@@ -66,6 +66,9 @@ class RankEngine(LLMEngine):
         model = super().build_model((self.rank * per, (self.rank + 1) * per))
         # every routed-expert layer: a module exposing the ``expert_parallel`` slot (models.deepseek.MoE)
         moes = [m for m in model.modules() if hasattr(m, "expert_parallel") and hasattr(m, "layer_idx")]
+        if not moes:
+            raise ValueError(f"{self.model_config.architecture} has no expert-parallel MoE layers (modules with "
+                             "`expert_parallel` and `layer_idx`, as models.deepseek.MoE); dp/ep > 1 cannot run it")
         self.expert_parallel = ExpertParallel(self.comm, E, moes, self.device)
         return model
 
