@@ -154,6 +154,7 @@ class KVCacheManager(KVStore):
         self.specs = pool_specs(layout)
         self.pools = {p.name: BlockManager(num_blocks[p.name], block_size, p.window, enable_prefix_caching, p.name)
                       for p in self.specs}
+        self._pool_items = list(self.pools.items())
         self.pool_of = {g.name: p.name for p in self.specs for g in p.groups}
         self.primary = self.pools[self.specs[0].name]  # the first group's pool: ``seq.block_table``
         record = next((p for p in self.specs if p.window is None and all(g.prefix_cacheable for g in p.groups)),
@@ -215,8 +216,8 @@ class KVCacheManager(KVStore):
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether every pool can grow ``seq`` to ``num_tokens`` tokens now (counting the window
         blocks that allocation frees first)."""
-        tables, n = self.tables(seq), -(-num_tokens // self.block_size)
-        for name, pool in self.pools.items():
+        tables, n = seq.block_tables or self.tables(seq), -(-num_tokens // self.block_size)
+        for name, pool in self._pool_items:
             t = tables[name]
             new = n - len(t)
             if new > pool.num_free and (pool.window is None
@@ -232,14 +233,16 @@ class KVCacheManager(KVStore):
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow every table of ``seq`` to ``num_tokens`` tokens, first freeing the window blocks no
         coming token reads; all or nothing (raises NoFreeBlocks, changing nothing)."""
+        tables, n = seq.block_tables or self.tables(seq), -(-num_tokens // self.block_size)
+        if not self._windows and all(len(tables[name]) >= n for name, _ in self._pool_items):
+            return  # the common decode step: nothing to free or add
         if not self.can_allocate(seq, num_tokens):
-            short = {n: p.num_free for n, p in self.pools.items()}
+            short = {name: p.num_free for name, p in self._pool_items}
             raise NoFreeBlocks(f"request {seq.request_id}: {num_tokens} tokens do not fit; free blocks {short}")
-        tables = self.tables(seq)
         for pool in self._windows:
             pool.free_outside_window(tables[pool.name], seq.num_computed_tokens)
-        for name, pool in self.pools.items():
-            if len(tables[name]) * self.block_size < num_tokens:
+        for name, pool in self._pool_items:
+            if len(tables[name]) < n:
                 pool.allocate(tables[name], num_tokens)
 
     def release(self, seq: Sequence) -> None:

@@ -171,6 +171,8 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: dict[tuple[str, int], list[int]] = {key: [] for key in self._slot_keys}
+        first_pool, first_slots = self._first_key[0], slots[self._first_key]
+        one_key = len(slots) == 1 and self._first_key[1] == 1
         q_all: list[int] = []  # new tokens (with drafts) per sequence, batch order
         logit_rows: list[int] = []
         sample_seqs: list[Sequence] = []
@@ -188,9 +190,12 @@ class ModelRunner:
             hi = c + n + len(extra)
             pos.extend(range(c, hi))
             q_all.append(hi - c)
-            tables = seq.block_tables
-            for (pool, m), out_slots in slots.items():
-                out_slots.extend(_slots(tables[pool], c, hi, bs, m))
+            if one_key:  # a single slot mapping (DeepSeek V2/V3's latent group): the common path inline
+                bt = seq.block_tables[first_pool]
+                first_slots.extend(bt[p // bs] * bs + p % bs for p in range(c, hi))
+            else:
+                for (pool, m), out_slots in slots.items():
+                    out_slots.extend(_slots(seq.block_tables[pool], c, hi, bs, m))
             done_lp = len(seq.prompt_logprobs) - 1  # prompt positions already scored (kept on recompute)
             if seq.params.prompt_logprobs is not None and max(c, done_lp) < seq.num_prompt_tokens - 1:
                 first = max(c, done_lp)
@@ -228,15 +233,11 @@ class ModelRunner:
             )
         num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
         scheduled = out.prefills + out.decodes
-        slot_t = {key: to_device(v, torch.long, dev, pin) for key, v in slots.items()}
-        table_t = {pool: _padded_tables([s.seq.block_tables[pool] for s in scheduled], dev, pin)
-                   for pool in dict.fromkeys(p for p, _ in slots)} if scheduled else {}
-        groups = {g: GroupMeta(slot_t[key], table_t[key[0]]) for key, names in self._slot_keys.items()
-                  for g in names} if scheduled else None
-        c_all = [s.seq.num_computed_tokens for s in scheduled]
-        meta = AttentionMetadata(num_prefill_tokens, slot_t[self._first_key], prefill, decode,
-                                 layer_ready=self.layer_ready, groups=groups, cu_q_lens=_cumsum(q_all, dev, pin),
-                                 seq_lens=to_device([c + q for c, q in zip(c_all, q_all)], torch.long, dev, pin))
+        meta = AttentionMetadata(num_prefill_tokens, None, prefill, decode, layer_ready=self.layer_ready)
+        if scheduled:
+            self._group_meta(meta, scheduled, slots, q_all)
+        else:
+            meta.slot_mapping = to_device([], torch.long, dev, pin)
         self.layer_ready = None
         input_ids = to_device(ids, torch.long, dev, pin)
         if placeholders:
@@ -246,6 +247,29 @@ class ModelRunner:
         return StepBatch(input_ids, to_device(pos, torch.long, dev, pin), meta, out.prefills + out.decodes,
                          logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden,
                          logit_index=to_device(logit_rows, torch.long, dev, pin) if logit_rows else None)
+
+    def _group_meta(self, meta: AttentionMetadata, scheduled: list[ScheduledSeq],
+                    slots: dict[tuple[str, int], list[int]], q_all: list[int]) -> None:
+        """Fill ``meta``'s per-group slot mappings and block tables and its step-wide lengths. A step of
+        only prefills or only decodes reuses their tensors for the first pool and the lengths."""
+        dev, pin = self.device, self.pin_memory
+        slot_t = {key: to_device(v, torch.long, dev, pin) for key, v in slots.items()}
+        meta.slot_mapping = slot_t[self._first_key]
+        only = meta.decode if meta.prefill is None else meta.prefill if meta.decode is None else None
+        tables = {}
+        for pool in dict.fromkeys(p for p, _ in slots):
+            if only is not None and pool == self._first_key[0]:
+                tables[pool] = only.block_tables  # the same rows, padded with 0 instead of -1
+            else:
+                tables[pool] = _padded_tables([s.seq.block_tables[pool] for s in scheduled], dev, pin)
+        meta.groups = {g: GroupMeta(slot_t[key], tables[key[0]]) for key, names in self._slot_keys.items()
+                       for g in names}
+        if only is not None:
+            meta.cu_q_lens, meta.seq_lens = only.cu_q_lens, only.seq_lens
+        else:
+            c_all = [s.seq.num_computed_tokens for s in scheduled]
+            meta.cu_q_lens = _cumsum(q_all, dev, pin)
+            meta.seq_lens = to_device([c + q for c, q in zip(c_all, q_all)], torch.long, dev, pin)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
