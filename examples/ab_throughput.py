@@ -4,7 +4,8 @@ Each tree runs in its own worker process (``PYTHONPATH=<tree>``) over the same r
 and the same workload as ``benchmark.py`` (its end-to-end part: 48 requests, prompts 16-256, outputs
 16-128 tokens); a round runs it (or ``--per-round`` requests of it) on A, then on B, the next round
 on B first, and so on, so background load falls on both alike. Reported: output tok/s per tree over
-all rounds and B's change against A.
+all rounds and B's change against A. ``--concurrent`` runs each round on A and B at the same time,
+one thread each: on a machine whose load swings within seconds, both then see the same load.
 
     git archive main | tar -x -C /tmp/main_tree
     python examples/ab_throughput.py --a /tmp/main_tree --b . [--rounds 4]
@@ -25,10 +26,13 @@ from pathlib import Path
 def worker(model_dir: str, args) -> None:
     """Serve "run i" lines: generate round i of the workload, print {"seconds", "tokens"}."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
     from benchmark import workload
 
     from deepinfer_core import LLM, SamplingParams
 
+    if args.concurrent:
+        torch.set_num_threads(1)
     llm = LLM(model_dir, dtype="float32", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     vocab = llm.engine.model_config.vocab_size
@@ -59,6 +63,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrent", action="store_true", help="run A and B at once, one thread each")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -77,6 +82,7 @@ def main(argv=None) -> None:
                "--worker", str(model_dir)] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                                               ("num_requests", "rounds", "per_round", "max_num_seqs",
                                                "max_num_batched_tokens", "seed")]
+        cmd += ["--concurrent"] if args.concurrent else []
         if not (Path(tree) / "examples" / "ab_throughput.py").is_file():
             cmd[1] = str(Path(__file__).resolve())  # a tree without this script: run ours on its code
         procs[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -90,7 +96,11 @@ def main(argv=None) -> None:
         for name in order:
             procs[name].stdin.write(f"run {i}\n")
             procs[name].stdin.flush()
-            got[name] = json.loads(procs[name].stdout.readline())
+            if not args.concurrent:
+                got[name] = json.loads(procs[name].stdout.readline())
+        for name in order:
+            if args.concurrent:
+                got[name] = json.loads(procs[name].stdout.readline())
             total[name][0] += got[name]["seconds"]
             total[name][1] += got[name]["tokens"]
         agree = agree and got["A"]["outputs"] == got["B"]["outputs"]

@@ -330,6 +330,24 @@ def test_prefix_hits_take_the_minimum_over_groups(toy):
     e.blocks.check_no_leaks()
 
 
+def test_kv_store_records_the_full_group_and_serves_window_models_from_device(toy, tmp_path):
+    path, ref = toy
+    section = {"backend": "3fs", "path": str(tmp_path / "kv"), "offload_on_finish": True}
+    llm = _llm(path, kv_store=section)
+    e = llm.engine
+    tiers = e.pm.get_plugin("kv_tiers")
+    assert tiers.layout.block_shape == (1, BS, 2 * 2 * 8)  # the "full" group only: one layer, [k | v]
+    prompt = rand_ids(30, 11)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    for _ in range(2):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+        _check(ref, prompt, out, 4)
+    assert tiers.flush(30) and tiers.counters.offload_written > 0
+    assert set(out.metrics.num_cached_tokens_by_tier) <= {"device"}  # lower tiers never serve a window model
+    e.blocks.check_no_leaks()
+    llm.shutdown()
+
+
 def test_unknown_architecture_lists_registered_ones(toy, tmp_path):
     path, _ = toy
     import json

@@ -225,6 +225,8 @@ class TieredKVCache:
     def request_ready(self, engine, request):
         if request.block_table or request.num_computed_tokens or not self._eligible(engine, request):
             return None
+        if not engine.blocks.external_hits:  # a window group must hold the hit: lower tiers cannot serve it
+            return None
         st = self._state(request)
         if st.jobs:
             if not all(f.done() for f in st.jobs):
