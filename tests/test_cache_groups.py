@@ -195,10 +195,16 @@ def toy_pkg(tmp_path_factory):
     assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
     for build in (EXAMPLE / "build", *EXAMPLE.glob("*.egg-info")):
         subprocess.run(["rm", "-rf", str(build)], check=False)
+    from stevedore import ExtensionManager
+
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
+    # stevedore keeps each group's entry points for the life of the process (its class-level cache):
+    # an installed-at-start-up package needs nothing; one installed by this test must be seen
+    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.models", None)
     yield site
     sys.path.remove(str(site))
+    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.models", None)
     for name in [n for n in sys.modules if n.startswith("deepinfer_toymodel")]:
         del sys.modules[name]
 
@@ -284,10 +290,11 @@ def test_window_usage_stays_bounded_during_a_long_decode(toy):
     e.blocks.check_no_leaks()
 
 
-def test_preemption_and_abort_free_every_group(toy):
+@pytest.mark.parametrize("async_on", [False, True])
+def test_preemption_and_abort_free_every_group(toy, async_on):
     path, ref = toy
     # room for about one long request: the others are preempted and recomputed
-    llm = _llm(path, kv_cache_memory=16 * 3 * BS * 32 * 4, max_num_batched_tokens=64)
+    llm = _llm(path, kv_cache_memory=16 * 3 * BS * 32 * 4, max_num_batched_tokens=64, async_scheduling=async_on)
     e = llm.engine
     prompts = [rand_ids(20 + 3 * i, 70 + i) for i in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
