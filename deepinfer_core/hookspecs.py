@@ -18,6 +18,19 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
+def cache_groups(engine, layout) -> list | None:
+    """Extra KV cache groups this feature keeps beside the model's own (e.g. a draft model's KV).
+
+    ``engine``: the engine being built (model loaded, no KV cache yet; ``engine.model_config`` and
+    ``engine.model_dir`` are set). ``layout``: the model's ``kv_cache_spec.CacheLayout``. Return a
+    list of ``kv_cache_spec.KVCacheSpec`` with names unused by ``layout``, or None. The groups are
+    sized from the same KV memory budget and paged like the model's; a group with the window and
+    prefix-cacheability of a model group shares that group's block pool, so its block ids and slots
+    are the model's (``engine.blocks.table(request, group)``). After start-up its tensors are
+    ``engine.kv_caches[name]``, one per entry of ``layers``."""
+
+
+@hookspec
 def engine_started(engine) -> None:
     """The engine is built (model loaded, KV cache allocated). Attach draft models, stores, maps."""
 

@@ -21,6 +21,18 @@ Lifetimes:
   Blocks that fall wholly before the window of the request's next token are freed at once (their
   block-table entries become ``-1``); freed window blocks go to the head of the free list so they
   never push a cached prefix out.
+
+Groups with the same window and ``prefix_cacheable`` allocate in lockstep, so the engine gives
+them one block pool and one block table per request (the same block ids), as vLLM does for layers
+of one spec; each group still has its own tensors and slot mapping.
+
+Prefix hits (``hit_rule``): a hit of n blocks is the minimum over the groups whose rule is
+``REQUIRED`` of what each holds: a FULL group every block before n, a WINDOW group the blocks
+that the window of the first recomputed token (position ``n * block_size``) reads (vLLM's
+``SlidingWindowManager`` rule). A ``NOT_NEEDED`` group does not limit hits; it gets the blocks it
+still holds and -1 elsewhere (the model must cope, e.g. by replaying the window). A group that is
+not ``prefix_cacheable`` is never hashed, so it never limits a hit either (its entries for the hit
+are -1: state the model does not read after a block boundary).
 """
 
 from __future__ import annotations
@@ -36,6 +48,13 @@ class Lifetime(str, enum.Enum):
     WINDOW = "window"
 
 
+class HitRule(str, enum.Enum):
+    """Whether a prefix hit must be held by a group (module docstring, "Prefix hits")."""
+
+    REQUIRED = "required"
+    NOT_NEEDED = "not_needed"
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """One cache group."""
@@ -47,6 +66,7 @@ class KVCacheSpec:
     window: int | None = None  # WINDOW groups: tokens (the reading token included) ever read
     dtype: torch.dtype | None = None  # None: the model's activation dtype
     prefix_cacheable: bool = True  # blocks may be shared across requests through the prefix cache
+    hit_rule: HitRule = HitRule.REQUIRED  # the per-model policy for prefix hits (module docstring)
 
     def __post_init__(self) -> None:
         if self.tokens_per_entry < 1:
@@ -55,6 +75,11 @@ class KVCacheSpec:
             raise ValueError(f"cache group {self.name!r}: window must be >= 1 or None")
         if not self.layers:
             raise ValueError(f"cache group {self.name!r} has no layers")
+
+    @property
+    def pool_key(self) -> tuple[int | None, bool]:
+        """Groups with equal keys share one block pool and block table."""
+        return (self.window, self.prefix_cacheable)
 
     @property
     def lifetime(self) -> Lifetime:

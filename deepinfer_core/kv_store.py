@@ -1,6 +1,7 @@
 """The KV block store interface.
 
-A KV block is the cache of ``block_size`` consecutive tokens for every layer. Its key is the
+A KV block is the cache of ``block_size`` consecutive tokens for every layer (of every cache group
+the record carries, see ``KVCacheManager``). Its key is the
 prefix-hash-chain value of the tokens up to and including the block (see
 ``deepinfer_core.engine.hashing``), so equal keys mean equal KV. The engine's device cache and the
 persistent tiers (host memory, 3FS, ...) implement this interface; stores are plugins in the
@@ -38,10 +39,13 @@ class KVLayout:
     block_size: int
     entry_dim: int  # values per token per layer (kv_lora_rank + qk_rope_head_dim)
     dtype: torch.dtype
+    #: a record of several cache groups (``KVCacheManager.read_block``): its flat shape, overriding
+    #: ``(num_layers, block_size, entry_dim)``; the fingerprint then covers the group layout too
+    shape: tuple[int, ...] | None = None
 
     @property
-    def block_shape(self) -> tuple[int, int, int]:
-        return (self.num_layers, self.block_size, self.entry_dim)
+    def block_shape(self) -> tuple[int, ...]:
+        return self.shape if self.shape is not None else (self.num_layers, self.block_size, self.entry_dim)
 
     @classmethod
     def for_model(cls, model_fingerprint: str, num_layers: int, block_size: int, entry_dim: int,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from deepinfer_core.engine.block_manager import BlockManager
     from deepinfer_core.engine.cost_model import CostModel
+    from deepinfer_core.engine.kv_cache_manager import KVCacheManager
     from deepinfer_core.engine.sequence import Sequence
 
 
@@ -53,7 +53,7 @@ class Scheduler(ABC):
     name: str = ""
     core_api_version: str = ""
 
-    def __init__(self, budget: SchedulerBudget, blocks: BlockManager, cost_model: CostModel | None) -> None:
+    def __init__(self, budget: SchedulerBudget, blocks: KVCacheManager, cost_model: CostModel | None) -> None:
         self.budget, self.blocks, self.cost_model = budget, blocks, cost_model
 
     @abstractmethod

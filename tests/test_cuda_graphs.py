@@ -84,10 +84,10 @@ def test_padded_rows_do_not_touch_kv_cache_and_logits_match(n):
     graphs = runner.graphs
     graphs.slot_mapping.fill_(0)  # what an earlier, larger step may leave in the padding rows
     graphs.seq_lens.fill_(7)
-    before = [c.clone() for c in e.kv_caches]
+    before = [c.clone() for c in e.kv_caches["latent"]]
     logits_padded = runner.forward(batch)
-    after_padded = [c.clone() for c in e.kv_caches]
-    for c, b in zip(e.kv_caches, before):
+    after_padded = [c.clone() for c in e.kv_caches["latent"]]
+    for c, b in zip(e.kv_caches["latent"], before):
         c.copy_(b)
     runner.graphs = None
     logits_eager = runner.forward(batch)
@@ -95,7 +95,7 @@ def test_padded_rows_do_not_touch_kv_cache_and_logits_match(n):
     assert logits_padded.shape == logits_eager.shape == (n, e.model_config.vocab_size)
     torch.testing.assert_close(logits_padded, logits_eager, rtol=1e-5, atol=1e-5)
     slots = sorted(batch.meta.slot_mapping.tolist())
-    for layer, (p, q, b) in enumerate(zip(after_padded, e.kv_caches, before)):
+    for layer, (p, q, b) in enumerate(zip(after_padded, e.kv_caches["latent"], before)):
         changed = ((p != b).any(-1).flatten().nonzero().flatten()).tolist()
         assert changed == slots, f"layer {layer}: padded path wrote slots {changed}, the batch owns {slots}"
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -126,14 +126,14 @@ def test_replay_equals_padded_eager_step(n):
     batch = runner.prepare(out)
     graphs = runner.graphs
     assert graphs.accepts(batch)
-    before = [c.clone() for c in e.kv_caches]
+    before = [c.clone() for c in e.kv_caches["latent"]]
 
     def restore():
-        for c, b in zip(e.kv_caches, before):
+        for c, b in zip(e.kv_caches["latent"], before):
             c.copy_(b)
 
     replayed = runner.forward(batch)
-    kv_replayed = [c.clone() for c in e.kv_caches]
+    kv_replayed = [c.clone() for c in e.kv_caches["latent"]]
     restore()
     padded = DecodeGraphs(e.model, e.kv_caches, graphs.sizes, graphs.max_blocks, e.device, capture=False)
     padded_logits = padded.run(batch)
@@ -153,7 +153,7 @@ def test_replay_equals_padded_eager_step(n):
     print(f"n={n}: rows differing from the unpadded eager step: {bad}")
     assert len(bad) <= n // 10, bad  # seen: 1-2 of 37
     good_slots = batch.meta.slot_mapping[[r for r in range(n) if r not in bad]]
-    for a, b in zip(kv_replayed, e.kv_caches):
+    for a, b in zip(kv_replayed, e.kv_caches["latent"]):
         flat_a, flat_b = a.view(-1, a.shape[-1]), b.view(-1, b.shape[-1])
         torch.testing.assert_close(flat_a[good_slots], flat_b[good_slots], rtol=5e-2, atol=5e-2)
     slots = sorted(batch.meta.slot_mapping.tolist())
@@ -193,7 +193,7 @@ def test_graph_path_kernels_compile(shape):
     bs = 16
     kv = [torch.zeros(8, bs, cfg.kv_entry_dim, dtype=torch.bfloat16) for _ in range(cfg.num_hidden_layers)]
     sizes = [1, 128, 256]  # split-KV on (few CTAs) and off; MoE SMALL and (default model) LARGE tiles
-    graphs = DecodeGraphs(model, kv, sizes, 1024 // bs + 1, torch.device("cpu"), capture=False)
+    graphs = DecodeGraphs(model, {"latent": kv}, sizes, 1024 // bs + 1, torch.device("cpu"), capture=False)
     with torch.inference_mode():
         for n in sizes:
             graphs._forward(n)

@@ -157,9 +157,11 @@ def test_no_drafting_when_it_does_not_pay(tiny_v3_path, tiny_draft, reference):
 
 
 def test_greedy_identical_under_preemption(tiny_v3_path, reference):
-    # 24 blocks of 4 tokens: each request fits alone, the batch does not -> preemption and recompute
+    # 24 blocks of 4 tokens: each request fits alone, the batch does not -> preemption and recompute.
+    # The draft (the same shape) keeps its KV inside the budget: twice the bytes per block.
     llm = make(tiny_v3_path, dspark={"draft": tiny_v3_path, "k": 5, "budget_policy": "fixed"},
-               kv_cache_memory=24 * kv_bytes_per_block(tiny_v3_path, BS))
+               kv_cache_memory=24 * 2 * kv_bytes_per_block(tiny_v3_path, BS))
+    assert llm.engine.blocks.num_blocks == 24 and set(llm.engine.kv_caches) == {"latent", "dspark"}
     outs = run(llm, PROMPTS, greedy(20, logprobs=0))
     assert llm.metrics()["preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -272,13 +274,13 @@ def test_mtp_cache_matches_teacher_forced(tiny_mtp):
     L = len(ids)
     from deepinfer_core.models.metadata import AttentionMetadata, PrefillMeta
 
-    cache = [torch.zeros(-(-L // BS), BS, c.shape[-1]) for c in eng.kv_caches]
+    cache = [torch.zeros(-(-L // BS), BS, c.shape[-1]) for c in eng.kv_caches["latent"]]
     cu = torch.tensor([0, L])
     meta = AttentionMetadata(L, torch.arange(L), PrefillMeta(cu, cu, torch.tensor([L]),
                                                              torch.arange(-(-L // BS))[None].int(), False), None)
     pos = torch.arange(L)
     with torch.inference_mode():
-        hidden = eng.model(ids, pos, meta, cache)
+        hidden = eng.model(ids, pos, meta, {"latent": cache})
         src, k = feat.source, eng.kernels
         n = st.done
         e = k.rms_norm(eng.model.embed_tokens[ids[1 : n + 1]], src.enorm, src.eps)
@@ -490,7 +492,8 @@ def test_lean_draft_decode_matches_forward(tiny_v3_path, tmp_path, arch):
     path = tiny_v3_path if arch == "v3" else str(write_checkpoint(tmp_path, "v2", seed=3, q_lora_rank=None)[0])
     llm = make(path, features=False)
     eng = llm.engine
-    src = DraftModel(eng, Path(path))  # the 2-layer model drafting for itself: a dense and an MoE layer
+    # the 2-layer model drafting for itself (a dense and an MoE layer), into caches shaped like the target's
+    src = DraftModel(eng, Path(path), caches=[torch.zeros_like(c) for c in eng.kv_caches["latent"]])
     dev = eng.device
     from deepinfer_core.engine.sequence import Sequence
 

@@ -266,7 +266,7 @@ def test_half_precision_load_and_generate(tiny_v3_path, dtype):
     assert eng.model.embed_tokens.dtype == torch_dtype
     assert eng.model.layers[1].mlp.w13.dtype == torch_dtype
     assert eng.model.layers[1].mlp.gate.dtype == torch.float32  # the router stays in float32
-    assert eng.kv_caches[0].dtype == torch_dtype
+    assert eng.kv_caches["latent"][0].dtype == torch_dtype
     half, full = run(llm, 8), run(make_llm(tiny_v3_path))
     for h, f in zip(half, full):
         c = h.outputs[0]

@@ -43,13 +43,9 @@ def calibrate(engine, q_grid=Q_GRID, c_grid=C_GRID) -> CostModel:
     time_prefill(engine, 16, 0, repeats=1)  # warm-up
     for q in q_grid:
         for c in c_grid:
-            if q + c < limit and engine.blocks.blocks_needed(_Empty(), q + c) <= engine.blocks.num_free:
+            if q + c < limit and engine.blocks.fits(q + c):
                 samples.append((q, c, time_prefill(engine, q, c)))
     return CostModel.fit(samples, platform=engine.platform.name, model_fingerprint=engine.fingerprint)
-
-
-class _Empty:
-    block_table: list = []
 
 
 def main(argv=None) -> None:

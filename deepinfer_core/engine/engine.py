@@ -50,10 +50,10 @@ import torch
 
 from deepinfer_core import plugins
 from deepinfer_core.config import ConfigError, EngineConfig
-from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.cost_model import CostModel, default_path
 from deepinfer_core.engine.detokenizer import stop_string_hit
 from deepinfer_core.engine.idle import DeviceIdleMeter
+from deepinfer_core.engine.kv_cache_manager import KVCacheManager, allocate_caches, size_pools
 from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
 from deepinfer_core.engine.sampler import DeviceSample, Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
@@ -61,14 +61,15 @@ from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.engine.transfer import HostCopy, to_device
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
+from deepinfer_core.kv_cache_spec import CacheLayout
 from deepinfer_core.models.loader import (
+    SafetensorsReader,
     apply_weight_layout,
-    build_model,
-    load_model,
-    load_model_config,
     random_init,
+    read_config,
     resolve_model_dir,
 )
+from deepinfer_core.models.registry import parse_config
 from deepinfer_core.outputs import Logprob
 from deepinfer_core.sampling_params import SamplingParams, rng_seed
 from deepinfer_core.scheduler import SchedulerBudget, SchedulerOutput
@@ -161,7 +162,7 @@ class LLMEngine:
         self.features = load_features(cfg, self.pm)
 
         self.model_dir = resolve_model_dir(cfg.model)
-        self.model_config = load_model_config(self.model_dir)
+        self.model_cls, self.model_config = parse_config(read_config(self.model_dir))
         mc = self.model_config
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else self.platform.preferred_dtypes()[0]
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -170,10 +171,11 @@ class LLMEngine:
         self.model = self.build_model()
         apply_weight_layout(self.model, self.platform.linear_weight_layout)
 
-        self.block_size = cfg.block_size
-        self.kv_caches = self._allocate_kv_cache()
-        self.blocks = BlockManager(self.kv_caches[0].shape[0], self.block_size, self.kv_caches,
-                                   cfg.enable_prefix_caching)
+        self.cache_layout = self._cache_layout()
+        num_blocks = self._size_kv_cache()
+        self.kv_caches = allocate_caches(self.cache_layout, num_blocks, self.block_size, self.dtype, self.device)
+        self.blocks = KVCacheManager(self.cache_layout, self.block_size, num_blocks, self.kv_caches,
+                                     cfg.enable_prefix_caching)
         self.blocks.on_evict = self._on_evict
         self.cost_model = self._load_cost_model()
         budget = SchedulerBudget(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.compute_quota_limit,
@@ -183,7 +185,8 @@ class LLMEngine:
         self.scheduler.is_ready = self._is_ready
         self.scheduler.admit_prefix = self._admit_prefix
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, self.device,
-                                  batch_invariant=cfg.batch_invariant)
+                                  batch_invariant=cfg.batch_invariant, layout=self.cache_layout,
+                                  pool_of=self.blocks.pool_of)
         self._pin = self.platform.supports_pinned_memory()
         self.runner.pin_memory = self._pin
         self.sampler = Sampler(self.kernels, mc.vocab_size, self.device, pin_memory=self._pin)
@@ -214,39 +217,47 @@ class LLMEngine:
 
     # ---- construction -------------------------------------------------------------------
     def build_model(self, expert_range=None):
+        """The model of ``config.json``'s architecture (``deepinfer.models``), loaded or randomly
+        initialised; ``expert_range``: the routed experts [lo, hi) this rank holds."""
+        model = self.model_cls.create(self.kernels, self.model_config, self.dtype, self.device, self.max_model_len,
+                                      expert_range)
         if self.cfg.load_format == "random":
-            moe_kw = {} if expert_range is None else {"expert_start": expert_range[0],
-                                                       "num_local": expert_range[1] - expert_range[0]}
-            model = build_model(self.kernels, self.model_config, self.dtype, self.device, self.max_model_len,
-                                **moe_kw)
             random_init(model, seed=self.cfg.seed)
-            return model
-        return load_model(self.kernels, self.model_dir, self.model_config, self.dtype, self.device,
-                          self.max_model_len, expert_range)
+        else:
+            model.load_weights(SafetensorsReader(self.model_dir))
+        return model
 
-    def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        mc, cfg = self.model_config, self.cfg
-        per_block = mc.num_hidden_layers * self.block_size * mc.kv_entry_dim * self.dtype.itemsize
-        wanted = cfg.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
+    def _cache_layout(self) -> CacheLayout:
+        """The model's cache groups plus those features declare (``cache_groups``); fixes block_size."""
+        layout = self.model.cache_layout()
+        extra = [g for groups in self.pm.hook.cache_groups(engine=self, layout=layout) for g in (groups or [])]
+        if extra:
+            layout = CacheLayout(layout.groups + tuple(extra), layout.block_size_multiple)
+        bs, mult = self.cfg.block_size, layout.block_size_multiple
+        self.block_size = bs * mult // math.gcd(bs, mult)
+        if self.block_size != bs:
+            logger.info("block_size %d -> %d: %s needs a multiple of %d", bs, self.block_size,
+                        self.model_config.architecture, mult)
+        layout.check_block_size(self.block_size)
+        return layout
+
+    def _size_kv_cache(self) -> dict[str, int]:
+        """Blocks per cache pool within the KV memory budget (``kv_cache_manager.size_pools``)."""
+        cfg = self.cfg
         if isinstance(cfg.kv_cache_memory, int):
             free, total = self.platform.memory_info(self.device_index)
             if cfg.kv_cache_memory > free:
                 raise ConfigError(f"config key 'kv_cache_memory' asks for {cfg.kv_cache_memory} bytes of KV cache, "
                                   f"more than the device's free memory ({free} of {total} bytes); lower it, "
                                   "or give a fraction of the free memory as a float in (0, 1]")
-            num = cfg.kv_cache_memory // per_block
+            budget, fraction = cfg.kv_cache_memory, False
         else:
             free, _ = self.platform.memory_info(self.device_index)
             share = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else self.platform.kv_cache_memory_fraction
-            num = min(int(free * share) // per_block, wanted)
-        min_blocks = math.ceil(self.max_model_len / self.block_size) if cfg.kv_cache_memory is None else 1
-        num = max(num, min_blocks)
-        if num < 2:
-            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory} holds {num} KV blocks of {per_block} bytes; "
-                             "at least 2 are needed")
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num, self.block_size, num * per_block / 2**20)
-        return [torch.zeros(num, self.block_size, mc.kv_entry_dim, dtype=self.dtype, device=self.device)
-                for _ in range(mc.num_hidden_layers)]
+            budget, fraction = int(free * share), True
+        return size_pools(self.cache_layout, budget, self.block_size, self.dtype, cfg.max_num_seqs,
+                          self.max_model_len, cfg.max_num_batched_tokens, budget_is_share=fraction,
+                          at_least_one_request=cfg.kv_cache_memory is None, setting=cfg.kv_cache_memory)
 
     def _load_cost_model(self) -> CostModel | None:
         path = self.cfg.cost_model or default_path(self.platform.name, self.fingerprint)
@@ -354,11 +365,13 @@ class LLMEngine:
         tiers.clear()  # re-admitted after a preemption: count this admission only
         n_dev = self.blocks.acquire_cached(seq, hashes)
         n_total = n_dev
-        ext = self.pm.hook.match_external_prefix(engine=self, request=seq, block_hashes=hashes,
-                                                 num_device_blocks=n_dev)
-        if ext and ext > n_dev and self.blocks.num_free >= ext - n_dev:
+        ext = None
+        if self.blocks.external_hits:  # lower tiers hold record-pool blocks only
+            ext = self.pm.hook.match_external_prefix(engine=self, request=seq, block_hashes=hashes,
+                                                     num_device_blocks=n_dev)
+        if ext and ext > n_dev and self.blocks.can_allocate(seq, ext * self.block_size):
             self.blocks.allocate(seq, ext * self.block_size)
-            new_ids = seq.block_table[n_dev:ext]
+            new_ids = self.blocks.tables(seq)[self.blocks.record_pool.name][n_dev:ext]
             self.pm.hook.load_external_blocks(engine=self, request=seq, block_ids=new_ids,
                                               block_hashes=hashes[n_dev:ext])
             seq.block_hashes = []  # re-registered below, now that the blocks hold the data
@@ -693,9 +706,10 @@ class LLMEngine:
                 self._stuck = (seq.request_id, self.stats.steps)  # no step ran since: retry once
                 return
             need = -(-seq.num_tokens // self.block_size)
+            sizes = {name: pool.num_blocks for name, pool in self.blocks.pools.items()}
             self._finish(seq, "error", error=RuntimeError(
-                f"request {seq.request_id} needs {need} KV blocks but the cache has {self.blocks.num_blocks}; "
-                "raise kv_cache_memory"))
+                f"request {seq.request_id} needs {need} KV blocks but the cache has "
+                f"{sizes if len(sizes) > 1 else self.blocks.num_blocks}; raise kv_cache_memory"))
 
     def _prompt_logprob_tensors(self, seq: Sequence, first: int, count: int,
                                 logits: torch.Tensor) -> list[torch.Tensor | None]:
@@ -730,7 +744,8 @@ class LLMEngine:
             "steps": self.stats.steps, "prefill_tokens": self.stats.prefill_tokens,
             "decode_tokens": self.stats.decode_tokens, "preemptions": self.stats.preemptions,
             "overhead_share": self.stats.overhead_share, "kv_blocks_free": self.blocks.num_free,
-            "kv_blocks_total": self.blocks.num_blocks, "async_scheduling": self.async_scheduling,
+            "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_used": self.blocks.usage(),
+            "async_scheduling": self.async_scheduling,
             "overlapped_steps": self.stats.overlapped_steps, "discarded_tokens": self.stats.discarded_tokens,
         }
         if self._idle is not None:

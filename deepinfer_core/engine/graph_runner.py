@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta
+from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, GroupMeta
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.model_runner import StepBatch
+    from deepinfer_core.kv_cache_spec import CacheLayout
     from deepinfer_core.platform import Platform
 
 logger = logging.getLogger("deepinfer.graphs")
@@ -50,9 +51,10 @@ class DecodeGraphs:
     static buffers (how the CPU tests exercise this path, and a reference on a GPU).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], sizes: list[int],
+    def __init__(self, model: torch.nn.Module, kv_caches: dict[str, list[torch.Tensor]], sizes: list[int],
                  max_blocks_per_seq: int, device: torch.device, platform: Platform | None = None,
-                 capture: bool = True) -> None:
+                 capture: bool = True, layout: CacheLayout | None = None,
+                 pool_of: dict[str, str] | None = None) -> None:
         if capture and platform is None:
             raise ValueError("DecodeGraphs: capture=True needs the platform that captures the graphs")
         if not sizes or min(sizes) < 1:
@@ -69,6 +71,23 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.long, device=device)  # q_len 1 everywhere: constant
+        # Per cache group: a static slot mapping and, per block pool, a static block table. The first
+        # group's are the two buffers above; groups of one pool share its table.
+        layout = layout if layout is not None else model.cache_layout()
+        pool_of = pool_of or {g.name: g.name for g in layout.groups}
+        first = layout.groups[0]
+        self.pool_tables = {pool_of[first.name]: self.block_tables}
+        self.window_pools = {pool_of[g.name] for g in layout.groups if g.window is not None}
+        self.group_slots: dict[str, torch.Tensor] = {}
+        self.group_pool: dict[str, str] = {}
+        for g in layout.groups:
+            pool = pool_of[g.name]
+            if pool not in self.pool_tables:
+                self.pool_tables[pool] = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+            same = pool == pool_of[first.name] and g.tokens_per_entry == first.tokens_per_entry
+            self.group_slots[g.name] = self.slot_mapping if same else torch.full((n,), -1, dtype=torch.long,
+                                                                                 device=device)
+            self.group_pool[g.name] = pool
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         #: steps run per padded size (replayed, or eager through the static buffers when not capturing)
@@ -78,8 +97,11 @@ class DecodeGraphs:
     # ---- capture -------------------------------------------------------------------------
     def _forward(self, n: int) -> torch.Tensor:
         """The captured computation: the model over the first ``n`` static rows, then their logits."""
+        groups = {g: GroupMeta(slots[:n], self.pool_tables[self.group_pool[g]][:n])
+                  for g, slots in self.group_slots.items()}
         meta = AttentionMetadata(0, self.slot_mapping[:n], None,
-                                 DecodeMeta(self.cu_q_lens[: n + 1], self.seq_lens[:n], self.block_tables[:n], 1))
+                                 DecodeMeta(self.cu_q_lens[: n + 1], self.seq_lens[:n], self.block_tables[:n], 1),
+                                 groups=groups, cu_q_lens=self.cu_q_lens[: n + 1], seq_lens=self.seq_lens[:n])
         hidden = self.model(self.input_ids[:n], self.positions[:n], meta, self.kv_caches)
         return self.model.logits(hidden)
 
@@ -125,6 +147,8 @@ class DecodeGraphs:
             return False
         if d.block_tables.shape[1] > self.max_blocks:
             return False
+        if m.groups is not None and any(g.block_tables.shape[1] > self.max_blocks for g in m.groups.values()):
+            return False
         rows = batch.logit_rows
         return len(rows) == B and rows == list(range(B))
 
@@ -134,8 +158,23 @@ class DecodeGraphs:
     def _pad_from(self, B: int) -> None:
         """Rows ``B:`` become padding: no KV write, one key to attend over (a real block: in bounds).
         Their token ids, positions and block-table rows keep earlier, valid values."""
-        self.slot_mapping[B:].fill_(-1)
+        for slots in dict.fromkeys(self.group_slots.values()):
+            slots[B:].fill_(-1)
         self.seq_lens[B:].fill_(1)
+        for pool in self.window_pools:  # a stale row may hold -1 (a freed window block): keep reads in bounds
+            self.pool_tables[pool][B:].clamp_(min=0)
+
+    def _copy_groups(self, meta: AttentionMetadata, B: int) -> None:
+        """The other groups' slot mappings and pools' block tables into their static buffers."""
+        done = {id(self.slot_mapping), id(self.block_tables)}
+        for name, gm in meta.groups.items():
+            slots, table = self.group_slots[name], self.pool_tables[self.group_pool[name]]
+            if id(slots) not in done:
+                slots[:B].copy_(gm.slot_mapping)
+                done.add(id(slots))
+            if id(table) not in done:
+                table[:B, : gm.block_tables.shape[1]].copy_(gm.block_tables)
+                done.add(id(table))
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Logits [B, vocab] float32 of an accepted batch (a fresh tensor, not the static output)."""
@@ -147,6 +186,8 @@ class DecodeGraphs:
         self.slot_mapping[:B].copy_(batch.meta.slot_mapping)
         self.seq_lens[:B].copy_(d.seq_lens)
         self.block_tables[:B, : d.block_tables.shape[1]].copy_(d.block_tables)
+        if len(self.pool_tables) > 1 or len(self.group_slots) > 1:
+            self._copy_groups(batch.meta, B)
         if n > B:
             self._pad_from(B)
         self.runs[n] += 1

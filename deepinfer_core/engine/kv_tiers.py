@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import inspect
 import logging
 import math
@@ -138,10 +139,8 @@ class TieredKVCache:
         self.flush_timeout = cfg.pop("flush_timeout")
         check_number("[kv_store] flush_timeout (seconds)", self.flush_timeout, 0)
 
-        mc = engine.model_config
         self.block_size = engine.block_size
-        self.layout = KVLayout.for_model(engine.fingerprint, mc.num_hidden_layers, engine.block_size,
-                                         mc.kv_entry_dim, engine.dtype)
+        self.layout = record_layout(engine)
         self.platform = engine.platform
         self.pinned = bool(engine.platform.supports_pinned_memory())
         host_cls = plugins.load("deepinfer.kv_stores", "host", what="KV store")
@@ -224,6 +223,8 @@ class TieredKVCache:
     @hookimpl
     def request_ready(self, engine, request):
         if request.block_table or request.num_computed_tokens or not self._eligible(engine, request):
+            return None
+        if not engine.blocks.external_hits:  # a window group must hold the hit: lower tiers cannot serve it
             return None
         st = self._state(request)
         if st.jobs:
@@ -365,13 +366,18 @@ class TieredKVCache:
         with self.platform.stream_context(self._stream):
             if self._stream is not None:
                 queued.wait()
-            for layer, cache in enumerate(engine.kv_caches):
-                for b, block in zip(block_ids, tensors):
-                    cache[b].copy_(block[layer], non_blocking=True)
+            for layer, parts in _copies_by_layer(engine.blocks):
+                for cache, part in parts:
+                    for b, block in zip(block_ids, tensors):
+                        cache[b].copy_(block[part].view(cache[b].shape), non_blocking=True)
                 if self._stream is not None:  # layer by layer: the forward's layer i waits for these only
+                    while len(events) < layer:  # layers the record does not carry have nothing to wait for
+                        events.append(None)
                     events.append(self.platform.event())
                     events[-1].record(self._stream)
         if events:
+            last = events[-1]
+            events = [e if e is not None else last for e in events]
             if all(hasattr(e, "wait") for e in events):
                 engine.runner.swap_in_events(events)
             else:
@@ -395,7 +401,7 @@ class TieredKVCache:
             to_store = h not in self._known and h not in self._queued
             if not (to_host or to_store):
                 continue
-            block = self._to_host(torch.stack([cache[b] for cache in engine.kv_caches]))
+            block = self._to_host(engine.blocks.read_block(b))
             if to_host and self.host.put(h, block):
                 self.counters.offload_host += 1
             if to_store:
@@ -526,6 +532,40 @@ class TieredKVCache:
         self._fetch_pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         self.host.close()
+
+
+def record_layout(engine) -> KVLayout:
+    """What a stored block holds: the rows of the record pool's groups (``KVCacheManager``). A
+    single group keeps the ``[layers, entries, entry_dim]`` shape; several are one flat record whose
+    fingerprint also covers the group layout, so a store never mixes layouts."""
+    blocks = engine.blocks
+    groups = blocks.record_groups
+    if not groups:
+        raise ConfigError("[kv_store] the model declares no full-history prefix-cacheable cache group to store")
+    dtypes = {t.dtype for _, t in blocks.record_parts()}
+    if len(dtypes) != 1:
+        raise ConfigError(f"[kv_store] the stored cache groups {[g.name for g in groups]} mix dtypes {dtypes}")
+    dtype = dtypes.pop()
+    if len(groups) == 1:
+        g = groups[0]
+        return KVLayout.for_model(engine.fingerprint, len(g.layers), g.entries_per_block(engine.block_size),
+                                  g.entry_dim, dtype)
+    desc = ";".join(f"{g.name}:{len(g.layers)}x{g.entries_per_block(engine.block_size)}x{g.entry_dim}" for g in groups)
+    fingerprint = hashlib.sha256(f"{engine.fingerprint}|{desc}|{dtype}".encode()).hexdigest()[:16]
+    numel = sum(t[0].numel() for _, t in blocks.record_parts())
+    return KVLayout(fingerprint, sum(len(g.layers) for g in groups), engine.block_size, 0, dtype, shape=(numel,))
+
+
+def _copies_by_layer(blocks) -> list[tuple[int, list[tuple[torch.Tensor, object]]]]:
+    """(model layer, [(cache tensor, index of its rows in a record)]) in layer order."""
+    by_layer: dict[int, list] = {}
+    if len(blocks.record_groups) == 1:
+        for j, (layer, t) in enumerate(blocks.record_parts()):
+            by_layer.setdefault(layer, []).append((t, j))
+    else:
+        for layer, t, part in blocks.record_slices():
+            by_layer.setdefault(layer, []).append((t, part))
+    return sorted(by_layer.items())
 
 
 def _longer(a: float, b: float) -> bool:

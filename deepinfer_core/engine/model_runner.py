@@ -17,7 +17,8 @@ import torch
 from deepinfer_core.engine.graph_runner import DecodeGraphs, default_batch_sizes
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.engine.transfer import to_device
-from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, PrefillMeta
+from deepinfer_core.kv_cache_spec import CacheLayout
+from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, GroupMeta, PrefillMeta
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -49,6 +50,30 @@ def _block_table_tensor(seqs: list[Sequence], device, pin: bool = False) -> torc
     return to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32, device, pin)
 
 
+def _padded_tables(tables: list[list[int]], device, pin: bool = False) -> torch.Tensor:
+    """[B, max width] int32, padded with -1."""
+    width = max(len(t) for t in tables)
+    return to_device([t + [-1] * (width - len(t)) for t in tables], torch.int32, device, pin)
+
+
+def _slots(table: list[int], lo: int, hi: int, block_size: int, m: int) -> list[int]:
+    """Flat slot of the entry each position in [lo, hi) writes, for a group of ``m`` tokens per entry:
+    only a position that closes an entry writes (``(p + 1) % m == 0``), the rest get -1."""
+    if m == 1:
+        return [table[p // block_size] * block_size + p % block_size for p in range(lo, hi)]
+    per = block_size // m
+    return [table[p // block_size] * per + (p % block_size) // m if (p + 1) % m == 0 else -1 for p in range(lo, hi)]
+
+
+def empty_metadata(layout: CacheLayout, device) -> AttentionMetadata:
+    """Metadata of a forward over zero tokens (an idle expert-parallel rank keeping collectives in step)."""
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    tables = torch.empty(0, 0, dtype=torch.int32, device=device)
+    groups = {g.name: GroupMeta(empty, tables) for g in layout.groups}
+    return AttentionMetadata(0, empty, None, None, groups=groups, cu_q_lens=torch.zeros(1, dtype=torch.long,
+                                                                                       device=device), seq_lens=empty)
+
+
 def _cumsum(lens: list[int], device, pin: bool = False) -> torch.Tensor:
     out = [0]
     for n in lens:
@@ -57,9 +82,20 @@ def _cumsum(lens: list[int], device, pin: bool = False) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                 batch_invariant: bool = False) -> None:
+    def __init__(self, model, kv_caches: dict[str, list[torch.Tensor]], block_size: int, device: torch.device,
+                 batch_invariant: bool = False, layout: CacheLayout | None = None,
+                 pool_of: dict[str, str] | None = None) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.layout = layout if layout is not None else model.cache_layout()
+        #: cache group -> its block pool (the key of its table in ``Sequence.block_tables``)
+        self.pool_of = pool_of or {g.name: g.name for g in self.layout.groups}
+        first = self.layout.groups[0]
+        #: (pool, tokens per entry) -> the groups whose slot mappings are equal
+        self._slot_keys: dict[tuple[str, int], list[str]] = {}
+        for g in self.layout.groups:
+            self._slot_keys.setdefault((self.pool_of[g.name], g.tokens_per_entry), []).append(g.name)
+        self._first_key = (self.pool_of[first.name], first.tokens_per_entry)
+        self.num_layers = model.cfg.num_hidden_layers
         #: Batch-invariant mode: prefill chunks go through the decode (absorbed MLA) path too, so a
         #: token's result does not depend on how its prompt was chunked.
         self.batch_invariant = batch_invariant
@@ -77,13 +113,13 @@ class ModelRunner:
         layer i's copies: the next prepared step's layer i waits for them, so the copies of later
         layers overlap the compute of earlier ones."""
         if self.layer_ready is None:
-            self.layer_ready = [[] for _ in self.kv_caches]
+            self.layer_ready = [[] for _ in range(self.num_layers)]
         for ready, event in zip(self.layer_ready, events):
             ready.append(event)
 
     def graphs_unavailable(self, platform: Platform, cfg: EngineConfig) -> str | None:
         """Why decode steps cannot be captured as graphs here, or None when they can."""
-        dtype = self.model.embed_tokens.dtype
+        dtype = next(self.model.parameters()).dtype
         if cfg.enforce_eager:
             return "enforce_eager is set"
         if not platform.supports_graph_capture():
@@ -114,7 +150,8 @@ class ModelRunner:
         sizes = cfg.graph_batch_sizes or default_batch_sizes(cfg.max_num_seqs)
         # +1: a speculative request may hold a block for draft slots past max_model_len
         max_blocks = math.ceil(max_model_len / self.block_size) + 1
-        graphs = DecodeGraphs(self.model, self.kv_caches, sizes, max_blocks, self.device, platform, capture)
+        graphs = DecodeGraphs(self.model, self.kv_caches, sizes, max_blocks, self.device, platform, capture,
+                              layout=self.layout, pool_of=self.pool_of)
         seconds = graphs.capture()
         self.graphs, self.graphs_off_reason = graphs, ""
         if capture:
@@ -133,7 +170,10 @@ class ModelRunner:
         drafts = draft_tokens or {}
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slots: dict[tuple[str, int], list[int]] = {key: [] for key in self._slot_keys}
+        first_pool, first_slots = self._first_key[0], slots[self._first_key]
+        one_key = len(slots) == 1 and self._first_key[1] == 1
+        q_all: list[int] = []  # new tokens (with drafts) per sequence, batch order
         logit_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
@@ -147,9 +187,15 @@ class ModelRunner:
             ids.extend(seq.token_ids[c : c + n])
             extra = drafts.get(seq.request_id, ()) if drafts and i >= len(out.prefills) else ()
             ids.extend(extra)
-            pos.extend(range(c, c + n + len(extra)))
-            bt = seq.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n + len(extra)))
+            hi = c + n + len(extra)
+            pos.extend(range(c, hi))
+            q_all.append(hi - c)
+            if one_key:  # a single slot mapping (DeepSeek V2/V3's latent group): the common path inline
+                bt = seq.block_tables[first_pool]
+                first_slots.extend(bt[p // bs] * bs + p % bs for p in range(c, hi))
+            else:
+                for (pool, m), out_slots in slots.items():
+                    out_slots.extend(_slots(seq.block_tables[pool], c, hi, bs, m))
             done_lp = len(seq.prompt_logprobs) - 1  # prompt positions already scored (kept on recompute)
             if seq.params.prompt_logprobs is not None and max(c, done_lp) < seq.num_prompt_tokens - 1:
                 first = max(c, done_lp)
@@ -186,8 +232,12 @@ class ModelRunner:
                 block_tables=_block_table_tensor(seqs, dev, pin), max_q_len=max(q_lens),
             )
         num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
-        meta = AttentionMetadata(num_prefill_tokens, to_device(slots, torch.long, dev, pin), prefill, decode,
-                                 layer_ready=self.layer_ready)
+        scheduled = out.prefills + out.decodes
+        meta = AttentionMetadata(num_prefill_tokens, None, prefill, decode, layer_ready=self.layer_ready)
+        if scheduled:
+            self._group_meta(meta, scheduled, slots, q_all)
+        else:
+            meta.slot_mapping = to_device([], torch.long, dev, pin)
         self.layer_ready = None
         input_ids = to_device(ids, torch.long, dev, pin)
         if placeholders:
@@ -197,6 +247,29 @@ class ModelRunner:
         return StepBatch(input_ids, to_device(pos, torch.long, dev, pin), meta, out.prefills + out.decodes,
                          logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden,
                          logit_index=to_device(logit_rows, torch.long, dev, pin) if logit_rows else None)
+
+    def _group_meta(self, meta: AttentionMetadata, scheduled: list[ScheduledSeq],
+                    slots: dict[tuple[str, int], list[int]], q_all: list[int]) -> None:
+        """Fill ``meta``'s per-group slot mappings and block tables and its step-wide lengths. A step of
+        only prefills or only decodes reuses their tensors for the first pool and the lengths."""
+        dev, pin = self.device, self.pin_memory
+        slot_t = {key: to_device(v, torch.long, dev, pin) for key, v in slots.items()}
+        meta.slot_mapping = slot_t[self._first_key]
+        only = meta.decode if meta.prefill is None else meta.prefill if meta.decode is None else None
+        tables = {}
+        for pool in dict.fromkeys(p for p, _ in slots):
+            if only is not None and pool == self._first_key[0]:
+                tables[pool] = only.block_tables  # the same rows, padded with 0 instead of -1
+            else:
+                tables[pool] = _padded_tables([s.seq.block_tables[pool] for s in scheduled], dev, pin)
+        meta.groups = {g: GroupMeta(slot_t[key], tables[key[0]]) for key, names in self._slot_keys.items()
+                       for g in names}
+        if only is not None:
+            meta.cu_q_lens, meta.seq_lens = only.cu_q_lens, only.seq_lens
+        else:
+            c_all = [s.seq.num_computed_tokens for s in scheduled]
+            meta.cu_q_lens = _cumsum(q_all, dev, pin)
+            meta.seq_lens = to_device([c + q for c, q in zip(c_all, q_all)], torch.long, dev, pin)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Each step: running decodes first (oldest first), then prefill chunks of running and waiting
 requests, within ``max_num_batched_tokens`` and, when a cost model is present, the prefill time
-budget ``compute_quota_limit``. When KV blocks run out, the newest running request is preempted:
-its blocks are released and it is recomputed later (its prefix may still hit the cache).
+budget ``compute_quota_limit``. A step's blocks are reserved in every KV cache pool at once (all or
+nothing). When blocks run out, the newest running request is preempted: its blocks in every pool
+are released and it is recomputed later (its prefix may still hit the cache).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class FcfsScheduler(Scheduler):
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, preempt: bool = True) -> bool:
         """Allocate blocks for ``num_tokens`` tokens of ``seq``, preempting newer requests if allowed.
         False when it cannot (``seq`` may have been preempted itself)."""
-        while self.blocks.blocks_needed(seq, num_tokens) > self.blocks.num_free:
+        while not self.blocks.can_allocate(seq, num_tokens):
             if not preempt:
                 return False
             victim = max((s for s in self.running if s.status == Status.RUNNING), key=lambda s: s.arrival_index)

@@ -39,7 +39,9 @@ class Sequence:
         self.seed = seed
         self.eos_token_ids = eos_token_ids
         self.status = Status.WAITING
-        self.block_table: list[int] = []
+        #: one block table per KV cache pool (``KVCacheManager``), the first group's pool first; -1
+        #: marks a window block already freed
+        self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: list[int] = []  # hash chain of the full blocks computed so far
         self.num_computed_tokens = 0
         self.arrival_index = 0  # FCFS order, set by the scheduler
@@ -54,6 +56,11 @@ class Sequence:
         self.detokenizer = None  # IncrementalDetokenizer, created when stop strings are checked
         self.num_pending_tokens = 0  # trailing placeholders in token_ids (sampled, not yet on the host)
         self.last_token_pending = False  # a placeholder is its last token (max_tokens/max_model_len): not scheduled
+
+    @property
+    def block_table(self) -> list[int]:
+        """The block table of the first cache group's pool (the only one of single-group models)."""
+        return next(iter(self.block_tables.values()), [])
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from deepinfer_core.kernels import Kernels
+from deepinfer_core.kv_cache_spec import CacheLayout, KVCacheSpec
 from deepinfer_core.models.config import ModelConfig
+from deepinfer_core.models.interface import CausalLM, KVCaches
 from deepinfer_core.models.metadata import AttentionMetadata
 from deepinfer_core.models.rope import rope_cache
 
@@ -190,12 +192,21 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DeepseekForCausalLM(nn.Module):
-    """The whole model. ``forward`` returns final hidden states; ``logits`` projects chosen rows."""
+class DeepseekForCausalLM(CausalLM):
+    """The whole model. ``forward`` returns final hidden states; ``logits`` projects chosen rows.
+
+    Its cache is one FULL group, "latent": per layer and token the normalised latent and the rope
+    key (``kv_lora_rank + qk_rope_head_dim`` values)."""
+
+    CACHE_GROUP = "latent"
 
     def __init__(self, k: Kernels, cfg: ModelConfig, max_positions: int | None = None, **moe_kw) -> None:
         super().__init__()
         self.k, self.cfg = k, cfg
+        self.expert_range: tuple[int, int] | None = None
+        if moe_kw:
+            start = moe_kw.get("expert_start", 0)
+            self.expert_range = (start, start + moe_kw.get("num_local", cfg.n_routed_experts))
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(k, cfg, i, **moe_kw) for i in range(cfg.num_hidden_layers))
         self.norm = _param(cfg.hidden_size)
@@ -203,15 +214,38 @@ class DeepseekForCausalLM(nn.Module):
         self.register_buffer("cos_sin", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
                              persistent=False)
 
+    # ---- CausalLM ------------------------------------------------------------------------
+    @classmethod
+    def parse_config(cls, raw: dict) -> ModelConfig:
+        return ModelConfig.from_dict(raw)
+
+    @classmethod
+    def create(cls, kernels: Kernels, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               max_positions: int, expert_range: tuple[int, int] | None = None) -> DeepseekForCausalLM:
+        from deepinfer_core.models.loader import build_model
+
+        moe_kw = {} if expert_range is None else {"expert_start": expert_range[0],
+                                                   "num_local": expert_range[1] - expert_range[0]}
+        return build_model(kernels, cfg, dtype, device, max_positions, **moe_kw)
+
+    def load_weights(self, reader) -> None:
+        from deepinfer_core.models.loader import assign_weights, iter_checkpoint
+
+        assign_weights(self, iter_checkpoint(reader, self.cfg, self.embed_tokens.dtype, self.expert_range))
+
+    def cache_layout(self) -> CacheLayout:
+        cfg = self.cfg
+        return CacheLayout((KVCacheSpec(self.CACHE_GROUP, tuple(range(cfg.num_hidden_layers)), cfg.kv_entry_dim),))
+
     def post_load(self) -> None:
         for layer in self.layers:
             layer.self_attn.post_load()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                kv_caches: KVCaches) -> torch.Tensor:
         x = self.embed_tokens[input_ids]  # [T, C]
         residual = None
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches[self.CACHE_GROUP])):
             if meta.layer_ready is not None:
                 for event in meta.layer_ready[i]:
                     event.wait()  # this layer's swapped-in KV blocks have landed

@@ -39,6 +39,7 @@ class ArchConfig(Protocol):
 class CausalLM(nn.Module, ABC):
     """A decoder-only model over a paged cache that it declares (:meth:`cache_layout`)."""
 
+    core_api_version = "1.0"  # the plugin API this class is written against (``deepinfer_core.version``)
     cfg: Any
 
     @classmethod

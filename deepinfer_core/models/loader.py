@@ -45,13 +45,20 @@ def resolve_model_dir(model: str | None) -> Path:
     return p
 
 
-def load_model_config(model_dir: Path) -> ModelConfig:
+def read_config(model_dir: Path) -> dict:
+    """The checkpoint's config.json as a dict."""
     with open(model_dir / "config.json") as f:
         try:
-            raw = json.load(f)
+            return json.load(f)
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{model_dir / 'config.json'} is not valid JSON: {exc}") from exc
-    return ModelConfig.from_dict(raw)
+
+
+def load_model_config(model_dir: Path):
+    """The checkpoint's config, parsed by the architecture registered for it (``models.registry``)."""
+    from deepinfer_core.models.registry import parse_config
+
+    return parse_config(read_config(model_dir))[1]
 
 
 class SafetensorsReader:
@@ -229,7 +236,7 @@ def _target(model: DeepseekForCausalLM, name: str):
     return f"{p}mlp.{param}", (None, half)
 
 
-def random_init(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+def random_init(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Fill every weight with seeded random values, on the weights' device (benchmarks of shapes
     without a checkpoint)."""
     generators: dict[torch.device, torch.Generator] = {}
@@ -240,7 +247,9 @@ def random_init(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) ->
         if p.device not in generators:
             generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
         p.data.normal_(0, std, generator=generators[p.device])
-    model.post_load()
+    post_load = getattr(model, "post_load", None)
+    if post_load is not None:
+        post_load()
 
 
 def apply_weight_layout(module: torch.nn.Module, layout) -> None:

@@ -37,7 +37,8 @@ class GroupMeta:
     #: it writes none (a compressed group's token that closes no entry, or a token not to be cached)
     slot_mapping: torch.Tensor
     #: [B, M] int32 for every sequence of the step in batch order (prefills, then decodes); -1 marks a
-    #: freed window block and the padding
+    #: freed window block. Columns past a sequence's blocks are padding (-1 or 0): read only the blocks
+    #: of positions below its ``seq_lens``
     block_tables: torch.Tensor
 
 

@@ -37,9 +37,8 @@ import torch.distributed as dist
 from deepinfer_core.communicator import TorchDistCommunicator
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import LLMEngine
+from deepinfer_core.engine.model_runner import empty_metadata
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.models.deepseek import MoE
-from deepinfer_core.models.metadata import AttentionMetadata
 from deepinfer_core.parallel.expert_parallel import ExpertParallel
 from deepinfer_core.selection import select_platform
 
@@ -64,10 +63,17 @@ class RankEngine(LLMEngine):
         super().__init__(cfg)
 
     def build_model(self, expert_range=None):
-        E = self.model_config.n_routed_experts
+        E = getattr(self.model_config, "n_routed_experts", None)
+        if not E:
+            raise ValueError(f"expert parallelism (dp/ep > 1) needs a MoE model; {self.model_config.architecture} "
+                             "has no n_routed_experts")
         per = E // self.world_size
         model = super().build_model((self.rank * per, (self.rank + 1) * per))
-        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        # every routed-expert layer: a module exposing the ``expert_parallel`` slot (models.deepseek.MoE)
+        moes = [m for m in model.modules() if hasattr(m, "expert_parallel") and hasattr(m, "layer_idx")]
+        if not moes:
+            raise ValueError(f"{self.model_config.architecture} has no expert-parallel MoE layers (modules with "
+                             "`expert_parallel` and `layer_idx`, as models.deepseek.MoE); dp/ep > 1 cannot run it")
         self.expert_parallel = ExpertParallel(self.comm, E, moes, self.device)
         return model
 
@@ -83,7 +89,7 @@ class RankEngine(LLMEngine):
     def dummy_forward(self) -> None:
         """A forward over zero tokens: no attention work, but every MoE collective."""
         empty = torch.empty(0, dtype=torch.long, device=self.device)
-        self.model(empty, empty, AttentionMetadata(0, empty, None, None), self.kv_caches)
+        self.model(empty, empty, empty_metadata(self.cache_layout, self.device), self.kv_caches)
         self.dummy_steps += 1
 
     def metrics(self) -> dict:

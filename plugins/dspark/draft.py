@@ -1,8 +1,9 @@
 """Draft sources: a small DeepSeek model with its own paged cache, or the checkpoint's MTP layer.
 
-Both keep their KV in cache tensors of their own, indexed by the *target's* block tables and slots,
-so a draft needs no block management: a request's blocks hold the target's KV in the target's
-cache and the draft's KV at the same slots of the draft's cache.
+Both keep their KV in the cache group "dspark" that the feature declares (``DSpark.cache_groups``):
+tensors of their own inside the engine's KV budget, in the target's block pool, so indexed by the
+*target's* block tables and slots. A draft needs no block management: a request's blocks hold the
+target's KV in the target's cache and the draft's KV at the same slots of the draft's cache.
 
 A source runs one forward over a flat batch laid out like the target's (prefill items first, then
 decode items, ``AttentionMetadata``) and returns ``(carry, normed)``: the hidden state a next draft
@@ -38,10 +39,18 @@ from plugins.dspark.lean import LeanDecoder
 logger = logging.getLogger("deepinfer.dspark")
 
 
-def _alloc_caches(engine, num_layers: int, entry_dim: int) -> list[torch.Tensor]:
-    num_blocks, bs = engine.kv_caches[0].shape[:2]
-    return [torch.zeros(num_blocks, bs, entry_dim, dtype=engine.dtype, device=engine.device)
-            for _ in range(num_layers)]
+CACHE_GROUP = "dspark"
+
+
+def _alloc_caches(engine, num_layers: int, entry_dim: int, caches: list[torch.Tensor] | None = None
+                  ) -> list[torch.Tensor]:
+    """The draft's cache tensors: ``caches`` if given, else the "dspark" group the feature declared."""
+    caches = engine.kv_caches.get(CACHE_GROUP) if caches is None else caches
+    if caches is None or len(caches) != num_layers or caches[0].shape[-1] != entry_dim:
+        got = None if caches is None else (len(caches), caches[0].shape[-1])
+        raise ConfigError(f"[dspark] the draft needs {num_layers} cache layers of {entry_dim} values in cache group "
+                          f"{CACHE_GROUP!r}, the engine has {got}")
+    return caches
 
 
 def tokenizer_id(model_dir: Path) -> str | None:
@@ -62,7 +71,8 @@ class DraftModel:
     needs_hidden = False
     kind = "model"
 
-    def __init__(self, engine, path: Path) -> None:
+    def __init__(self, engine, path: Path, caches: list[torch.Tensor] | None = None) -> None:
+        """``caches``: the draft's KV tensors (default: the engine's "dspark" cache group)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"[dspark] draft {str(path)!r} is not an HF checkpoint directory (no config.json)")
@@ -77,7 +87,7 @@ class DraftModel:
         self.path, self.cfg = path, cfg
         self.max_positions = engine.max_model_len + 32
         self.model = load_model(engine.kernels, path, cfg, engine.dtype, engine.device, self.max_positions)
-        self.caches = _alloc_caches(engine, cfg.num_hidden_layers, cfg.kv_entry_dim)
+        self.caches = _alloc_caches(engine, cfg.num_hidden_layers, cfg.kv_entry_dim, caches)
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.fingerprint = model_fingerprint(path, torch.float32)[:12]
@@ -93,7 +103,7 @@ class DraftModel:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 prev_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = self.model(ids, positions, meta, self.caches)
+        normed = self.model(ids, positions, meta, {self.model.CACHE_GROUP: self.caches})
         return normed, normed
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:

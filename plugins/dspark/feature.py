@@ -53,12 +53,13 @@ from deepinfer_core.engine.engine import model_fingerprint
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.models.loader import EMBEDDED_MODEL
+from deepinfer_core.kv_cache_spec import KVCacheSpec
+from deepinfer_core.models.loader import EMBEDDED_MODEL, load_model_config
 from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, PrefillMeta
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 from plugins.dspark import confidence as conf_mod
-from plugins.dspark.draft import DraftModel, MTPDraft, has_mtp, is_mtp_dir
+from plugins.dspark.draft import CACHE_GROUP, DraftModel, MTPDraft, has_mtp, is_mtp_dir
 from plugins.dspark.lean import context_slot_table
 from plugins.dspark.policy import LiveCost, StepCost, choose_lengths, fixed_lengths, worth_drafting
 from plugins.dspark.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
@@ -160,6 +161,7 @@ class DSpark(Feature):
         self.k = o["k"]
         self.varlen = o["budget_policy"] == "throughput" and varlen_enabled()
         self.engine = None
+        self._source_plan: tuple | None = None  # (kind, path) of the draft, decided in cache_groups
         self.source = None
         self.head = None
         self.cost: StepCost | None = None  # the start-up measurement
@@ -212,27 +214,52 @@ class DSpark(Feature):
                            "it still works but accepts less - retrain it with examples/train_dspark_draft.py",
                            self.source.path, trained_for)
 
-    def _resolve_source(self, engine):
+    def _plan_source(self, engine) -> tuple[str, Path | None]:
+        """(kind "mtp" | "model", path or None for the target's own MTP layer) of the draft."""
         draft = self.opts["draft"]
         mc = engine.model_config
         if draft == "auto":
             embedded = Path(engine.model_dir).resolve() == EMBEDDED_MODEL.resolve()
             if embedded and is_mtp_dir(DEFAULT_MTP):
-                return MTPDraft(engine, DEFAULT_MTP)
+                return "mtp", DEFAULT_MTP
             if embedded and (DEFAULT_DRAFT / "config.json").is_file():
-                return DraftModel(engine, DEFAULT_DRAFT)
+                return "model", DEFAULT_DRAFT
             if has_mtp(engine.model_dir, mc.num_hidden_layers):
-                return MTPDraft(engine)
+                return "mtp", None
             raise ConfigError(
                 f"[dspark] draft = 'auto' but checkpoint {str(engine.model_dir)!r} has no MTP layer "
                 f"(model.layers.{mc.num_hidden_layers}.*) and is not the embedded model; set [dspark] draft "
                 "to a draft model directory")
         if draft == "mtp":
-            return MTPDraft(engine)
+            return "mtp", None
         path = Path(draft).expanduser()
         if not path.is_dir():
             raise ConfigError(f"[dspark] draft {draft!r} is not 'auto', 'mtp' or an existing directory")
-        if is_mtp_dir(path):
+        return ("mtp", path) if is_mtp_dir(path) else ("model", path)
+
+    @hookimpl
+    def cache_groups(self, engine, layout):
+        """The draft's KV: one FULL group beside the target's, inside the KV budget. It shares the
+        target's block pool, so the draft reads and writes at the target's slots."""
+        kind, path = self._source_plan = self._plan_source(engine)
+        target = engine.model_config
+        if not hasattr(target, "kv_entry_dim"):
+            raise ConfigError(f"[dspark] drafts for a {target.architecture} target are not supported "
+                              "(DeepSeek V2/V3 targets only)")
+        if kind == "mtp":
+            layers, dim = 1, target.kv_entry_dim
+        else:
+            if not (Path(path) / "config.json").is_file():
+                raise ConfigError(f"[dspark] draft {str(path)!r} is not an HF checkpoint directory (no config.json)")
+            cfg = load_model_config(Path(path))
+            layers, dim = cfg.num_hidden_layers, cfg.kv_entry_dim
+        return [KVCacheSpec(CACHE_GROUP, tuple(range(layers)), dim)]
+
+    def _resolve_source(self, engine):
+        if engine.blocks.pool_of.get(CACHE_GROUP) != engine.blocks.primary.name:
+            raise ConfigError("[dspark] the draft cache must share the target's first cache pool")
+        kind, path = self._source_plan
+        if kind == "mtp":
             return MTPDraft(engine, path)
         return DraftModel(engine, path)
 
@@ -592,13 +619,12 @@ class DSpark(Feature):
         """Allocate blocks for the last token and ``cap`` drafts (fewer when memory is short, keeping
         a block of headroom per live request); -1 when even the last token's slot cannot be had."""
         blocks = engine.blocks
-        need = blocks.blocks_needed(seq, L)
-        if need > blocks.num_free:
+        if not blocks.can_allocate(seq, L):
             return -1
         blocks.allocate(seq, L)
         while cap > 0:
             extra = blocks.blocks_needed(seq, L + cap)
-            if extra == 0 or blocks.num_free - extra >= n_live:
+            if extra == 0 or (blocks.can_allocate(seq, L + cap) and blocks.num_free - extra >= n_live):
                 blocks.allocate(seq, L + cap)
                 break
             cap -= 1
@@ -827,7 +853,7 @@ def measure_step_cost(engine, feature: DSpark, ctx: int = 128, sweeps: int = 3) 
         while len(seqs) < n:
             s = Sequence(f"__dspark_calibrate_{len(seqs)}", None, rand(ctx + 1), SamplingParams(max_tokens=1),
                          0, [])
-            if blocks.blocks_needed(s, ctx + q) > blocks.num_free:
+            if not blocks.can_allocate(s, ctx + q):
                 break
             blocks.allocate(s, ctx + q)
             s.num_computed_tokens = ctx

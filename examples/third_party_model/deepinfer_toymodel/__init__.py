@@ -1,0 +1,1 @@
+"""Example third-party DeepInfer model (see README.md)."""
