@@ -18,7 +18,7 @@ SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_com
 MIN_MARGIN = 1e-5
 
 BASE = dict(
-    vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+    vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
     head_dim=32, q_lora_rank=24, partial_rotary_factor=0.25, n_routed_experts=8, num_experts_per_tok=2,
     sliding_window=8, compress_rates={CSA: 4, HCA: 16}, o_groups=2, o_lora_rank=16, index_n_heads=16,
     index_head_dim=16, index_topk=3, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=10.0,

@@ -131,6 +131,7 @@ class V4Config:
         else:
             compress = {k: v for k, v in rp.items() if k not in ("main", "compress")}
             compress["rope_theta"] = float(cfg.get("compress_rope_theta", 160000.0))
+        compress.pop("partial_rotary_factor", None)  # the rope width is rope_dim for both tables
         compress["rope_type"] = compress.get("rope_type", compress.get("type", "default")) or "default"
         if compress["rope_type"] not in ("default", "yarn"):
             raise bad("rope_parameters.compress.rope_type", compress["rope_type"], "'default' or 'yarn'")

@@ -35,6 +35,8 @@ def quantize_fp4(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor,
     """float ``[N, K]`` -> (int8 ``[N, K/2]``, e8m0 ``[N, K/group]``): round to the nearest e2m1 value after a
     power-of-two scale per group (test checkpoints)."""
     N, K = w.shape
+    if K % group:
+        raise ValueError(f"quantize_fp4: {K} columns are not a multiple of the scale group {group}")
     g = w.float().view(N, K // group, group)
     amax = g.abs().amax(-1).clamp_min(1e-30)
     scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))  # largest |x| / scale <= 6
