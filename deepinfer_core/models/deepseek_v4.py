@@ -252,6 +252,25 @@ class Block(nn.Module):
         return k.mhc_post(self.ffn(k.rms_norm(x, self.ffn_norm, eps), input_ids), h, post, comb)
 
 
+def cache_layout(cfg: V4Config) -> CacheLayout:
+    """The cache groups of a V4 model of this config (module docstring); no weights needed."""
+    D, DI, m, m2 = cfg.head_dim, cfg.index_head_dim, cfg.compress_csa, cfg.compress_hca
+    csa, hca = cfg.layers_of(CSA), cfg.layers_of(HCA)
+    groups = [KVCacheSpec("swa", tuple(range(cfg.num_hidden_layers)), D, window=cfg.sliding_window)]
+    multiple = 1
+    if csa:
+        groups.append(KVCacheSpec("csa", csa, D + DI, tokens_per_entry=m))
+        # a resume at a block boundary needs the last m tokens' Ca inputs: cacheable
+        groups.append(KVCacheSpec("csa_state", csa, 4 * D + 4 * DI, window=2 * m, dtype=torch.float32))
+        multiple = math.lcm(multiple, m)
+    if hca:
+        groups.append(KVCacheSpec("hca", hca, D, tokens_per_entry=m2))
+        # block boundaries close every HCA window, so a resume never reads earlier state
+        groups.append(KVCacheSpec("hca_state", hca, 2 * D, window=m2, dtype=torch.float32, prefix_cacheable=False))
+        multiple = math.lcm(multiple, m2)
+    return CacheLayout(tuple(groups), block_size_multiple=multiple)
+
+
 class DeepseekV4ForCausalLM(CausalLM):
     """The whole model. ``forward`` returns final hidden states; ``logits`` projects chosen rows.
     ``mtp`` holds the checkpoint's ``mtp.0.*`` tensors (for DSpark drafting; not run here)."""
@@ -297,23 +316,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         load_v4_weights(self, reader)
 
     def cache_layout(self) -> CacheLayout:
-        cfg = self.cfg
-        D, DI, m, m2 = cfg.head_dim, cfg.index_head_dim, cfg.compress_csa, cfg.compress_hca
-        csa, hca = cfg.layers_of(CSA), cfg.layers_of(HCA)
-        groups = [KVCacheSpec("swa", tuple(range(cfg.num_hidden_layers)), D, window=cfg.sliding_window)]
-        multiple = 1
-        if csa:
-            groups.append(KVCacheSpec("csa", csa, D + DI, tokens_per_entry=m))
-            # a resume at a block boundary needs the last m tokens' Ca inputs: cacheable
-            groups.append(KVCacheSpec("csa_state", csa, 4 * D + 4 * DI, window=2 * m, dtype=torch.float32))
-            multiple = math.lcm(multiple, m)
-        if hca:
-            groups.append(KVCacheSpec("hca", hca, D, tokens_per_entry=m2))
-            # block boundaries close every HCA window, so a resume never reads earlier state
-            groups.append(KVCacheSpec("hca_state", hca, 2 * D, window=m2, dtype=torch.float32,
-                                      prefix_cacheable=False))
-            multiple = math.lcm(multiple, m2)
-        return CacheLayout(tuple(groups), block_size_multiple=multiple)
+        return cache_layout(self.cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:
