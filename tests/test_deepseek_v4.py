@@ -130,6 +130,40 @@ def test_one_token_at_a_time_equals_one_shot(reference):
     assert (model.logits(one) - model.logits(steps)).abs().max().item() < 1e-4
 
 
+def test_prefix_hit_needs_only_prefix_cacheable_blocks(reference):
+    """A request that reuses another's blocks below a block boundary (FULL groups, the SWA window and
+    the CSA state; the HCA state not at all) and prefills only its tail gets the one-shot logits."""
+    _, path, _, prompts, _ = reference
+    model = load(path)
+    prompt = prompts[1]  # 61 tokens
+    one = model.logits(Harness(model, 16, 96, 1).step([(0, prompt)]))
+    h = Harness(model, 16, 96, 2)
+    h.step([(0, prompt[:40])])  # the source request: 2.5 blocks
+    h.fork(0, 1, 32)  # a hit on its first 2 blocks
+    tail = model.logits(h.step([(1, prompt[32:])]))
+    assert (tail - one[32:]).abs().max().item() < 1e-4
+
+
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(reference):
+    """In bfloat16 (float32 kept where the reference keeps it), our logprobs stray from the float32
+    reference no more than transformers' own bfloat16 run does."""
+    from transformers import DeepseekV4ForCausalLM as HF
+
+    _, path, hf, prompts, _ = reference
+    cfg = DeepseekV4ForCausalLM.parse_config(json.loads((path / "config.json").read_text()))
+    m16 = DeepseekV4ForCausalLM.create(kernels(), cfg, torch.bfloat16, torch.device("cpu"), 256)
+    m16.load_weights(SafetensorsReader(path))
+    assert m16.layers[0].hc_attn.fn.dtype == torch.float32 and m16.embed.dtype == torch.bfloat16
+    ids = prompts[0]
+    ours = torch.log_softmax(m16.logits(Harness(m16, 16, 64, 1, dtype=torch.bfloat16).step([(0, ids)])), -1)
+    with torch.no_grad():
+        theirs = torch.log_softmax(HF.from_pretrained(path, dtype=torch.bfloat16).eval()(
+            torch.tensor([ids]), use_cache=False).logits[0].float(), -1)
+    ref = hf_logprobs(hf, ids)
+    ours_err, their_err = (ours - ref).abs().mean().item(), (theirs - ref).abs().mean().item()
+    assert ours_err < 1.5 * their_err, f"bf16 mean logprob error {ours_err:.3f}, transformers' {their_err:.3f}"
+
+
 def test_cache_layout_groups(reference):
     variant, path, *_ = reference
     model = load(path)
@@ -204,6 +238,21 @@ def test_fp8_fp4_checkpoint_dequantises(reference, tmp_path):
     grid = torch.tensor([values * 4, [-v for v in values] * 4])
     assert torch.equal(dequantize_fp4(*quantize_fp4(grid)), grid)
     assert torch.equal(model.layers[0].ffn.gate, full.layers[0].ffn.gate)  # routers stay unquantised
+
+
+def test_unexpected_tensor_is_an_error(reference, tmp_path):
+    """A config that disagrees with its checkpoint (a layer the checkpoint has as CSA declared SWA)."""
+    variant, path, *_ = reference
+    if variant != "mixed":
+        pytest.skip("one variant is enough")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    raw = json.loads((path / "config.json").read_text())
+    raw["layer_types"][1] = SWA
+    (bad / "config.json").write_text(json.dumps(raw))
+    (bad / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="does not describe: model.layers.1.attn.compressor"):
+        load(bad)
 
 
 def test_checkpoint_errors(reference, tmp_path):

@@ -48,6 +48,19 @@ class Harness:
         self.requests[rid] = r
         return r
 
+    def fork(self, src: int, rid: int, n: int) -> Request:
+        """A new request whose first ``n`` tokens (a block multiple) are a prefix hit on request ``src``:
+        it shares ``src``'s blocks below ``n`` in every prefix-cacheable group and gets fresh ones
+        (NaN) everywhere else."""
+        assert n % self.block_size == 0
+        r = self.add(rid)
+        s = self.requests[src]
+        r.tokens = list(s.tokens[:n])
+        for g in self.layout.groups:
+            if g.prefix_cacheable:
+                r.tables[g.name][: n // self.block_size] = s.tables[g.name][: n // self.block_size]
+        return r
+
     def _slot(self, g, table: torch.Tensor, p: int) -> int:
         epb = g.entries_per_block(self.block_size)
         if g.tokens_per_entry > 1:

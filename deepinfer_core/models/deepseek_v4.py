@@ -207,6 +207,7 @@ class MoE(nn.Module):
         self.w13 = _param(E, 2 * I, C)  # [w1 (gate); w3 (up)]
         self.w2 = _param(E, C, I)
         self.shared_w13, self.shared_w2 = _param(2 * I, C), _param(C, I)
+        self.route_hook = None  # set by features, as on the V2/V3 MoE (deepseek.RouteHook)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         k, cfg = self.k, self.cfg
@@ -214,6 +215,8 @@ class MoE(nn.Module):
         hash_ids = self.tid2eid[input_ids] if self.is_hash else None
         weights, ids = k.moe_route_v4(logits, self.bias, hash_ids, cfg.num_experts_per_tok, cfg.scoring_func,
                                       cfg.routed_scaling_factor)
+        if self.route_hook is not None:  # EPLB: logical -> physical experts, load counts
+            weights, ids = self.route_hook(self.layer_idx, weights, ids)
         local = ids - self.expert_start if self.expert_start else ids
         out = k.fused_moe_clamped(x, self.w13, self.w2, weights.to(x.dtype), local, cfg.swiglu_limit)
         shared = k.linear(k.silu_and_mul_clamped(k.linear(x, self.shared_w13), cfg.swiglu_limit), self.shared_w2)

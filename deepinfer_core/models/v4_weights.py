@@ -64,12 +64,15 @@ class V4Names:
 
     def __init__(self, reader: SafetensorsReader) -> None:
         self.reader = reader
+        self.used: set[str] = set()
         self.by_canonical: dict[str, str] = {}
         for name in reader.names():
             self.by_canonical.setdefault(self.canonical(name), name)
 
     @staticmethod
     def canonical(name: str) -> str:
+        if name == "lm_head.weight":
+            return "head.weight"
         if name.startswith("model."):
             name = name.removeprefix("model.")
             name = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn",
@@ -87,6 +90,9 @@ class V4Names:
         t = self.reader.get(name)
         stem = canonical.removesuffix(".weight")
         scale_name = next((s for s in (stem + ".scale", canonical + "_scale_inv") if s in self.by_canonical), None)
+        self.used.add(canonical)
+        if scale_name is not None:
+            self.used.add(scale_name)
         if t.dtype == torch.float8_e4m3fn:
             if scale_name is None:
                 raise CheckpointError(f"FP8 tensor {name!r} has no block scale ({stem}.scale)")
@@ -156,7 +162,8 @@ def _sources(model) -> Iterator[tuple[torch.Tensor, list[tuple[str, slice | None
 
 
 def load_v4_weights(model, reader: SafetensorsReader) -> None:
-    """Fill every weight of ``model`` (a ``DeepseekV4ForCausalLM``) and its ``mtp`` store."""
+    """Fill every weight of ``model`` (a ``DeepseekV4ForCausalLM``) and its ``mtp`` store. A tensor the
+    config does not account for is an error (a config that disagrees with its checkpoint)."""
     names = V4Names(reader)
     with torch.no_grad():
         for target, parts in _sources(model):
@@ -170,6 +177,20 @@ def load_v4_weights(model, reader: SafetensorsReader) -> None:
             t = names.get(c, _logical_shape(c, raw, names))
             model.mtp[c.replace(".", "/")] = torch.nn.Parameter(
                 t.to(model.embed.dtype) if t.is_floating_point() else t, requires_grad=False)
+    lo, hi = model.expert_range or (0, model.cfg.n_routed_experts)
+    unexpected = sorted(
+        names.by_canonical[c] for c in set(names.by_canonical) - names.used
+        if not (_other_rank_expert(c, lo, hi) or (c == "head.weight" and model.cfg.tie_word_embeddings)))
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"checkpoint has tensor(s) its config.json does not describe: "
+                              f"{', '.join(unexpected[:5])}{more}")
+
+
+def _other_rank_expert(canonical: str, lo: int, hi: int) -> bool:
+    if ".ffn.experts." not in canonical:
+        return False
+    return not lo <= int(canonical.split(".ffn.experts.")[1].split(".")[0]) < hi
 
 
 def _is_scale(canonical: str, names: V4Names) -> bool:
