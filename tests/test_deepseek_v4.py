@@ -164,6 +164,15 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(reference):
     assert ours_err < 1.5 * their_err, f"bf16 mean logprob error {ours_err:.3f}, transformers' {their_err:.3f}"
 
 
+def test_missing_group_metadata_is_an_error(reference):
+    _, path, _, prompts, _ = reference
+    model = load(path)
+    h = Harness(model, 16, 64, 1)
+    del h.caches["swa"]
+    with pytest.raises(ValueError, match="cache group 'swa': expected metadata and"):
+        h.step([(0, prompts[0][:5])])
+
+
 def test_cache_layout_groups(reference):
     variant, path, *_ = reference
     model = load(path)

@@ -161,6 +161,16 @@ def save_checkpoint(model, path: Path, tokenizer: bool = True) -> Path:
     return path
 
 
+def write_checkpoint(path: Path, variant: str = "mixed", seed: int = 0, tokenizer: bool = True,
+                     sequences: list[list[int]] | None = None, **overrides):
+    """Build (well separated on ``sequences`` when given), save and return (path, hf_model)."""
+    if sequences:
+        model, _ = build_separated(variant, sequences, seed, **overrides)
+    else:
+        model = build_hf_model(variant, seed, **overrides)
+    return save_checkpoint(model, path, tokenizer), model
+
+
 def to_official(path: Path, out: Path, fp8: bool = False, fp4_experts: bool = False,
                 legacy_config: bool = False, mtp: bool = False) -> Path:
     """Rewrite an HF-saved checkpoint with the official tensor names (no ``model.`` prefix, ``embed``,

@@ -325,6 +325,10 @@ class DeepseekV4ForCausalLM(CausalLM):
                 kv_caches: KVCaches) -> torch.Tensor:
         if meta.groups is None or meta.cu_q_lens is None:
             raise ValueError("DeepSeek-V4 needs per-group attention metadata (AttentionMetadata.groups, cu_q_lens)")
+        for name, idx in self._group_index.items():
+            if name not in meta.groups or len(kv_caches.get(name, ())) != len(idx):
+                raise ValueError(f"DeepSeek-V4 cache group {name!r}: expected metadata and {len(idx)} cache "
+                                 f"tensor(s), got {name in meta.groups} and {len(kv_caches.get(name, ()))}")
         T, cfg = input_ids.shape[0], self.cfg
         q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
         seq_idx = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=input_ids.device), q_lens,
