@@ -10,10 +10,13 @@ tensor names under ``model.``, as ``save_pretrained`` writes them) plus ``traini
 the held-out perplexity, then checks that DeepInfer's own V4 model reproduces the saved weights'
 logits.
 
-Usage::
+Usage (the embedded V3's recipe: batch 32, at most 800 steps, a wall-clock cap; STDLIB_COPY = the
+``.py`` files of a Python 3.11 stdlib, as for ``train_tiny.py`` on the device)::
 
-    python examples/train_tiny_v4.py --out deepinfer_core/assets/tiny_v4 --minutes 5 --shards 2  # H200
-    python examples/train_tiny_v4.py --out /tmp/tiny_v4 --minutes 1 --device cpu                 # smoke
+    python examples/train_tiny_v4.py --out OUT --minutes 6 --batch-size 32 --max-steps 800 \
+        --corpus-root STDLIB_COPY --threads 8 --shards 2                                  # one H200
+    python examples/train_tiny_v4.py --out /tmp/tiny_v4 --minutes 1 --device cpu \
+        --batch-size 4 --heldout-rows 8 --sample-tokens 8                                 # CPU smoke
 """
 
 from __future__ import annotations
@@ -172,9 +175,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("deepinfer_core/assets/tiny_v4"))
     p.add_argument("--minutes", type=float, default=5.0, help="wall-clock budget of the training loop")
-    p.add_argument("--max-steps", type=int, default=5000)
+    p.add_argument("--max-steps", type=int, default=800)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
