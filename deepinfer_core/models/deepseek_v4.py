@@ -138,33 +138,42 @@ class Attention(nn.Module):
 
         comp_cache = comp_tables = comp_ids = None
         if self.kind != SWA:
-            group = "csa" if self.kind == CSA else "hca"
-            state_group, comp_cache, comp_tables = group + "_state", caches[group], step.tables(group)
-            state = caches[state_group]
-            inputs = self.compressor.inputs(x)
-            if self.indexer is not None:
-                inputs = torch.cat((inputs, self.indexer.compressor.inputs(x)), dim=-1)
-            k.paged_kv_write(state, step.slots(state_group), inputs)  # [T, state row]
-            close_slots = step.slots(group)
-            close = (close_slots >= 0).nonzero().flatten()
-            if close.numel():
-                entry = self.compressor.compress(state, step, state_group, close, 0, eps, cos_sin)
-                if self.indexer is not None:
-                    ikey = self.indexer.compressor.compress(state, step, state_group, close,
-                                                            self.compressor.state_dim, eps, cos_sin)
-                    entry = torch.cat((entry, ikey), dim=-1)  # [N, D + DI]
-                k.paged_kv_write(comp_cache, close_slots[close], entry)
-            if self.indexer is not None:
-                comp_ids = self.indexer(x, qr, step, comp_cache[..., D:], comp_tables, cos_sin)
-            else:  # HCA: every closed entry is attended
-                visible = (pos + 1) // cfg.compress_hca
-                ids = torch.arange(int(visible.max()) if T else 0, device=x.device).expand(T, -1)
-                comp_ids = torch.where(ids < visible[:, None], ids, torch.full_like(ids, -1))
+            comp_cache, comp_tables, comp_ids = self._compressed_keys(x, qr, step, cos_sin, caches)
         o = k.v4_sparse_attention(q, caches["swa"], step.tables("swa"), comp_cache, comp_tables, comp_ids,
                                   step.seq_idx, pos, cfg.sliding_window, self.attn_sink, D**-0.5)  # [T, H, D]
         o = _rope_tail(k, o, pos, cos_sin, inverse=True)  # undo the rope V carried
         o = k.head_linear(o.reshape(T, self.g, H * D // self.g), self.wo_a.view(self.g, -1, H * D // self.g))
         return k.linear(o.reshape(T, -1), self.wo_b)  # [T, C]
+
+    def _compressed_keys(self, x: torch.Tensor, qr: torch.Tensor, step: Step, cos_sin: torch.Tensor,
+                         caches: dict[str, torch.Tensor]):
+        """Store this step's compressor inputs, write the entries its tokens close, and choose each
+        token's entries: (cache [NB, EPB, D(+DI)], block tables, ids [T, K], -1 = none)."""
+        k, cfg, D, T, pos = self.k, self.cfg, self.D, x.shape[0], step.positions
+        group = "csa" if self.kind == CSA else "hca"
+        state_group, comp_cache, comp_tables = group + "_state", caches[group], step.tables(group)
+        state = caches[state_group]
+        inputs = self.compressor.inputs(x)
+        if self.indexer is not None:
+            inputs = torch.cat((inputs, self.indexer.compressor.inputs(x)), dim=-1)
+        k.paged_kv_write(state, step.slots(state_group), inputs)  # [T, state row]
+        close_slots = step.slots(group)
+        close = (close_slots >= 0).nonzero().flatten()
+        if close.numel():
+            eps = cfg.rms_norm_eps
+            entry = self.compressor.compress(state, step, state_group, close, 0, eps, cos_sin)
+            if self.indexer is not None:
+                ikey = self.indexer.compressor.compress(state, step, state_group, close, self.compressor.state_dim,
+                                                        eps, cos_sin)
+                entry = torch.cat((entry, ikey), dim=-1)  # [N, D + DI]
+            k.paged_kv_write(comp_cache, close_slots[close], entry)
+        if self.indexer is not None:  # CSA: the indexer's top-k
+            comp_ids = self.indexer(x, qr, step, comp_cache[..., D:], comp_tables, cos_sin)
+        else:  # HCA: every closed entry
+            visible = (pos + 1) // cfg.compress_hca
+            ids = torch.arange(int(visible.max()) if T else 0, device=x.device).expand(T, -1)
+            comp_ids = torch.where(ids < visible[:, None], ids, torch.full_like(ids, -1))
+        return comp_cache, comp_tables, comp_ids
 
 
 class Indexer(nn.Module):
