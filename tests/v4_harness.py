@@ -25,15 +25,16 @@ class Request:
 
 
 class Harness:
-    def __init__(self, model, block_size: int, max_len: int, max_requests: int, dtype=torch.float32) -> None:
-        self.model, self.block_size = model, block_size
+    def __init__(self, model, block_size: int, max_len: int, max_requests: int, dtype=torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        self.model, self.block_size, self.device = model, block_size, torch.device(device)
         self.layout = model.cache_layout()
         self.layout.check_block_size(block_size)
         self.blocks_per_req = -(-max_len // block_size)
         self.num_blocks = self.blocks_per_req * max_requests
         self.caches = {
             g.name: [torch.full((self.num_blocks, g.entries_per_block(block_size), g.entry_dim), float("nan"),
-                                dtype=g.dtype or dtype) for _ in g.layers]
+                                dtype=g.dtype or dtype, device=self.device) for _ in g.layers]
             for g in self.layout.groups
         }
         self._free = {g.name: torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(i)).tolist()
@@ -98,16 +99,17 @@ class Harness:
             for g in self.layout.groups:
                 slots[g.name].extend(self._slot(g, r.tables[g.name], p) for p in range(start, start + len(new)))
                 tables[g.name].append(self._view_table(g, r.tables[g.name], start))
-        groups = {n: GroupMeta(torch.tensor(slots[n], dtype=torch.int64), torch.stack(tables[n]))
+        dev = self.device
+        groups = {n: GroupMeta(torch.tensor(slots[n], dtype=torch.int64, device=dev), torch.stack(tables[n]).to(dev))
                   for n in slots}
-        cu = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0)
-        seq = torch.tensor(seq_lens, dtype=torch.int64)
+        cu = torch.tensor([0, *q_lens], dtype=torch.int64, device=dev).cumsum(0)
+        seq = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
         first = self.layout.groups[0].name
         n_prefill = sum(1 for q in q_lens if q > 1)  # harness convention: multi-token pieces first
         P = int(cu[n_prefill])
         prefill = decode = None
         if n_prefill:
-            cu_k = torch.tensor([0, *seq_lens[:n_prefill]], dtype=torch.int64).cumsum(0)
+            cu_k = torch.tensor([0, *seq_lens[:n_prefill]], dtype=torch.int64, device=dev).cumsum(0)
             prefill = PrefillMeta(cu[: n_prefill + 1], cu_k, seq[:n_prefill],
                                   groups[first].block_tables[:n_prefill], has_prefix=True)
         if n_prefill < len(q_lens):
@@ -116,5 +118,5 @@ class Harness:
         meta = AttentionMetadata(num_prefill_tokens=P, slot_mapping=groups[first].slot_mapping, prefill=prefill,
                                  decode=decode, groups=groups, cu_q_lens=cu, seq_lens=seq)
         with torch.no_grad():
-            return self.model(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                              meta, self.caches)
+            return self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
+                              torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.caches)
