@@ -326,3 +326,26 @@ def test_entry_point_maps_the_architecture():
 
     (ep,) = [e for e in entry_points(group="deepinfer.models") if e.name == "DeepseekV4ForCausalLM"]
     assert ep.load() is DeepseekV4ForCausalLM
+
+
+def test_flash_cache_layout_bytes():
+    """The V4-Flash shape (``examples/kv_bytes.py``): 6,880 B/token of long-range KV in bf16 against V3's
+    70,272, a 5.4 MiB bf16 window per request, blocks a multiple of 128."""
+    import importlib.util
+    from pathlib import Path
+
+    from deepinfer_core.models.config_v4 import V4Config
+    from deepinfer_core.models.deepseek_v4 import cache_layout
+
+    spec = importlib.util.spec_from_file_location(
+        "kv_bytes", Path(__file__).resolve().parent.parent / "examples" / "kv_bytes.py")
+    kv_bytes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv_bytes)
+    cfg = V4Config.from_dict(kv_bytes.FLASH)
+    assert (len(cfg.layers_of(SWA)), len(cfg.layers_of(CSA)), len(cfg.layers_of(HCA))) == (2, 21, 20)
+    layout = cache_layout(cfg)
+    per_token = {g.name: g.bytes_per_token(torch.bfloat16) for g in layout.groups}
+    assert per_token == {"swa": 44032, "csa": 6720, "csa_state": 215040, "hca": 160, "hca_state": 81920}
+    assert per_token["csa"] + per_token["hca"] == 6880
+    assert per_token["swa"] * 128 == 43 * 128 * 1024  # 5.375 MiB per request
+    assert layout.block_size_multiple == 128
