@@ -144,6 +144,23 @@ def test_prefix_hit_needs_only_prefix_cacheable_blocks(reference):
     assert (tail - one[32:]).abs().max().item() < 1e-4
 
 
+def test_rejected_speculative_tokens_need_no_rollback(reference):
+    """A verify step of 5 draft tokens that close a CSA and an HCA window, 3 of them rejected: feeding
+    the right tokens at those positions again gives the one-shot logits (every cache write is addressed
+    by position, so nothing needs a snapshot)."""
+    _, path, _, prompts, _ = reference
+    model = load(path)
+    seq = prompts[1]  # 61 tokens
+    one = model.logits(Harness(model, 16, 96, 1).step([(0, seq)]))
+    h = Harness(model, 16, 96, 1)
+    h.step([(0, seq[:44])])
+    drafts = [(t * 7 + 3) % 120 + 4 for t in seq[44:49]]  # positions 44..48: 47 closes CSA and HCA windows
+    h.step([(0, seq[44:46] + drafts[2:])])  # the first two are right, the last three wrong
+    h.truncate(0, 46)
+    tail = torch.cat([model.logits(h.step([(0, seq[46:50])])), model.logits(h.step([(0, seq[50:])]))])
+    assert (tail - one[46:]).abs().max().item() < 1e-4
+
+
 def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(reference):
     """In bfloat16 (float32 kept where the reference keeps it), our logprobs stray from the float32
     reference no more than transformers' own bfloat16 run does."""

@@ -62,6 +62,11 @@ class Harness:
                 r.tables[g.name][: n // self.block_size] = s.tables[g.name][: n // self.block_size]
         return r
 
+    def truncate(self, rid: int, n: int) -> None:
+        """Keep the first ``n`` tokens of a request (rejected speculative tokens): its blocks stay, and
+        whatever the dropped tokens wrote is overwritten when those positions are fed again."""
+        del self.requests[rid].tokens[n:]
+
     def _slot(self, g, table: torch.Tensor, p: int) -> int:
         epb = g.entries_per_block(self.block_size)
         if g.tokens_per_entry > 1:
