@@ -18,7 +18,9 @@ prefill chunks and decode tokens take one path; nothing before the step is recom
   per-request state beyond these blocks.
 
 An entry is written by the token that closes its window (the engine gives the group's slot mapping
-only to those tokens, -1 elsewhere).
+only to those tokens, -1 elsewhere). Every write is addressed by token position, so rejected
+speculative tokens need no rollback: feeding the right token at a position again redoes its writes
+before anything reads them.
 """
 
 from __future__ import annotations
