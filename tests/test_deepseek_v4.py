@@ -366,3 +366,27 @@ def test_flash_cache_layout_bytes():
     assert per_token["csa"] + per_token["hca"] == 6880
     assert per_token["swa"] * 128 == 43 * 128 * 1024  # 5.375 MiB per request
     assert layout.block_size_multiple == 128
+
+
+def test_expert_range_loads_and_runs_only_local_experts(reference):
+    """Two ranks' halves of the routed experts add up to the whole MoE (expert parallelism's split)."""
+    variant, path, *_ = reference
+    if variant != "mixed":
+        pytest.skip("one variant is enough")
+    raw = json.loads((path / "config.json").read_text())
+    cfg = DeepseekV4ForCausalLM.parse_config(raw)
+    full = load(path)
+    halves = []
+    for rng in ((0, 4), (4, 8)):
+        m = DeepseekV4ForCausalLM.create(kernels(), cfg, torch.float32, torch.device("cpu"), 256, expert_range=rng)
+        m.load_weights(SafetensorsReader(path))
+        assert m.layers[2].ffn.w13.shape[0] == 4
+        halves.append(m)
+    assert torch.equal(halves[1].layers[2].ffn.w2[1], full.layers[2].ffn.w2[5])
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, cfg.vocab_size, (9,))
+    for i in (0, 2):  # a hash layer and a learned one
+        f = full.layers[i].ffn
+        shared = f.k.linear(f.k.silu_and_mul_clamped(f.k.linear(x, f.shared_w13), cfg.swiglu_limit), f.shared_w2)
+        parts = sum(h.layers[i].ffn(x, ids) - shared for h in halves)
+        assert torch.allclose(parts + shared, f(x, ids), atol=1e-5)
