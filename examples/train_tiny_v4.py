@@ -109,7 +109,8 @@ class V4LoadTracker(ExpertLoadTracker):
 
 def build_model(seed: int) -> DeepseekV4ForCausalLM:
     cfg = DeepseekV4Config(**MODEL_FIELDS)
-    model = DeepseekV4ForCausalLM(cfg)
+    # eager experts, as train_tiny.py: grouped_mm wants bf16 on CUDA
+    model = DeepseekV4ForCausalLM._from_config(cfg, experts_implementation="eager")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # a fixed token -> experts hash (transformers initialises it to zeros)
         for name, b in model.named_buffers():
@@ -261,7 +262,7 @@ def main() -> None:
     model.cpu().eval()
     save(model, out, args.shards)
     write_generation_config(out)
-    reloaded = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    reloaded = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32, experts_implementation="eager").eval()
     ho_loss, ho_tokens = heldout_loss(reloaded.to(device), heldout_chunks, args.batch_size)
     reloaded.cpu()
     print(f"held-out (saved weights): loss {ho_loss:.4f} ppl {math.exp(ho_loss):.2f} over {ho_tokens:,} tokens",
