@@ -62,6 +62,10 @@ def v4_compress(state: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.
     return torch.cat((normed[:, :-R], roped), dim=-1)
 
 
+#: tokens per slice of the per-token gathers below (bounds their memory on long prefills)
+TOKEN_CHUNK = 256
+
+
 def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, block_tables: torch.Tensor,
                     seq_idx: torch.Tensor, positions: torch.Tensor, ratio: int, top_k: int,
                     scale: float) -> torch.Tensor:
@@ -69,6 +73,10 @@ def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, 
     score[w] = sum_h weights[t, h] * relu(q[t, h] . keys[w]) * scale; the ids of the top_k visible
     entries, -1 padded."""
     T = q.shape[0]
+    if T > TOKEN_CHUNK:
+        return torch.cat([v4_indexer_topk(q[i: i + TOKEN_CHUNK], weights[i: i + TOKEN_CHUNK], keys, block_tables,
+                                          seq_idx[i: i + TOKEN_CHUNK], positions[i: i + TOKEN_CHUNK], ratio, top_k,
+                                          scale) for i in range(0, T, TOKEN_CHUNK)])
     out = torch.full((T, top_k), -1, dtype=torch.int64, device=q.device)
     visible = (positions + 1) // ratio  # [T]
     n_max = int(visible.max()) if T else 0
@@ -93,6 +101,11 @@ def v4_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_tables: to
     sequence plus the compressed entries comp_ids[t] >= 0 (cache rows' first D channels), with a
     per-head sink logit in the softmax (its probability is dropped)."""
     T, H, D = q.shape
+    if T > TOKEN_CHUNK:
+        return torch.cat([v4_sparse_attention(
+            q[i: i + TOKEN_CHUNK], swa_cache, swa_tables, comp_cache, comp_tables,
+            None if comp_ids is None else comp_ids[i: i + TOKEN_CHUNK], seq_idx[i: i + TOKEN_CHUNK],
+            positions[i: i + TOKEN_CHUNK], window, sinks, scale) for i in range(0, T, TOKEN_CHUNK)])
     pos = positions[:, None] - window + 1 + torch.arange(window, device=q.device)  # [T, W]
     keys = _paged_rows(swa_cache, swa_tables, seq_idx, pos, pos >= 0)[..., :D]
     valid = pos >= 0

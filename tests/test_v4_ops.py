@@ -120,3 +120,16 @@ def test_mhc_comb_is_doubly_stochastic():
 
 def test_compress_rates_of_tiny_config():
     assert hf_config("mixed").compress_rates == {CSA: 4, HCA: 16}
+
+
+def test_token_chunking_does_not_change_results(monkeypatch):
+    from deepinfer_core.testing.kernels import _cases_v4_indexer_topk, _cases_v4_sparse_attention
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(v4_ops.v4_sparse_attention, c) for c in _cases_v4_sparse_attention(g, torch.float32, 16)]
+    cases += [(v4_ops.v4_indexer_topk, c) for c in _cases_v4_indexer_topk(g, torch.float32, 16)]
+    for fn, case in cases:
+        whole = fn(*case.args)
+        monkeypatch.setattr(v4_ops, "TOKEN_CHUNK", 2)
+        assert torch.equal(fn(*case.args), whole), case.label
+        monkeypatch.setattr(v4_ops, "TOKEN_CHUNK", 10**9)
