@@ -181,6 +181,20 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(reference):
     assert ours_err < 1.5 * their_err, f"bf16 mean logprob error {ours_err:.3f}, transformers' {their_err:.3f}"
 
 
+def test_a_step_without_tokens(reference):
+    """An idle rank's step (no sequences) runs and returns no rows."""
+    from deepinfer_core.models.metadata import AttentionMetadata, GroupMeta
+
+    _, path, *_ = reference
+    model = load(path)
+    h = Harness(model, 16, 32, 1)
+    e = torch.zeros(0, dtype=torch.int64)
+    groups = {g.name: GroupMeta(e, torch.zeros(0, 2, dtype=torch.int32)) for g in model.cache_layout().groups}
+    meta = AttentionMetadata(0, e, None, None, groups=groups, cu_q_lens=torch.zeros(1, dtype=torch.int64), seq_lens=e)
+    with torch.no_grad():
+        assert model(e, e, meta, h.caches).shape == (0, model.cfg.hidden_size)
+
+
 def test_missing_group_metadata_is_an_error(reference):
     _, path, _, prompts, _ = reference
     model = load(path)

@@ -145,7 +145,7 @@ class Attention(nn.Module):
                                   step.seq_idx, pos, cfg.sliding_window, self.attn_sink, D**-0.5)  # [T, H, D]
         o = _rope_tail(k, o, pos, cos_sin, inverse=True)  # undo the rope V carried
         o = k.head_linear(o.reshape(T, self.g, H * D // self.g), self.wo_a.view(self.g, -1, H * D // self.g))
-        return k.linear(o.reshape(T, -1), self.wo_b)  # [T, C]
+        return k.linear(o.reshape(T, self.wo_b.shape[1]), self.wo_b)  # [T, C]
 
     def _compressed_keys(self, x: torch.Tensor, qr: torch.Tensor, step: Step, cos_sin: torch.Tensor,
                          caches: dict[str, torch.Tensor]):
