@@ -114,8 +114,7 @@ def test_chunked_prefill_and_decode_match_transformers(reference):
         ref = hf_logprobs(hf, prompts[rid] + conts[rid])[P - 1: P - 1 + N_NEW]
         err = (mine - ref).abs().max().item()
         assert err < TOL, f"{variant}: request {rid} decode logprobs differ by {err:.2e}"
-    for caches in h.caches.values():  # nothing read an unwritten slot: no NaN reached the output
-        assert caches
+    # nothing read an unwritten (NaN) cache slot
     assert all(torch.isfinite(torch.cat(v)).all() for v in hidden.values())
 
 
