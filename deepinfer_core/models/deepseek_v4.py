@@ -219,6 +219,12 @@ class MoE(nn.Module):
         self.w2 = _param(E, C, I)
         self.shared_w13, self.shared_w2 = _param(2 * I, C), _param(C, I)
         self.route_hook = None  # set by features, as on the V2/V3 MoE (deepseek.RouteHook)
+        self.expert_parallel = None  # set by the expert-parallel worker (parallel.ExpertParallel)
+
+    def local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) over this rank's experts (others skipped)."""
+        local = ids - self.expert_start if self.expert_start else ids
+        return self.k.fused_moe_clamped(x, self.w13, self.w2, weights, local, self.cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         k, cfg = self.k, self.cfg
@@ -228,8 +234,14 @@ class MoE(nn.Module):
                                       cfg.routed_scaling_factor)
         if self.route_hook is not None:  # EPLB: logical -> physical experts, load counts
             weights, ids = self.route_hook(self.layer_idx, weights, ids)
-        local = ids - self.expert_start if self.expert_start else ids
-        out = k.fused_moe_clamped(x, self.w13, self.w2, weights.to(x.dtype), local, cfg.swiglu_limit)
+        if self.expert_parallel is not None:
+            out = self.expert_parallel.run(self, x, weights, ids)
+        elif self.num_local != cfg.n_routed_experts:
+            raise RuntimeError(f"MoE layer {self.layer_idx} holds experts [{self.expert_start}, "
+                               f"{self.expert_start + self.num_local}) of {cfg.n_routed_experts} but has no "
+                               "expert-parallel dispatch")
+        else:
+            out = self.local_experts(x, weights.to(x.dtype), ids)
         shared = k.linear(k.silu_and_mul_clamped(k.linear(x, self.shared_w13), cfg.swiglu_limit), self.shared_w2)
         return out + shared
 

@@ -62,7 +62,7 @@ class RankEngine(LLMEngine):
         E = self.model_config.n_routed_experts
         per = E // self.world_size
         model = super().build_model((self.rank * per, (self.rank + 1) * per))
-        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        moes = [m for m in model.modules() if isinstance(m, MoE) or hasattr(m, "local_experts")]
         self.expert_parallel = ExpertParallel(self.comm, E, moes, self.device)
         return model
 
