@@ -77,6 +77,59 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) for e = ids[t, j]; ids outside "
         "[0, E) are skipped (experts owned by another rank)",
     ),
+    # ---- DeepSeek-V4 (reference: kernels_cpu/v4_ops.py) ----
+    OpSpec("rope_inverse", "(x[T, N, D], positions[T], cos_sin[P, D]) -> [T, N, D]",
+           "rope by the negative angle (V4 un-rotates the attention output, which carried the keys' rope)"),
+    OpSpec(
+        "v4_compress",
+        "(state[NB, BS, E] f32, block_tables[B, M], seq_idx[N], close_pos[N], ape[m, w] f32, norm_w[Dc], eps, "
+        "cos_sin[P, R], col) -> [N, Dc] f32",
+        "one compressed entry per token closing a window ((p+1) % m == 0) from the raw [kv | gate] compressor "
+        "inputs (w wide each, from column col) of a window of the paged per-token state; w = Dc pools tokens "
+        "p-m+1..p, w = 2Dc (overlapped CSA) pools Ca of p-2m+1..p-m and Cb of p-m+1..p; gate += ape[pos % m], "
+        "softmax over slots per channel, rms_norm, rope of the last R channels at position p-m+1",
+    ),
+    OpSpec(
+        "v4_indexer_topk",
+        "(q[T, HI, DI], weights[T, HI], keys[NB, EPB, DI], block_tables[B, M], seq_idx[T], positions[T], ratio, "
+        "top_k, scale) -> [T, top_k] i64",
+        "lightning indexer: entries w < (p+1) // ratio visible; score = sum_h weights[t, h] * relu(q[t, h] . "
+        "keys[w]) * scale; ids of the top_k visible entries (any order), -1 padded",
+    ),
+    OpSpec(
+        "v4_sparse_attention",
+        "(q[T, H, D], swa_cache[NB, BS, >=D], swa_tables[B, M], comp_cache[NB2, EPB, >=D] | None, "
+        "comp_tables[B, M2] | None, comp_ids[T, K] | None, seq_idx[T], positions[T], window, sinks[H] f32, scale)"
+        " -> [T, H, D]",
+        "one shared K=V head: keys = the window positions p-window+1..p of the token's sequence plus the "
+        "compressed entries comp_ids >= 0; softmax(q.k * scale) with a per-head sink logit whose probability "
+        "is dropped; out = sum p * key",
+    ),
+    OpSpec(
+        "mhc_pre",
+        "(h[T, n, C], fn[(2+n)n, nC] f32, base[(2+n)n] f32, scale[3] f32, iters, norm_eps, hc_eps) -> "
+        "(x[T, C], post[T, n] f32, comb[T, n, n] f32)",
+        "mHC: mix = rms(h.flatten) @ fn.T; pre = sigmoid(.)+eps collapses h to x; post = 2 sigmoid(.); comb = "
+        "softmax(.)+eps then Sinkhorn (column, then iters-1 row/column normalisations)",
+    ),
+    OpSpec("mhc_post", "(y[T, C], h[T, n, C], post[T, n], comb[T, n, n]) -> [T, n, C]",
+           "new h[k] = post[k] * y + sum_j comb[j, k] * h[j]"),
+    OpSpec("mhc_head", "(h[T, n, C], fn[n, nC] f32, base[n] f32, scale[1] f32, norm_eps, hc_eps) -> [T, C]",
+           "final collapse: sum_j (sigmoid(rms(h.flatten) @ fn.T * scale + base) + eps)[j] * h[j]"),
+    OpSpec(
+        "moe_route_v4",
+        "(logits[T, E] f32, bias[E] | None, hash_ids[T, k] | None, top_k, scoring, scale) -> (weights[T, k] f32, "
+        "ids[T, k] i64)",
+        "scores = sqrt(softplus) | sigmoid of logits; ids = hash_ids (hash layers) or top_k of scores + bias; "
+        "weights = scores[ids] renormalised, times scale",
+    ),
+    OpSpec("silu_and_mul_clamped", "(x[T, 2I], limit | None) -> [T, I]",
+           "silu(min(gate, limit)) * clamp(up, -limit, limit) (no clamp when limit is None)"),
+    OpSpec(
+        "fused_moe_clamped",
+        "(x[T, C], w13[E, 2I, C], w2[E, C, I], weights[T, k], ids[T, k], limit | None) -> [T, C]",
+        "fused_moe with the SwiGLU clamp of silu_and_mul_clamped",
+    ),
     OpSpec(
         "apply_penalties",
         "(logits[B, V], prompt_mask[B, V], output_counts[B, V], repetition[B], presence[B], frequency[B])"

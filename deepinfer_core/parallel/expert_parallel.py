@@ -87,7 +87,12 @@ class ExpertParallel:
         mine = all_counts[:, me * spr : (me + 1) * spr].reshape(-1)  # [src * spr] rows per (src, slot)
         local_slot = torch.repeat_interleave(torch.arange(spr).repeat(W), mine).to(x.device)
         ones = torch.ones(recv.shape[0], 1, dtype=x.dtype, device=x.device)
-        y = moe.k.fused_moe(recv, moe.w13, moe.w2, ones, local_slot[:, None])  # each row's expert output
+        # each row's expert output; a MoE whose experts are not plain fused_moe SwiGLUs (V4's clamp)
+        # declares ``local_experts(x, weights, ids)`` over its expert ids
+        if hasattr(moe, "local_experts"):
+            y = moe.local_experts(recv, ones, local_slot[:, None] + moe.expert_start)
+        else:
+            y = moe.k.fused_moe(recv, moe.w13, moe.w2, ones, local_slot[:, None])
         self.where = f"MoE layer {layer}: combine all_to_all"
         back = comm.all_to_all(y, recv_splits, send_splits)  # [T K, C] in ``order``
         self.where = "idle"

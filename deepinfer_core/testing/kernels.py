@@ -10,6 +10,8 @@ reference computed in float32 on the CPU from the same (already rounded) inputs:
 * cache writes and gathers: bit-exact;
 * ``moe_route``: the same expert set per token (inputs are drawn with a clear margin between the
   k-th and (k+1)-th choice, so this is well posed), weights within tolerance;
+* ``moe_route_v4`` likewise; ``v4_indexer_topk``: the same set of entry ids per token (inputs drawn with
+  a clear margin at the top-k boundary);
 * ``sample``: bit-exact token ids, greedy and seeded rows alike (the counter-based RNG in
   ``kernels_cpu.rng`` gives every backend the same uniforms for a (seed, offset)), and a row's
   token must not change when it is sampled alone.
@@ -42,6 +44,8 @@ FIXED_DTYPE_OPS: dict[str, torch.dtype] = {
     "apply_penalties": torch.float32,
     "sample": torch.float32,
     "logsumexp": torch.float32,
+    "moe_route_v4": torch.float32,
+    "v4_compress": torch.float32,  # the compressor state is float32 whatever the model dtype
 }
 
 
@@ -294,6 +298,147 @@ def _cases_sample(g, dtype, bs):
     ]
 
 
+# ---- DeepSeek-V4 ops ----------------------------------------------------------------------------
+def _cases_rope_inverse(g, dtype, bs):
+    return _cases_rope(g, dtype, bs)
+
+
+def _cases_v4_compress(g, dtype, bs):
+    """Overlapped (CSA, m=4) and plain (HCA, m=bs) windows read from a paged float32 state with a column
+    offset; closing positions include window 0 (absent Ca slots) and windows across block edges."""
+    Dc, R = 16, 8
+    table = _rope_table(8 * bs + 64, R)
+    cases = []
+    for label, m, overlap, col in (("overlapped", 4, True, 8), ("plain", bs if bs > 1 else 4, False, 0)):
+        w = 2 * Dc if overlap else Dc
+        seq_lens = [2 * m, 3 * m + bs, m + 1]
+        tables, NB = _paged_layout(g, seq_lens, bs)
+        state = _randn(g, NB, bs, col + 2 * w + 4)
+        seq_idx, close = [], []
+        for b, n in enumerate(seq_lens):
+            for p in range(m - 1, n, m):
+                seq_idx.append(b)
+                close.append(p)
+        ape = _randn(g, m, w, scale=0.5)
+        cases.append(Case(label, (state, tables, torch.tensor(seq_idx), torch.tensor(close), ape,
+                                  (1 + _randn(g, Dc, scale=0.1)).to(dtype), 1e-6, table, col)))
+    return cases
+
+
+def _indexer_gap(q, weights, keys, tables, seq_idx, positions, ratio, top_k, scale) -> float:
+    from kernels_cpu.v4_ops import _paged_rows
+
+    visible = (positions + 1) // ratio
+    n = int(visible.max())
+    ent = torch.arange(n).expand(q.shape[0], n)
+    vis = ent < visible[:, None]
+    k = _paged_rows(keys.float(), tables, seq_idx, ent, vis)
+    sc = (torch.einsum("thd,tnd->thn", q.float(), k).relu() * scale * weights.float()[:, :, None]).sum(1)
+    s = sc.masked_fill(~vis, float("-inf")).sort(-1, descending=True).values
+    gaps = [float(s[t, top_k - 1] - s[t, top_k]) / float(s[t].abs()[vis[t]].max())
+            for t in range(q.shape[0]) if int(visible[t]) > top_k]
+    return min(gaps, default=float("inf"))
+
+
+def _cases_v4_indexer_topk(g, dtype, bs):
+    HI, DI, ratio, top_k = 8, 16, 4, 3
+    seq_lens = [5 * ratio + 2, 2 * ratio, 9 * ratio + 1]
+    tables, NB = _paged_layout(g, [-(-n // ratio) for n in seq_lens], bs)
+    seq_idx, positions = [], []
+    for b, n in enumerate(seq_lens):  # a few query tokens per sequence, early ones see < top_k entries
+        for p in sorted({0, ratio, n - 3, n - 1}):
+            seq_idx.append(b)
+            positions.append(p)
+    seq_idx, positions = torch.tensor(seq_idx), torch.tensor(positions)
+    for _ in range(50):  # well-separated top-k boundaries (the ids must match exactly)
+        args = (_randn(g, len(positions), HI, DI, dtype=dtype), _randn(g, len(positions), HI).abs(),
+                _randn(g, NB, bs, DI, dtype=dtype), tables, seq_idx, positions, ratio, top_k, DI**-0.5)
+        if _indexer_gap(*args) >= 1e-3:
+            return [Case("ragged", args)]
+    raise RuntimeError("v4_indexer_topk: no well-separated inputs drawn")
+
+
+def _cases_v4_sparse_attention(g, dtype, bs):
+    H, D, W = 4, 32, 6
+    seq_lens = [3, 2 * bs + 5, bs + 1]
+    tables, NB = _paged_layout(g, seq_lens, bs)
+    seq_idx = torch.tensor([0, 0, 1, 1, 1, 2])
+    positions = torch.tensor([1, 2, 0, 7, 2 * bs + 4, bs])
+    T = len(positions)
+    swa = _randn(g, NB, bs, D, dtype=dtype)
+    ctables, CNB = _paged_layout(g, [4, 9, 5], 2)
+    comp = _randn(g, CNB, 2, D + 8, dtype=dtype)  # rows wider than D (CSA: [entry | indexer key])
+    ids = torch.randint(0, 4, (T, 3), generator=g)
+    ids[0] = -1  # nothing visible yet
+    ids[3, 2] = -1
+    sinks = _randn(g, H)
+    q = _randn(g, T, H, D, dtype=dtype)
+    common = (seq_idx, positions, W, sinks, D**-0.5)
+    return [
+        Case("window only", (q, swa, tables, None, None, None, *common)),
+        Case("window + entries", (q, swa, tables, comp, ctables, ids, *common)),
+    ]
+
+
+def _hc_args(g, dtype, n, C, rows):
+    return (_randn(g, 9, n, C, dtype=dtype), _randn(g, rows, n * C, scale=0.3), _randn(g, rows, scale=0.3))
+
+
+def _cases_mhc_pre(g, dtype, bs):
+    cases = []
+    for n in (2, 4):
+        h, fn, base = _hc_args(g, dtype, n, 16, (2 + n) * n)
+        cases.append(Case(f"{n} streams", (h, fn, base, 1 + _randn(g, 3, scale=0.1), 20, 1e-6, 1e-6)))
+    return cases
+
+
+def _cases_mhc_post(g, dtype, bs):
+    cases = []
+    for n in (2, 4):
+        comb = torch.rand(9, n, n, generator=g)
+        cases.append(Case(f"{n} streams", (_randn(g, 9, 16, dtype=dtype), _randn(g, 9, n, 16, dtype=dtype),
+                                           2 * torch.rand(9, n, generator=g), comb / comb.sum(-2, keepdim=True))))
+    return cases
+
+
+def _cases_mhc_head(g, dtype, bs):
+    h, fn, base = _hc_args(g, dtype, 4, 16, 4)
+    return [Case("4 streams", (h, fn, base, 1 + _randn(g, 1, scale=0.1), 1e-6, 1e-6))]
+
+
+def _v4_route_margin(logits, bias, top_k, scoring) -> torch.Tensor:
+    scores = torch.nn.functional.softplus(logits).sqrt() if scoring == "sqrtsoftplus" else logits.sigmoid()
+    s = (scores if bias is None else scores + bias).sort(-1, descending=True).values
+    return (s[:, top_k - 1] - s[:, top_k]) / scores.abs().amax(-1).clamp_min(1e-12)
+
+
+def _cases_moe_route_v4(g, dtype, bs):
+    T, E, k = 16, 16, 4
+    cases = []
+    for label, scoring, has_bias, hashed in (("sqrtsoftplus bias", "sqrtsoftplus", True, False),
+                                             ("sigmoid", "sigmoid", False, False),
+                                             ("sqrtsoftplus hash", "sqrtsoftplus", False, True)):
+        bias = _randn(g, E, scale=0.05) if has_bias else None
+        rows: list[torch.Tensor] = []
+        for _ in range(20):
+            cand = _randn(g, 4 * T, E, scale=2.0)
+            rows.extend(cand[_v4_route_margin(cand, bias, k, scoring) >= 1e-3])
+            if len(rows) >= T:
+                break
+        hash_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if hashed else None
+        cases.append(Case(label, (torch.stack(rows[:T]), bias, hash_ids, k, scoring, 1.5)))
+    return cases
+
+
+def _cases_silu_and_mul_clamped(g, dtype, bs):
+    x = _randn(g, 9, 2 * 48, dtype=dtype, scale=3.0)
+    return [Case("limit 1.5", (x, 1.5)), Case("no limit", (x, None))]
+
+
+def _cases_fused_moe_clamped(g, dtype, bs):
+    return [Case(c.label + ", limit 0.5", (*c.args, 0.5)) for c in _cases_fused_moe(g, dtype, bs)]
+
+
 _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "linear": _cases_linear,
     "head_linear": _cases_head_linear,
@@ -310,6 +455,16 @@ _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "apply_penalties": _cases_apply_penalties,
     "logsumexp": _cases_logsumexp,
     "sample": _cases_sample,
+    "rope_inverse": _cases_rope_inverse,
+    "v4_compress": _cases_v4_compress,
+    "v4_indexer_topk": _cases_v4_indexer_topk,
+    "v4_sparse_attention": _cases_v4_sparse_attention,
+    "mhc_pre": _cases_mhc_pre,
+    "mhc_post": _cases_mhc_post,
+    "mhc_head": _cases_mhc_head,
+    "moe_route_v4": _cases_moe_route_v4,
+    "silu_and_mul_clamped": _cases_silu_and_mul_clamped,
+    "fused_moe_clamped": _cases_fused_moe_clamped,
 }
 
 _EXACT_OPS = {"paged_kv_write", "paged_kv_gather"}
@@ -388,6 +543,18 @@ def _check_moe_route(where, out, ref, rtol):
              exact=False)
 
 
+def _check_id_sets(where, out, ref):
+    """Per row the same set of ids (top-k selections come in any order)."""
+    ids = out.detach().cpu()
+    if tuple(ids.shape) != tuple(ref.shape) or ids.dtype != torch.int64:
+        _fail(where, f"returned shape {tuple(ids.shape)} dtype {_dtype_name(ids.dtype)}, reference "
+              f"{tuple(ref.shape)} int64")
+    a, b = ids.sort(-1).values, ref.sort(-1).values
+    if not torch.equal(a, b):
+        t = int((a != b).any(-1).nonzero()[0])
+        _fail(where, f"row {t} selected {a[t].tolist()}, reference {b[t].tolist()}")
+
+
 def _check_sample(where, backend_fn, args, out, ref, device):
     tokens = out.detach().cpu().long()
     if tuple(tokens.shape) != tuple(ref.shape) or tokens.dtype.is_floating_point:
@@ -458,8 +625,10 @@ def check_op(
             raise AssertionError(f"{where} raised {type(exc).__name__}: {exc}") from exc
         if len(out) != len(truth):
             _fail(where, f"returned {len(out)} output(s), reference {len(truth)}")
-        if op == "moe_route":
+        if op in ("moe_route", "moe_route_v4"):
             _check_moe_route(where, out, truth, rtol)
+        elif op == "v4_indexer_topk":
+            _check_id_sets(where, out[0], truth[0])
         elif op == "sample":
             _check_sample(where, backend_fn, case.args, out[0], truth[0], device)
         else:
