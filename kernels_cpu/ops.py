@@ -179,6 +179,12 @@ def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """Grouped expert MLP: sort (token, slot) pairs by expert, one GEMM pair per expert, scatter-add."""
+    return grouped_experts(x, w13, w2, weights, ids, silu_and_mul)
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    act) -> torch.Tensor:
+    """The expert loop of ``fused_moe`` with the activation ``act([n, 2I]) -> [n, I]`` as a parameter."""
     T, C = x.shape
     E = w13.shape[0]
     out = torch.zeros(T, C, dtype=torch.float32, device=x.device)
@@ -193,7 +199,7 @@ def fused_moe(
         if n == 0:
             continue
         t = tok[start : start + n]
-        h = silu_and_mul(F.linear(x[t], w13[e]))
+        h = act(F.linear(x[t], w13[e]))
         out.index_add_(0, t, F.linear(h, w2[e]).float() * w[start : start + n, None].float())
         start += n
     return out.to(x.dtype)

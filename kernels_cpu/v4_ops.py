@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_cpu.ops import rope, silu_and_mul
+from kernels_cpu.ops import grouped_experts, rope, silu_and_mul
 
 
 def rope_inverse(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -181,21 +181,4 @@ def silu_and_mul_clamped(x: torch.Tensor, limit: float | None) -> torch.Tensor:
 
 def fused_moe_clamped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, limit: float | None) -> torch.Tensor:
-    T, C = x.shape
-    E = w13.shape[0]
-    out = torch.zeros(T, C, dtype=torch.float32, device=x.device)
-    flat_ids = ids.reshape(-1)
-    local = (flat_ids >= 0) & (flat_ids < E)
-    order = torch.argsort(torch.where(local, flat_ids, E), stable=True)
-    counts = torch.bincount(flat_ids[local], minlength=E).tolist()
-    tok = order // ids.shape[1]
-    w = weights.reshape(-1)[order]
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        t = tok[start: start + n]
-        h = silu_and_mul_clamped(F.linear(x[t], w13[e]), limit)
-        out.index_add_(0, t, F.linear(h, w2[e]).float() * w[start: start + n, None].float())
-        start += n
-    return out.to(x.dtype)
+    return grouped_experts(x, w13, w2, weights, ids, lambda h: silu_and_mul_clamped(h, limit))

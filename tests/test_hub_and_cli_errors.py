@@ -82,7 +82,7 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
 def test_log_level_reaches_the_engine_and_is_not_reset():
     r = _cli("generate", "--prompt", "x", "--max-tokens", "2", "--log-level", "info")
     assert r.returncode == 0, r.stderr
-    assert "INFO deepinfer.engine: KV cache:" in r.stderr
+    assert "INFO deepinfer.kv_cache: KV cache pool" in r.stderr
     quiet = _cli("generate", "--prompt", "x", "--max-tokens", "2")
     assert "INFO" not in quiet.stderr
     # an application's own logging setting survives building an engine (config log_level unset)
