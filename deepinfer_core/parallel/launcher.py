@@ -532,7 +532,7 @@ class ParallelEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = LLMEngine.new_sequence(self, prompt, params, request_id)  # needs no model, only its config
-        sent = dataclasses.replace(seq.params, seq_seed=seq.seed, seed=seq.seed)  # the rank samples with the driver's seed
+        sent = dataclasses.replace(seq.params, seq_seed=seq.seed, seed=seq.seed)  # the driver's seed, on every rank
         rank = self.balancer.pick()
         self._seqs[request_id] = seq
         self._owner[request_id] = rank
