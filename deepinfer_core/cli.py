@@ -292,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plugins)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts", parents=[common])
-    g.add_argument("--model", default=None, help="checkpoint directory (default: $DEEPINFER_HF_MODEL_DIR "
-                   "or the embedded model)")
+    g.add_argument("--model", default=None, help="checkpoint directory, Hugging Face id or embedded model "
+                   "name (tiny-v3, tiny-v4; default: $DEEPINFER_HF_MODEL_DIR or tiny-v3)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
     g.add_argument("--max-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)
@@ -304,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API", parents=[common])
-    s.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hugging Face id (default: "
-                   "$DEEPINFER_HF_MODEL_DIR or the embedded model)")
+    s.add_argument("model", nargs="?", default=None, help="checkpoint directory, Hugging Face id or embedded model "
+                   "name (tiny-v3, tiny-v4; default: $DEEPINFER_HF_MODEL_DIR or tiny-v3)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--config", default=None, help="TOML config file (every engine key and feature section)")

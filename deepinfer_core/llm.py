@@ -27,7 +27,9 @@ Prompt = str | dict
 class LLM:
     """An offline engine over one DeepSeek checkpoint.
 
-    ``model=None`` uses ``$DEEPINFER_HF_MODEL_DIR`` or the embedded default model. Other keyword
+    ``model`` is a checkpoint directory, a Hugging Face id, or an embedded model name (``tiny-v3``,
+    ``tiny-v4``: ``models.loader.EMBEDDED_MODELS``); ``model=None`` uses ``$DEEPINFER_HF_MODEL_DIR``
+    or the embedded default model (``tiny-v3``). Other keyword
     arguments are engine config keys (see ``deepinfer_core.config.EngineConfig``) or feature sections.
 
     Thread safety: calls from several threads are serialised. A ``generate()`` (or ``metrics()``,

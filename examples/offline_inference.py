@@ -1,6 +1,7 @@
 """Generate from a DeepSeek checkpoint (default: the embedded tiny model trained on Python sources).
 
     python examples/offline_inference.py
+    python examples/offline_inference.py --model tiny-v4     # the embedded tiny DeepSeek-V4
     python examples/offline_inference.py --model /path/to/DeepSeek-V2-Lite --dtype bfloat16
     python examples/offline_inference.py --dspark      # speculative decoding with the shipped draft
 """
@@ -21,7 +22,8 @@ DEFAULT_PROMPTS = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF-format checkpoint dir (default: embedded model)")
+    p.add_argument("--model", default=None, help="HF-format checkpoint dir, Hugging Face id, or embedded model name "
+                   "(tiny-v3, tiny-v4; default: tiny-v3)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--accelerator", default=None)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")

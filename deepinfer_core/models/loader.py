@@ -20,7 +20,15 @@ from deepinfer_core.models.config import ModelConfig
 from deepinfer_core.models.deepseek import DeepseekForCausalLM, MoE
 
 logger = logging.getLogger("deepinfer.loader")
-EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default_model"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+#: Checkpoints shipped inside the package, by the name ``LLM(model=NAME)`` accepts. Both are trained
+#: on the Python 3.11 stdlib; each directory has a ``training_report.json`` saying how.
+EMBEDDED_MODELS: dict[str, Path] = {
+    "tiny-v3": ASSETS / "default_model",  # DeepSeek-V3 architecture (MLA + MoE), examples/train_tiny.py
+    "tiny-v4": ASSETS / "tiny_v4",  # DeepSeek-V4 architecture (SWA/CSA/HCA, mHC), examples/train_tiny_v4.py
+}
+#: what ``model=None`` (and no $DEEPINFER_HF_MODEL_DIR) loads
+EMBEDDED_MODEL = EMBEDDED_MODELS["tiny-v3"]
 FP8_BLOCK = 128
 
 
@@ -30,16 +38,24 @@ class CheckpointError(ValueError):
 
 def resolve_model_dir(model: str | None) -> Path:
     """``model`` if given, else $DEEPINFER_HF_MODEL_DIR, else the embedded default model. A name
-    that is not a directory but looks like a Hugging Face id (``org/name``) is resolved through
-    ``huggingface_hub`` (its cache first; ``HF_HUB_OFFLINE=1`` never goes online)."""
+    that is not a directory is, in order: an embedded model (``EMBEDDED_MODELS``, e.g. ``tiny-v4``),
+    or a Hugging Face id (``org/name``) resolved through ``huggingface_hub`` (its cache first;
+    ``HF_HUB_OFFLINE=1`` never goes online). An existing directory always wins over a name."""
     path = model or os.environ.get("DEEPINFER_HF_MODEL_DIR") or str(EMBEDDED_MODEL)
     p = Path(path).expanduser()
     if not p.is_dir():
         from deepinfer_core.models.hub import looks_like_repo_id, resolve_repo_id
 
-        if not looks_like_repo_id(path):
-            raise CheckpointError(f"model directory {str(p)!r} does not exist")
-        p = resolve_repo_id(path)
+        if path in EMBEDDED_MODELS:
+            p = EMBEDDED_MODELS[path]
+            if not p.is_dir():
+                raise CheckpointError(f"embedded model {path!r} is missing its files ({str(p)!r}); "
+                                      "reinstall deepinfer")
+        elif looks_like_repo_id(path):
+            p = resolve_repo_id(path)
+        else:
+            raise CheckpointError(f"model directory {str(p)!r} does not exist, and {path!r} is neither a Hugging "
+                                  f"Face id (org/name) nor an embedded model (known: {', '.join(EMBEDDED_MODELS)})")
     if not (p / "config.json").is_file():
         raise CheckpointError(f"model directory {str(p)!r} has no config.json")
     return p
