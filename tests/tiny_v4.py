@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from tiny_models import BOS, EOS, VOCAB, write_tokenizer
+from tiny_models import BOS, EOS, VOCAB, save_checkpoint
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 MIN_MARGIN = 1e-5
@@ -151,15 +151,6 @@ def build_separated(variant: str, sequences: list[list[int]], seed: int = 0, tri
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
-
-def save_checkpoint(model, path: Path, tokenizer: bool = True) -> Path:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    if tokenizer:
-        write_tokenizer(path)
-    return path
-
 
 def write_checkpoint(path: Path, variant: str = "mixed", seed: int = 0, tokenizer: bool = True,
                      sequences: list[list[int]] | None = None, **overrides):

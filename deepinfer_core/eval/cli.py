@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 #: samples per item when --samples is not given (AIME and GPQA are sampled several times by convention)
 DEFAULT_SAMPLES = {"aime": 32, "gpqa": 8, "hle": 1, "generic": 1}
 
@@ -106,14 +104,9 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("model", "accelerator", "dtype", "config"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
-        try:  # a TOML value (8, true, [1, 2], "x"), else the text itself, as `deepinfer serve -o` reads it
-            kw[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            kw[key.strip()] = value
+    from deepinfer_core.cli import _parse_option  # one reader of -o KEY=VALUE, shared with `deepinfer serve`
+
+    kw.update(_parse_option(item) for item in args.option)
     return kw
 
 
