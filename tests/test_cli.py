@@ -106,7 +106,10 @@ def test_plugins_json(capsys):
     doc = json.loads(run_cli(capsys, "plugins", "--json"))
     assert doc["core_api_version"] == "1.0" and doc["accelerator_setting"] == "auto"
     assert set(doc["groups"]) == {"deepinfer.hardware", "deepinfer.kernels", "deepinfer.schedulers",
-                                  "deepinfer.kv_stores", "deepinfer.features"}
+                                  "deepinfer.kv_stores", "deepinfer.features", "deepinfer.models"}
+    models = {row["name"]: row["target"] for row in doc["groups"]["deepinfer.models"]}
+    assert models["DeepseekV4ForCausalLM"] == "deepinfer_core.models.deepseek_v4:DeepseekV4ForCausalLM"
+    assert models["DeepseekV3ForCausalLM"] == "deepinfer_core.models.deepseek:DeepseekForCausalLM"
     hw = {row["name"]: row for row in doc["groups"]["deepinfer.hardware"]}
     assert hw["cpu"] == {
         "name": "cpu", "target": "hardware.cpu:CpuPlatform", "distribution": "deepinfer", "version": "0.1.0",
