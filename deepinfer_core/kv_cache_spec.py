@@ -11,6 +11,13 @@ Group tensors: for each layer of the group one tensor ``[num_blocks, block_size 
 entry_dim]`` (``dtype`` or the model's dtype). The engine hands the model
 ``kv_caches[group.name][j]`` for the j-th layer of ``group.layers``.
 
+Planes: a group may name the natural parts of its entry (``parts``, e.g. MLA's latent and rope key,
+``(kv_lora_rank, qk_rope_head_dim)``). The platform then chooses its storage
+(``Platform.kv_cache_planes``): one tensor per layer (the default), or one tensor per plane and layer,
+``[num_blocks, entries_per_block, width]`` each, a plane holding consecutive parts; an entry is then the
+concatenation of its rows in the planes. A layer's cache is a :data:`LayerCache` either way; kernels
+and the KV tiers read it through :func:`cache_planes`.
+
 Lifetimes:
 
 * ``FULL``: append-only for the request's life; blocks are hashed into the prefix cache.
@@ -38,6 +45,7 @@ are -1: state the model does not read after a block boundary).
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +75,8 @@ class KVCacheSpec:
     dtype: torch.dtype | None = None  # None: the model's activation dtype
     prefix_cacheable: bool = True  # blocks may be shared across requests through the prefix cache
     hit_rule: HitRule = HitRule.REQUIRED  # the per-model policy for prefix hits (module docstring)
+    #: widths of the entry's parts, where a platform may split it into planes (module docstring, "Planes")
+    parts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tokens_per_entry < 1:
@@ -75,6 +85,18 @@ class KVCacheSpec:
             raise ValueError(f"cache group {self.name!r}: window must be >= 1 or None")
         if not self.layers:
             raise ValueError(f"cache group {self.name!r} has no layers")
+        if self.parts and (sum(self.parts) != self.entry_dim or min(self.parts) < 1):
+            raise ValueError(f"cache group {self.name!r}: parts {self.parts} must be positive and sum to "
+                             f"entry_dim {self.entry_dim}")
+
+    def check_planes(self, planes: tuple[int, ...]) -> None:
+        """``planes`` (a platform's answer) must be ``(entry_dim,)`` or group whole parts in order."""
+        cuts = set(itertools.accumulate(self.parts)) | {self.entry_dim}
+        ends = list(itertools.accumulate(planes))
+        if ends and ends[-1] == self.entry_dim and min(planes) >= 1 and set(ends) <= cuts:
+            return
+        raise ValueError(f"cache group {self.name!r}: planes {planes} do not group its parts {self.parts} "
+                         f"(entry_dim {self.entry_dim})")
 
     @property
     def pool_key(self) -> tuple[int | None, bool]:
@@ -134,3 +156,13 @@ class CacheLayout:
             raise ValueError(f"block_size={block_size}: this model needs a multiple of {self.block_size_multiple}")
         for g in self.groups:
             g.entries_per_block(block_size)
+
+
+#: One layer's cache in a group: a ``[num_blocks, entries_per_block, entry_dim]`` tensor, or the tuple
+#: of its planes when the platform splits the entry (module docstring, "Planes").
+LayerCache = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def cache_planes(cache: LayerCache) -> tuple[torch.Tensor, ...]:
+    """The planes of one layer's cache (a single tensor is one plane)."""
+    return cache if isinstance(cache, tuple) else (cache,)

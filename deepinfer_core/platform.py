@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.kv_cache_spec import KVCacheSpec
+
 
 @dataclass(frozen=True)
 class Availability:
@@ -116,6 +118,12 @@ class Platform(ABC):
         """Context manager capturing into ``graph``."""
         raise NotImplementedError(f"platform {self.name!r} does not support graph capture")
 
+    def graph_replay(self, graph: Any, seq_lens: list[int]) -> None:
+        """Replay a captured decode graph. ``seq_lens``: every row's context length (padding rows
+        included) on the host, for platforms whose captured kernels take lengths as host arguments
+        that must be updated before each replay. Default: ``graph.replay()``."""
+        graph.replay()
+
     # ---- numerics -----------------------------------------------------------------------
     def preferred_dtypes(self) -> tuple[torch.dtype, ...]:
         """Dtypes in order of preference for weights and activations."""
@@ -126,6 +134,12 @@ class Platform(ABC):
         fastest: same shape, dtype and values, any strides. Applied once to every GEMM weight after
         loading (``deepinfer_core.models.loader.apply_weight_layout``); embeddings keep theirs."""
         return w
+
+    def kv_cache_planes(self, spec: KVCacheSpec) -> tuple[int, ...]:
+        """Widths of the planes in which this platform's kernels want cache group ``spec`` stored: one
+        tensor per plane and layer (``deepinfer_core.kv_cache_spec``, "Planes"). Default: one plane
+        holding the whole entry. A platform may only group the parts ``spec.parts`` declares, in order."""
+        return (spec.entry_dim,)
 
     def supports_fp8_gemm(self) -> bool:
         """Whether block-scaled FP8 weights can be used without dequantizing at load."""

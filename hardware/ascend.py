@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
+from deepinfer_core.kv_cache_spec import KVCacheSpec
 from deepinfer_core.platform import Availability, Platform
 
 
@@ -88,8 +90,7 @@ class AscendPlatform(Platform):
         return True
 
     def graph_capture_dtypes(self) -> tuple[torch.dtype, ...]:
-        # kernels_ascend's decode ops never read device values on the host in these dtypes; while a
-        # graph is captured, mla_decode takes its torch path (FIA takes sequence lengths as host lists)
+        # kernels_ascend's decode ops never read device values on the host in these dtypes
         return (torch.bfloat16, torch.float16)
 
     def graph(self) -> Any:
@@ -97,14 +98,32 @@ class AscendPlatform(Platform):
 
         return torch_npu.npu.NPUGraph()
 
-    def graph_capture(self, graph: Any, pool: Any = None) -> AbstractContextManager:
+    @contextmanager
+    def graph_capture(self, graph: Any, pool: Any = None) -> Iterator[None]:
+        """Captures with ``auto_dispatch_capture``: every FIA launch is recorded with its host lengths
+        (torch_npu/npu/graphs.py, _npugraph_handlers/ifa_handler.py), which :meth:`graph_replay`
+        updates; kernels_ascend takes FIA inside the capture only under this flag."""
         import torch_npu
 
-        return torch_npu.npu.graph(graph, pool=pool)
+        from kernels_ascend.graph import updating_host_lengths
+
+        with updating_host_lengths(), torch_npu.npu.graph(graph, pool=pool, auto_dispatch_capture=True):
+            yield
+
+    def graph_replay(self, graph: Any, seq_lens: list[int]) -> None:
+        # one update dict is applied to every recorded FIA launch (NPUGraph.update, update_capture_record):
+        # a decode graph's launches, one per layer, all read the step's KV lengths (one query each)
+        graph.update([{"actual_seq_kvlen": seq_lens}])
+        graph.replay()
 
     # ---- numerics and memory ------------------------------------------------------------
     def preferred_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16, torch.float16, torch.float32)
+
+    def kv_cache_planes(self, spec: KVCacheSpec) -> tuple[int, ...]:
+        # MLA's latent and rope key as two paged caches: the layout FIA's MLA mode reads with block_table
+        # (docs: npu_fused_infer_attention_score_v2, 参数说明 key/value and query_rope/key_rope)
+        return spec.parts if spec.parts else (spec.entry_dim,)
 
     def linear_weight_layout(self, w: torch.Tensor) -> torch.Tensor:
         # Expert stacks [E, N, K] are stored K-major so that kernels_ascend.moe reads

@@ -10,13 +10,15 @@ class AscendKernels(KernelBackend):
     core_api_version = "1.0"
     #: Not named here, so they run the reference ops (plain torch, on the NPU), as ``deepinfer plugins``
     #: lists: linear and head_linear (aclnn MatMul/BatchMatMul already are the NPU's GEMMs),
-    #: paged_kv_gather (prefill-only gather), apply_penalties and logsumexp (elementwise/reductions).
+    #: apply_penalties and logsumexp (elementwise/reductions). paged_kv_gather is plain torch too, but
+    #: over the platform's cache planes (AscendPlatform.kv_cache_planes).
     ops = {
         "rms_norm": "kernels_ascend.dense:rms_norm",
         "add_rms_norm": "kernels_ascend.dense:add_rms_norm",
         "silu_and_mul": "kernels_ascend.dense:silu_and_mul",
         "rope": "kernels_ascend.dense:rope",
         "paged_kv_write": "kernels_ascend.attention:paged_kv_write",
+        "paged_kv_gather": "kernels_ascend.attention:paged_kv_gather",
         "mla_decode": "kernels_ascend.attention:mla_decode",
         "mla_prefill": "kernels_ascend.attention:mla_prefill",
         "moe_route": "kernels_ascend.moe:moe_route",

@@ -138,8 +138,8 @@ def test_emulation_binds_calls_like_the_schema(emu):
         torch_npu.npu_prompt_flash_attention(x, x, x)
     with pytest.raises(AttributeError, match=r"has no attribute 'npu_flash_magic'"):
         torch_npu.npu_flash_magic  # noqa: B018
-    with pytest.raises(NotImplementedError, match=r"torch_npu.npu.NPUGraph is not emulated"):
-        torch_npu.npu.NPUGraph()
+    with pytest.raises(NotImplementedError, match=r"torch_npu.npu.make_graphed_callables is not emulated"):
+        torch_npu.npu.make_graphed_callables()
     assert emu.calls == {}  # rejected calls never ran
 
 
@@ -158,7 +158,8 @@ def test_emulated_ops_match_their_schemas():
 #: The torch_npu ops each override must have called at the conformance kit's (small) shapes.
 FUSED_AT_KIT_SHAPES = {
     "rms_norm": {"npu_rms_norm"}, "add_rms_norm": {"npu_rms_norm"}, "silu_and_mul": {"npu_swiglu"},
-    "rope": {"npu_rotary_mul"}, "paged_kv_write": {"npu_scatter_nd_update_"}, "moe_route": {"npu_moe_gating_top_k"},
+    "rope": {"npu_rotary_mul"}, "paged_kv_write": {"npu_scatter_nd_update_"}, "paged_kv_gather": set(),
+    "moe_route": {"npu_moe_gating_top_k"},
     "fused_moe": {"npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_swiglu", "npu_moe_finalize_routing"},
     "sample": {"npu_top_k_top_p"},
     # the kit's head dims are not FIA's (latent 512 + rope 64; prefill 192/128): the torch path runs;
@@ -170,7 +171,7 @@ FUSED_AT_KIT_SHAPES = {
 def test_every_registry_op_is_overridden_or_a_listed_plain_torch_fallback():
     from deepinfer_core.kernels import OP_NAMES
 
-    plain = {"linear", "head_linear", "paged_kv_gather", "apply_penalties", "logsumexp"}
+    plain = {"linear", "head_linear", "apply_penalties", "logsumexp"}
     # DeepSeek-V4's ops run as the plain-torch reference on the NPU for now (docs/ascend.md lists the
     # fused candidates: npu_lightning_indexer, npu_fused_infer_attention_score_v2 with learnable_sink, ...)
     plain |= {"rope_inverse", "v4_compress", "v4_indexer_topk", "v4_sparse_attention", "mhc_pre", "mhc_post",
@@ -179,16 +180,26 @@ def test_every_registry_op_is_overridden_or_a_listed_plain_torch_fallback():
     assert set(AscendKernels.overrides()) == set(FUSED_AT_KIT_SHAPES)
 
 
+#: the platform's cache layout: latent caches as (latent, rope) planes
+PLANES = AscendPlatform().kv_cache_planes
+
+
 @pytest.mark.parametrize("op,dtype", kernel_conformance_cases(AscendKernels, ALL_DTYPES))
 def test_ascend_kernels_conform_under_emulation(emu, op, dtype):
-    check_op(AscendKernels, op, dtype, "cpu")
+    check_op(AscendKernels, op, dtype, "cpu", planes=PLANES)
     assert set(emu.calls) == FUSED_AT_KIT_SHAPES[op]
+
+
+def test_ascend_cache_ops_also_take_a_single_plane(emu):
+    """Groups without declared parts (V4's) stay one tensor per layer: the cache ops take that too."""
+    for op in ("paged_kv_write", "paged_kv_gather", "mla_decode"):
+        check_op(AscendKernels, op, torch.bfloat16, "cpu", seed=4)
 
 
 @pytest.mark.parametrize("block_size", [1, 64])
 def test_ascend_cache_ops_conform_at_other_block_sizes(emu, block_size):
-    for op in ("paged_kv_write", "mla_decode"):
-        check_op(AscendKernels, op, torch.bfloat16, "cpu", block_size=block_size, seed=3)
+    for op in ("paged_kv_write", "paged_kv_gather", "mla_decode"):
+        check_op(AscendKernels, op, torch.bfloat16, "cpu", block_size=block_size, seed=3, planes=PLANES)
 
 
 def _close(out: torch.Tensor, truth: torch.Tensor, rtol: float = 2e-2) -> None:
@@ -209,25 +220,36 @@ def _paged(g, seq_lens, bs, D, dtype):
     return (torch.randn(nb, bs, D, generator=g) * 0.5).to(dtype), tables.to(torch.int32)
 
 
+def _planes(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [blocks, bs, 576] cache in the platform's layout: latent and rope planes."""
+    return cache[..., :512].contiguous(), cache[..., 512:].contiguous()
+
+
 @pytest.mark.parametrize("bs", [16, 128])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 3, 16]])
 def test_mla_decode_through_fia_at_deepseek_sizes(emu, bs, q_lens):
-    """Latent 512 + rope 64 (V2/V3), 4 heads: the FIA v2 MLA path, block tables, ragged queries."""
+    """Latent 512 + rope 64 (V2/V3) in two planes, 4 heads: FIA v2's MLA mode reads the planes in place
+    through the engine's block table (the emulated FIA rejects a copy-free slice of a joined cache)."""
     g = torch.Generator().manual_seed(1)
     seq_lens = [5, 17, 40]
     cache, tables = _paged(g, seq_lens, bs, 576, torch.bfloat16)
     q = torch.randn(sum(q_lens), 4, 576, generator=g).bfloat16()
     cu = torch.tensor([0, *q_lens]).cumsum(0)
-    args = (q, cache, tables, cu, torch.tensor(seq_lens), 576**-0.5, 512)
+    args = (q, _planes(cache), tables, cu, torch.tensor(seq_lens), 576**-0.5, 512)
     out = npu_attention.mla_decode(*args)
     assert emu.calls == {"npu_fused_infer_attention_score_v2": 1} and out.dtype == torch.bfloat16
     truth = ref.mla_decode(q.float(), cache.float(), *args[2:])
     _close(out, truth)
-    # while an NPU graph is being captured the capturable torch path runs instead, with the same result
+    # a capture whose FIA lengths nobody updates (not through AscendPlatform.graph_capture) takes the
+    # capturable torch path, with the same result
     emu.npu.capturing = True
     captured = npu_attention.mla_decode(*args)
     assert emu.calls == {"npu_fused_infer_attention_score_v2": 1}
     _close(captured, truth)
+    # one joined tensor (a group the platform does not split) runs the torch path as well
+    emu.npu.capturing = False
+    _close(npu_attention.mla_decode(q, cache, *args[2:]), truth)
+    assert emu.calls == {"npu_fused_infer_attention_score_v2": 1}
 
 
 @pytest.mark.parametrize("dqk,dv", [(192, 128), (128, 128)])
@@ -245,7 +267,7 @@ def test_mla_prefill_through_fia_tnd(emu, dqk, dv):
 
 
 def test_fia_rejects_the_fused_cache_slice(emu):
-    """Why mla_decode copies blocks into planes: FIA does not take a non-contiguous latent slice."""
+    """Why the platform stores the latent cache as two planes: FIA does not take a non-contiguous slice."""
     import torch_npu
 
     cache = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
@@ -313,11 +335,26 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__
            "x = [", "# read a file\nwith open("]
 
 
-def _generate(padded: bool):
+@pytest.fixture
+def ascend_emulated(tmp_path, monkeypatch):
+    """``DEEPINFER_ACCELERATOR=ascend_emulated``: AscendPlatform on the CPU (npu_emulation.platform),
+    registered as a distribution's entry point like any accelerator; it runs inside
+    ``npu_emulation.install()`` (entered by the test, after anything that imports transformers, which
+    probes for torch_npu)."""
+    from test_plugins import make_distribution
+
+    entry = "[deepinfer.hardware]\nascend_emulated = npu_emulation.platform:EmulatedAscendPlatform\n"
+    make_distribution(tmp_path, entry, {}, dist="dit-ascend-emulated")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend_emulated")
+
+
+def _generate(padded: bool, accelerator: str | None):
     from deepinfer_core import LLM, SamplingParams
 
     llm = LLM(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory=4 << 20,
-              graph_batch_sizes=[1, 2, 4, 8], accelerator="cpu")
+              graph_batch_sizes=[1, 2, 4, 8], accelerator=accelerator)
     if padded:  # the decode-graph runner's static, padded buffers (run eagerly: no capture on the CPU)
         e = llm.engine
         e.runner.setup_graphs(e.platform, e.cfg, e.max_model_len, capture=False)
@@ -329,20 +366,21 @@ def _generate(padded: bool):
     return llm, outs
 
 
-def test_engine_on_ascend_kernels_generates_like_the_reference(monkeypatch):
-    """The embedded DeepSeek-style model through kernels_ascend (emulated torch_npu) against the
-    reference kernels: same tokens, logprobs within 1e-4, eager and through the padded decode-graph path."""
-    _, want = _generate(padded=False)
-    from hardware.cpu import CpuPlatform
-
-    monkeypatch.setattr(CpuPlatform, "kernel_backend", "ascend")
+def test_engine_on_ascend_kernels_generates_like_the_reference(ascend_emulated):
+    """The embedded DeepSeek-style model on the (emulated) Ascend platform against the cpu platform:
+    same tokens, logprobs within 1e-4, eager and through the padded decode-graph path; its latent
+    cache is stored as the platform's two planes."""
+    _, want = _generate(padded=False, accelerator="cpu")
     for padded in (False, True):
         with npu_emulation.install() as emu:
-            llm, got = _generate(padded)
-        assert llm.engine.kernels.backend_name == "ascend"
-        assert set(emu.calls) == {"npu_rms_norm", "npu_rotary_mul", "npu_scatter_nd_update_", "npu_swiglu",
-                                  "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_grouped_matmul",
-                                  "npu_moe_finalize_routing", "npu_top_k_top_p"}
+            llm, got = _generate(padded, accelerator=None)
+        e = llm.engine
+        assert e.platform.name == "ascend_emulated" and e.kernels.backend_name == "ascend"
+        mc = e.model_config
+        assert [t.shape[-1] for t in e.kv_caches["latent"][0]] == [mc.kv_lora_rank, mc.qk_rope_head_dim]
+        assert set(emu.calls) == {
+            "npu_rms_norm", "npu_rotary_mul", "npu_scatter_nd_update_", "npu_swiglu", "npu_moe_gating_top_k",
+            "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_moe_finalize_routing", "npu_top_k_top_p"}
         for x, y in zip(got, want):
             assert x.error is None and x.outputs[0].token_ids == y.outputs[0].token_ids
             lx = [x.outputs[0].logprobs[j][t].logprob for j, t in enumerate(x.outputs[0].token_ids)]
@@ -352,31 +390,44 @@ def test_engine_on_ascend_kernels_generates_like_the_reference(monkeypatch):
             assert sum(llm.engine.runner.graphs.runs.values()) > 0
 
 
-def test_engine_at_deepseek_attention_sizes_takes_the_fia_paths(tmp_path, monkeypatch):
-    """A tiny V3 with the real MLA head sizes (latent 512, rope 64, nope 128, v 128) in bfloat16: prefill
-    and decode go through FIA (emulated) inside the model, and agree with the reference kernels."""
+def _mla_checkpoint(tmp_path):
+    """A tiny V3 with the real MLA head sizes (latent 512, rope 64, nope 128, v 128)."""
     from tiny_models import write_checkpoint
-
-    from deepinfer_core import LLM, SamplingParams
-    from hardware.cpu import CpuPlatform
 
     path, _ = write_checkpoint(tmp_path / "mla", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                                v_head_dim=128, q_lora_rank=None, num_hidden_layers=2)
+    return path
+
+
+def _mla_llm(path, accelerator: str | None):
+    from deepinfer_core import LLM
+
+    return LLM(model=str(path), dtype="bfloat16", accelerator=accelerator, block_size=16, kv_cache_memory=8 << 20,
+               max_num_batched_tokens=64, enforce_eager=True)
+
+
+def test_engine_at_deepseek_attention_sizes_takes_the_fia_paths(tmp_path, ascend_emulated):
+    """Greedy generation at the real MLA sizes in bfloat16 on the emulated Ascend platform equals the
+    cpu platform's: the latent cache lives in two planes, FIA reads them in place for decode (and takes
+    the prefill in TND), and a prefix hit's chunk gathers the planes back."""
+    from deepinfer_core import SamplingParams
+
+    path = _mla_checkpoint(tmp_path)
     prompts = [[5, 9, 40, 41, 17, 88, 23], [7, 7, 60, 3 + 8, 99, 101, 4, 5, 6, 12, 30], [50]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
 
-    def run():
-        llm = LLM(model=str(path), dtype="bfloat16", accelerator="cpu", block_size=16, kv_cache_memory=8 << 20,
-                  max_num_batched_tokens=64)
+    def run(accelerator):
+        llm = _mla_llm(path, accelerator)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [params] * len(prompts), use_tqdm=False)
         llm.engine.blocks.check_no_leaks()
-        return outs
+        return llm, outs
 
-    want = run()
-    monkeypatch.setattr(CpuPlatform, "kernel_backend", "ascend")
+    _, want = run("cpu")
     with npu_emulation.install() as emu:
-        got = run()
-    # 2 layers x (1 prefill step (TND) + 2 decode steps (paged MLA))
+        llm, got = run(None)
+    assert [tuple(t.shape) for t in llm.engine.kv_caches["latent"][1]] == [
+        (llm.engine.blocks.num_blocks, 16, 512), (llm.engine.blocks.num_blocks, 16, 64)]
+    # 2 layers x (1 prefill step (TND) + 2 decode steps (paged MLA over the planes))
     assert emu.calls["npu_fused_infer_attention_score_v2"] == 2 * 3
     for x, y in zip(got, want):
         assert x.error is None and x.outputs[0].token_ids == y.outputs[0].token_ids

@@ -173,7 +173,8 @@ class LLMEngine:
 
         self.cache_layout = self._cache_layout()
         num_blocks = self._size_kv_cache()
-        self.kv_caches = allocate_caches(self.cache_layout, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_caches(self.cache_layout, num_blocks, self.block_size, self.dtype, self.device,
+                                        self.platform.kv_cache_planes)
         self.blocks = KVCacheManager(self.cache_layout, self.block_size, num_blocks, self.kv_caches,
                                      cfg.enable_prefix_caching)
         self.blocks.on_evict = self._on_evict

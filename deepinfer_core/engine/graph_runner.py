@@ -192,6 +192,7 @@ class DecodeGraphs:
             self._pad_from(B)
         self.runs[n] += 1
         if n in self.graphs:
-            self.graphs[n].replay()
+            lens = d.host_seq_lens if d.host_seq_lens is not None else d.seq_lens.tolist()
+            self.platform.graph_replay(self.graphs[n], lens + [1] * (n - B))  # padding rows: seq_len 1
             return self.outputs[n][:B].clone()  # the static output is overwritten by the next replay
         return self._forward(n)[:B]

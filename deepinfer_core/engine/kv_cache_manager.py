@@ -1,7 +1,8 @@
 """The KV cache of one engine, derived from the cache groups the model declares (``kv_cache_spec``).
 
 * Tensors: per group, one ``[num_blocks, block_size // tokens_per_entry, entry_dim]`` tensor per
-  layer (``kv_caches[group][j]``).
+  layer (``kv_caches[group][j]``), or the tuple of its planes where the platform splits the entry
+  (``Platform.kv_cache_planes``; ``kv_cache_spec``, "Planes").
 * Pools: groups of one lifetime (same window and prefix-cacheability) share a
   :class:`BlockManager` and one block table per request: their blocks are taken and freed in
   lockstep, so separate tables would only repeat each other.
@@ -28,14 +29,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from deepinfer_core.engine.block_manager import BlockManager, NoFreeBlocks
 from deepinfer_core.engine.hashing import ROOT_HASH, block_hash
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.kv_cache_spec import CacheLayout, HitRule, KVCacheSpec
+from deepinfer_core.kv_cache_spec import CacheLayout, HitRule, KVCacheSpec, LayerCache, cache_planes
 from deepinfer_core.kv_store import KVStore, KVStoreStats
 
 logger = logging.getLogger("deepinfer.kv_cache")
@@ -132,13 +135,19 @@ def size_pools(layout: CacheLayout, budget: int, block_size: int, dtype: torch.d
 
 
 def allocate_caches(layout: CacheLayout, num_blocks: dict[str, int], block_size: int, dtype: torch.dtype,
-                    device: torch.device) -> dict[str, list[torch.Tensor]]:
-    pools = pool_specs(layout)
+                    device: torch.device, planes: Callable[[KVCacheSpec], tuple[int, ...]] | None = None,
+                    ) -> dict[str, list[LayerCache]]:
+    """Zeroed caches of every group: per layer one tensor, or the tuple of its planes where ``planes``
+    (``Platform.kv_cache_planes``) splits the group's entry."""
     out = {}
-    for p in pools:
+    for p in pool_specs(layout):
         for g in p.groups:
-            out[g.name] = [torch.zeros(num_blocks[p.name], g.entries_per_block(block_size), g.entry_dim,
-                                       dtype=g.dtype or dtype, device=device) for _ in g.layers]
+            widths = (g.entry_dim,) if planes is None else tuple(planes(g))
+            g.check_planes(widths)
+            shape = (num_blocks[p.name], g.entries_per_block(block_size))
+            layer = [torch.zeros(*shape, w, dtype=g.dtype or dtype, device=device) for w in widths * len(g.layers)]
+            out[g.name] = layer if len(widths) == 1 else [tuple(layer[i : i + len(widths)])
+                                                          for i in range(0, len(layer), len(widths))]
     return {g.name: out[g.name] for g in layout.groups}
 
 
@@ -148,7 +157,7 @@ class KVCacheManager(KVStore):
     core_api_version = "1.0"
 
     def __init__(self, layout: CacheLayout, block_size: int, num_blocks: dict[str, int],
-                 kv_caches: dict[str, list[torch.Tensor]], enable_prefix_caching: bool = True) -> None:
+                 kv_caches: dict[str, list[LayerCache]], enable_prefix_caching: bool = True) -> None:
         self.layout, self.block_size, self.kv_caches = layout, block_size, kv_caches
         self.enable_prefix_caching = enable_prefix_caching
         self.specs = pool_specs(layout)
@@ -311,34 +320,43 @@ class KVCacheManager(KVStore):
             pool.register(tables[pool.name], seq.block_hashes, start)
 
     # ---- KVStore interface (device tier): records of the record pool ---------------------
-    def record_parts(self) -> list[tuple[int, torch.Tensor]]:
-        """(model layer, cache tensor) of every tensor a record carries, in record order."""
-        return [(layer, t) for g in self.record_groups for layer, t in zip(g.layers, self.kv_caches[g.name])]
-
-    def read_block(self, b: int) -> torch.Tensor:
-        """Block ``b`` of the record pool as one record: ``[layers, block_size, entry_dim]`` for a
-        single group, else every tensor's row flattened and concatenated."""
-        rows = [t[b] for _, t in self.record_parts()]
-        if len(self.record_groups) == 1:
-            return torch.stack(rows)
-        return torch.cat([r.reshape(-1) for r in rows])
-
-    def record_slices(self) -> list[tuple[int, torch.Tensor, slice]]:
-        """(model layer, cache tensor, slice of a flat record) for multi-group records."""
-        out, at = [], 0
-        for layer, t in self.record_parts():
-            n = t[0].numel()
-            out.append((layer, t, slice(at, at + n)))
-            at += n
+    def record_parts(self) -> list[tuple[int, torch.Tensor, Any]]:
+        """(model layer, cache tensor or plane, index of its rows in a record) of everything a record
+        carries, in record order. A single group's record is ``[layers, entries, entry_dim]`` (a plane's
+        index: its layer and columns), whatever planes the platform stores; several groups' record is
+        flat, every plane's rows flattened and concatenated (``record_layout`` fingerprints the planes)."""
+        out: list[tuple[int, torch.Tensor, Any]] = []
+        single, at = len(self.record_groups) == 1, 0
+        for g in self.record_groups:
+            for j, (layer, cache) in enumerate(zip(g.layers, self.kv_caches[g.name])):
+                col = 0
+                for t in cache_planes(cache):
+                    w = t.shape[-1]
+                    if single:
+                        out.append((layer, t, (j, Ellipsis, slice(col, col + w))))
+                    else:
+                        out.append((layer, t, slice(at, at + t[0].numel())))
+                        at += t[0].numel()
+                    col += w
         return out
 
-    def write_block(self, b: int, block: torch.Tensor) -> None:
+    def read_block(self, b: int) -> torch.Tensor:
+        """Block ``b`` of the record pool as one record (see :meth:`record_parts`)."""
+        parts = self.record_parts()
+        t0 = parts[0][1]
         if len(self.record_groups) == 1:
-            for j, (_, t) in enumerate(self.record_parts()):
-                t[b].copy_(block[j], non_blocking=True)
-            return
-        for _, t, s in self.record_slices():
-            t[b].copy_(block[s].view(t[b].shape), non_blocking=True)
+            g = self.record_groups[0]
+            shape = (len(g.layers), g.entries_per_block(self.block_size), g.entry_dim)
+        else:
+            shape = (sum(t[0].numel() for _, t, _ in parts),)
+        record = torch.empty(shape, dtype=t0.dtype, device=t0.device)
+        for _, t, index in parts:
+            record[index].view(t[b].shape).copy_(t[b])
+        return record
+
+    def write_block(self, b: int, block: torch.Tensor) -> None:
+        for _, t, index in self.record_parts():
+            t[b].copy_(block[index].view(t[b].shape), non_blocking=True)
 
     def contains(self, key: int) -> bool:
         return self.record_pool is not None and key in self.record_pool.block_of

@@ -49,6 +49,7 @@ from deepinfer_core import plugins
 from deepinfer_core.config import ConfigError, check_number
 from deepinfer_core.engine.hashing import chain
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.kv_cache_spec import cache_planes
 from deepinfer_core.kv_store import KVLayout, KVStore, KVStoreStats
 
 logger = logging.getLogger("deepinfer.kv_tiers")
@@ -542,7 +543,7 @@ def record_layout(engine) -> KVLayout:
     groups = blocks.record_groups
     if not groups:
         raise ConfigError("[kv_store] the model declares no full-history prefix-cacheable cache group to store")
-    dtypes = {t.dtype for _, t in blocks.record_parts()}
+    dtypes = {t.dtype for _, t, _ in blocks.record_parts()}
     if len(dtypes) != 1:
         raise ConfigError(f"[kv_store] the stored cache groups {[g.name for g in groups]} mix dtypes {dtypes}")
     dtype = dtypes.pop()
@@ -550,21 +551,24 @@ def record_layout(engine) -> KVLayout:
         g = groups[0]
         return KVLayout.for_model(engine.fingerprint, len(g.layers), g.entries_per_block(engine.block_size),
                                   g.entry_dim, dtype)
-    desc = ";".join(f"{g.name}:{len(g.layers)}x{g.entries_per_block(engine.block_size)}x{g.entry_dim}" for g in groups)
+    desc = ";".join(f"{g.name}:{len(g.layers)}x{g.entries_per_block(engine.block_size)}x{g.entry_dim}"
+                    + _planes_tag(engine.kv_caches[g.name][0]) for g in groups)
     fingerprint = hashlib.sha256(f"{engine.fingerprint}|{desc}|{dtype}".encode()).hexdigest()[:16]
-    numel = sum(t[0].numel() for _, t in blocks.record_parts())
+    numel = sum(t[0].numel() for _, t, _ in blocks.record_parts())
     return KVLayout(fingerprint, sum(len(g.layers) for g in groups), engine.block_size, 0, dtype, shape=(numel,))
 
 
+def _planes_tag(cache) -> str:
+    """How a flat multi-group record lays out a split entry (its planes' widths); "" for one plane."""
+    planes = cache_planes(cache)
+    return "" if len(planes) == 1 else "/" + "+".join(str(t.shape[-1]) for t in planes)
+
+
 def _copies_by_layer(blocks) -> list[tuple[int, list[tuple[torch.Tensor, object]]]]:
-    """(model layer, [(cache tensor, index of its rows in a record)]) in layer order."""
+    """(model layer, [(cache tensor or plane, index of its rows in a record)]) in layer order."""
     by_layer: dict[int, list] = {}
-    if len(blocks.record_groups) == 1:
-        for j, (layer, t) in enumerate(blocks.record_parts()):
-            by_layer.setdefault(layer, []).append((t, j))
-    else:
-        for layer, t, part in blocks.record_slices():
-            by_layer.setdefault(layer, []).append((t, part))
+    for layer, t, index in blocks.record_parts():
+        by_layer.setdefault(layer, []).append((t, index))
     return sorted(by_layer.items())
 
 

@@ -225,11 +225,10 @@ class ModelRunner:
         if decodes:
             seqs = [s.seq for s in decodes]
             q_lens = [s.num_new_tokens + len(drafts.get(s.seq.request_id, ())) for s in decodes]
+            lens = [s.seq.num_computed_tokens + q for s, q in zip(decodes, q_lens)]
             decode = DecodeMeta(
-                cu_q_lens=_cumsum(q_lens, dev, pin),
-                seq_lens=to_device([s.seq.num_computed_tokens + q for s, q in zip(decodes, q_lens)], torch.long,
-                                   dev, pin),
-                block_tables=_block_table_tensor(seqs, dev, pin), max_q_len=max(q_lens),
+                cu_q_lens=_cumsum(q_lens, dev, pin), seq_lens=to_device(lens, torch.long, dev, pin),
+                block_tables=_block_table_tensor(seqs, dev, pin), max_q_len=max(q_lens), host_seq_lens=lens,
             )
         num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
         scheduled = out.prefills + out.decodes

@@ -235,7 +235,9 @@ class DeepseekForCausalLM(CausalLM):
 
     def cache_layout(self) -> CacheLayout:
         cfg = self.cfg
-        return CacheLayout((KVCacheSpec(self.CACHE_GROUP, tuple(range(cfg.num_hidden_layers)), cfg.kv_entry_dim),))
+        # parts: the latent and the rope key, which a platform may store as two planes (FIA's MLA mode)
+        return CacheLayout((KVCacheSpec(self.CACHE_GROUP, tuple(range(cfg.num_hidden_layers)), cfg.kv_entry_dim,
+                                        parts=(cfg.kv_lora_rank, cfg.qk_rope_head_dim)),))
 
     def post_load(self) -> None:
         for layer in self.layers:

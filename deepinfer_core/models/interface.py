@@ -15,12 +15,13 @@ from torch import nn
 
 if TYPE_CHECKING:
     from deepinfer_core.kernels import Kernels
-    from deepinfer_core.kv_cache_spec import CacheLayout
+    from deepinfer_core.kv_cache_spec import CacheLayout, LayerCache
     from deepinfer_core.models.loader import SafetensorsReader
     from deepinfer_core.models.metadata import AttentionMetadata
 
-#: group name -> one cache tensor per layer of the group, in ``KVCacheSpec.layers`` order
-KVCaches = dict[str, list[torch.Tensor]]
+#: group name -> one cache per layer of the group, in ``KVCacheSpec.layers`` order: a tensor, or the
+#: tuple of its planes where the platform splits the entry (``kv_cache_spec``, "Planes")
+KVCaches = dict[str, list["LayerCache"]]
 
 
 class ArchConfig(Protocol):

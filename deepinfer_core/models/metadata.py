@@ -27,6 +27,7 @@ class DecodeMeta:
     seq_lens: torch.Tensor  # [Bd] int64, context length including the new tokens
     block_tables: torch.Tensor  # [Bd, M] int32
     max_q_len: int = 1
+    host_seq_lens: list[int] | None = None  # seq_lens on the host (for Platform.graph_replay)
 
 
 @dataclass

@@ -18,6 +18,11 @@ reference computed in float32 on the CPU from the same (already rounded) inputs:
 
 A mismatch raises AssertionError naming the op, the dtype, the case and the largest error.
 
+Cache layout: ``planes`` (a platform's ``kv_cache_planes``) stores the latent caches that
+``paged_kv_write``, ``paged_kv_gather`` and ``mla_decode`` take as that platform's planes; the kit's
+cache entries declare the parts ``(D - 8, 8)`` (latent, rope key), and writes are compared on the
+joined planes.
+
 Input conventions (those of ``deepinfer_core.models.metadata``): ``block_tables`` int32,
 ``seq_lens``/``cu_q_lens``/``cu_k_lens``/``slot_mapping``/``positions`` int64, ``moe_route`` and
 ``sample``/``apply_penalties`` logits float32, ``fused_moe`` weights in the activation dtype.
@@ -25,6 +30,7 @@ Input conventions (those of ``deepinfer_core.models.metadata``): ``block_tables`
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.kernels import OP_NAMES, KernelBackend, import_path
+from deepinfer_core.kv_cache_spec import KVCacheSpec, LayerCache, cache_planes
 from deepinfer_core.version import check_api_version
 
 #: Relative tolerance per activation dtype.
@@ -468,6 +475,21 @@ _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
 }
 
 _EXACT_OPS = {"paged_kv_write", "paged_kv_gather"}
+#: which argument of an op is a latent cache (stored in the platform's planes), and the rope width of
+#: the kit's cache entries
+_CACHE_ARG = {"paged_kv_write": 0, "paged_kv_gather": 0, "mla_decode": 1}
+_KIT_ROPE = 8
+
+
+def _in_planes(cache: torch.Tensor, planes: Callable[[KVCacheSpec], tuple[int, ...]]) -> LayerCache:
+    D = cache.shape[-1]
+    spec = KVCacheSpec("kit", (0,), D, parts=(D - _KIT_ROPE, _KIT_ROPE))
+    widths = tuple(planes(spec))
+    spec.check_planes(widths)
+    if len(widths) == 1:
+        return cache
+    bounds = [0, *itertools.accumulate(widths)]
+    return tuple(cache[..., a:b].contiguous() for a, b in zip(bounds, bounds[1:]))
 
 
 # ---- running and comparing ------------------------------------------------------------------
@@ -483,7 +505,7 @@ def _call(op: str, fn: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
     """Run ``fn`` and return its outputs as a tuple (the updated cache for the in-place write)."""
     out = fn(*args)
     if op == "paged_kv_write":
-        return (args[0],)
+        return (torch.cat(cache_planes(args[0]), dim=-1),)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
@@ -597,8 +619,10 @@ def check_op(
     *,
     seed: int = 0,
     block_size: int = 16,
+    planes: Callable[[KVCacheSpec], tuple[int, ...]] | None = None,
 ) -> None:
-    """Check one op of ``backend_cls`` at ``dtype`` on ``device``; AssertionError on a mismatch."""
+    """Check one op of ``backend_cls`` at ``dtype`` on ``device``; AssertionError on a mismatch.
+    ``planes``: the platform's ``kv_cache_planes`` (module docstring, "Cache layout")."""
     if op not in OP_NAMES:
         raise ValueError(f"unknown op {op!r}; known: {OP_NAMES}")
     if op not in _CASES:
@@ -619,6 +643,9 @@ def check_op(
         shaped = _call(op, reference, _map(case.args, torch.Tensor.clone))  # output dtypes at this dtype
         truth = _call(op, reference, _map(case.args, _upcast))
         dev_args = _map(case.args, lambda t: t.clone().to(device))
+        if planes is not None and op in _CACHE_ARG:
+            i = _CACHE_ARG[op]
+            dev_args = (*dev_args[:i], _in_planes(dev_args[i], planes), *dev_args[i + 1 :])
         try:
             out = _call(op, backend_fn, dev_args)
         except Exception as exc:
@@ -644,10 +671,11 @@ def check_kernel_backend(
     *,
     seed: int = 0,
     block_size: int = 16,
+    planes: Callable[[KVCacheSpec], tuple[int, ...]] | None = None,
 ) -> list[tuple[str, torch.dtype]]:
     """Check every op ``backend_cls`` overrides; returns the (op, dtype) pairs checked."""
     check_api_version(backend_cls, f"kernel backend {backend_cls.name!r}")
     cases = kernel_conformance_cases(backend_cls, dtypes)
     for op, dtype in cases:
-        check_op(backend_cls, op, dtype, device, seed=seed, block_size=block_size)
+        check_op(backend_cls, op, dtype, device, seed=seed, block_size=block_size, planes=planes)
     return cases

@@ -94,16 +94,74 @@ def _check_enums(schemas: Schemas, schema: OpSchema, bound: dict) -> None:
                              f"{enum['values']} (docs: {enum['doc']!r})")
 
 
+#: Ops whose launches an ``auto_dispatch_capture`` capture records, and the host arguments
+#: ``NPUGraph.update`` may rewrite (torch_npu/npu/_npugraph_handlers/ifa_handler.py, UPDATE_SPECS)
+GRAPH_UPDATABLE = {"npu_fused_infer_attention_score_v2": ("actual_seq_qlen", "actual_seq_kvlen")}
+
+
+class EmulatedNPUGraph:
+    """``torch_npu.npu.NPUGraph`` as far as it can be emulated on the CPU: nothing is captured but the
+    launches of :data:`GRAPH_UPDATABLE` ops (when captured with ``auto_dispatch_capture``), which
+    ``update`` rewrites and ``replay`` re-runs into their recorded outputs, as torch_npu/npu/graphs.py
+    documents (``_GraphDispatchMode``: capture records each handled launch with a preallocated output;
+    ``update_capture_record``: one dict is copied for every record, else one per record in launch
+    order; a key only replaces the recorded argument of that name). Not evidence that the rest of a
+    decode step can be captured on an NPU."""
+
+    def __init__(self) -> None:
+        self.auto_dispatch_capture = False
+        self.records: list[tuple[str, dict, tuple]] = []  # (op, bound arguments, recorded outputs)
+        self.replays = 0
+
+    def pool(self) -> tuple:
+        return ()
+
+    def update(self, cpu_update_input: list[dict]) -> None:
+        if not self.auto_dispatch_capture:
+            raise RuntimeError("The current graph configuration does not support update,Try to capture by setting "
+                               "auto_dispatch_capture=True during capture")
+        if len(cpu_update_input) == 1:
+            cpu_update_input = [dict(cpu_update_input[0]) for _ in self.records]
+        if len(cpu_update_input) != len(self.records):
+            raise RuntimeError(f"Currently, there are {len(self.records)} operators that need to be updated by "
+                               f"capture, and there are only {len(cpu_update_input)} elements in the incoming "
+                               "cpu_update_input list")
+        for (op, bound, _), new in zip(self.records, cpu_update_input):
+            for key, value in new.items():
+                if key in GRAPH_UPDATABLE[op]:
+                    bound[key] = value
+
+    def replay(self) -> None:
+        for op, bound, outs in self.records:
+            for out, new in zip(outs, _ops.IMPLEMENTED[op](**bound)):
+                out.copy_(new)
+        self.replays += 1
+
+
 class EmulatedNpu(types.ModuleType):
-    """``torch_npu.npu``: the few runtime queries the kernels make; the rest of ``__all__`` raises."""
+    """``torch_npu.npu``: the runtime queries the kernels make and the graph API (as far as
+    :class:`EmulatedNPUGraph` goes); the rest of ``__all__`` raises."""
 
     def __init__(self, schemas: Schemas) -> None:
         super().__init__("torch_npu.npu")
         self._names = schemas.modules["torch_npu.npu"]
         self.capturing = False  # tests set it to exercise the capture-time dispatch
+        self.recording: EmulatedNPUGraph | None = None  # the graph an auto-dispatch capture records into
+        self.NPUGraph = EmulatedNPUGraph
 
     def is_current_stream_capturing(self) -> bool:
         return self.capturing
+
+    @contextmanager
+    def graph(self, npu_graph, pool=None, stream=None, auto_dispatch_capture=False, capture_error_mode="global"):
+        if self.capturing:
+            raise RuntimeError("a capture is already underway")
+        npu_graph.auto_dispatch_capture = auto_dispatch_capture
+        self.capturing, self.recording = True, npu_graph if auto_dispatch_capture else None
+        try:
+            yield
+        finally:
+            self.capturing, self.recording = False, None
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -148,6 +206,9 @@ class EmulatedTorchNpu(types.ModuleType):
                 _check_enums(self._schemas, schema, bound)
                 out = fn(**bound)
                 self.calls[name] += 1  # completed calls only
+                graph = self.npu.recording
+                if graph is not None and name in GRAPH_UPDATABLE:
+                    graph.records.append((name, bound, out))
                 return out
 
             op.__name__ = name
