@@ -89,8 +89,10 @@ def mla_decode(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, c
                 return _mla_decode_fia(q, cache, block_tables, cu_q_lens, q_lens, seq_lens.tolist(), scale, dv)
         elif q.shape[0] == B and graph.host_lengths_updated():
             # a decode graph (one query per sequence) whose FIA lengths the platform updates before every
-            # replay (AscendPlatform.graph_replay); captured with the padded batch's lengths, all 1
-            return _mla_decode_fia(q, cache, block_tables, cu_q_lens, [1] * B, [1] * B, scale, dv)
+            # replay (AscendPlatform.graph_replay). Captured with the longest lengths the block table
+            # allows, so that the workspace torch_npu sizes at capture covers every replay.
+            longest = block_tables.shape[1] * cache_planes(cache)[0].shape[1]
+            return _mla_decode_fia(q, cache, block_tables, cu_q_lens, [1] * B, [longest] * B, scale, dv)
     return _mla_decode_torch(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv)
 
 

@@ -435,3 +435,54 @@ def test_engine_at_deepseek_attention_sizes_takes_the_fia_paths(tmp_path, ascend
         py = [d[t].logprob for d, t in zip(y.prompt_logprobs[1:], y.prompt_token_ids[1:])]
         assert len(px) == len(py) == len(x.prompt_token_ids) - 1
         assert max((abs(a - b) for a, b in zip(px, py)), default=0.0) < 0.05  # bf16 (0.016 seen)
+
+
+# ---- FIA inside captured decode graphs (emulated NPUGraph) --------------------------------------
+def test_captured_decode_graph_gives_fia_the_eager_arguments(tmp_path, ascend_emulated):
+    """The decode-graph runner on the Ascend platform captures the FIA path (torch_npu.npu.graph with
+    auto_dispatch_capture) and, before every replay, AscendPlatform.graph_replay updates each recorded
+    FIA launch's host lengths (NPUGraph.update): after the update every launch has exactly the
+    arguments the eager step passes FIA (host lengths equal, the same static cache planes and block
+    table). The emulated NPUGraph re-runs only the recorded FIA launches, so the logits are taken from
+    an eager run of the same static buffers; greedy tokens then equal the cpu platform's."""
+    from deepinfer_core import SamplingParams
+    from deepinfer_core.engine.graph_runner import DecodeGraphs
+
+    path = _mla_checkpoint(tmp_path)
+    prompts = [[5, 9, 40, 41, 17, 88, 23], [7, 7, 60, 11, 99], [50]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = _mla_llm(path, "cpu").generate([{"prompt_token_ids": p} for p in prompts], [params] * 3, use_tqdm=False)
+    with npu_emulation.install() as emu:
+        llm = _mla_llm(path, None)
+        e = llm.engine
+        graphs = DecodeGraphs(e.model, e.kv_caches, [4], 8, e.device, e.platform, capture=True,
+                              layout=e.cache_layout, pool_of=e.blocks.pool_of)
+        graphs.capture()
+        graph = graphs.graphs[4]
+        layers = e.model_config.num_hidden_layers
+        assert [r[1]["actual_seq_kvlen"] for r in graph.records] == [[8 * 16] * 4] * layers  # capture: longest
+        e.runner.graphs = graphs
+        platform_replay, checked = e.platform.graph_replay, []
+
+        def replay_and_compare(g, seq_lens):
+            platform_replay(g, seq_lens)  # AscendPlatform's: NPUGraph.update, then replay
+            emu.launches.clear()
+            eager = graphs._forward(4)  # the same step, eagerly, from the same static buffers
+            assert len(emu.launches) == len(g.records) == layers
+            for (_, rec, _), (_, run) in zip(g.records, emu.launches):
+                assert rec["actual_seq_kvlen"] == run["actual_seq_kvlen"] == seq_lens
+                assert rec["actual_seq_qlen"] == run["actual_seq_qlen"] is None  # one query each: sparse_mode 0
+                for name in ("key", "value", "key_rope", "block_table"):  # static buffers: the same storage
+                    assert rec[name].data_ptr() == run[name].data_ptr() and rec[name].shape == run[name].shape
+                for name, value in run.items():
+                    if not isinstance(value, torch.Tensor):
+                        assert rec[name] == value, name
+            graphs.outputs[4].copy_(eager)  # what a real replay recomputes (not emulated)
+            checked.append(seq_lens)
+
+        e.platform.graph_replay = replay_and_compare
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], [params] * 3, use_tqdm=False)
+        e.blocks.check_no_leaks()
+    assert len(checked) == 3 and checked[0] == [8, 6, 2, 1]  # 3 decode steps; padding row: seq_len 1
+    assert graph.replays == 3
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -178,6 +178,8 @@ class EmulatedTorchNpu(types.ModuleType):
         self._schemas = schemas or load()
         self.npu = EmulatedNpu(self._schemas)
         self.calls: Counter[str] = Counter()
+        #: the bound arguments of every completed launch of a GRAPH_UPDATABLE op, in order
+        self.launches: list[tuple[str, dict]] = []
         self._impls = {}
         for name, fn in _ops.IMPLEMENTED.items():
             schema = self._schema_for(name, fn)
@@ -206,9 +208,10 @@ class EmulatedTorchNpu(types.ModuleType):
                 _check_enums(self._schemas, schema, bound)
                 out = fn(**bound)
                 self.calls[name] += 1  # completed calls only
-                graph = self.npu.recording
-                if graph is not None and name in GRAPH_UPDATABLE:
-                    graph.records.append((name, bound, out))
+                if name in GRAPH_UPDATABLE:
+                    self.launches.append((name, bound))
+                    if self.npu.recording is not None:
+                        self.npu.recording.records.append((name, bound, out))
                 return out
 
             op.__name__ = name
