@@ -24,4 +24,11 @@ class AscendKernels(KernelBackend):
         "moe_route": "kernels_ascend.moe:moe_route",
         "fused_moe": "kernels_ascend.moe:fused_moe",
         "sample": "kernels_ascend.sampling:sample",
+        # DeepSeek-V4 (v4_indexer_topk, v4_sparse_attention and the mHC ops run the reference: no
+        # documented fused op computes them, docs/ascend.md)
+        "rope_inverse": "kernels_ascend.v4:rope_inverse",
+        "v4_compress": "kernels_ascend.v4:v4_compress",
+        "moe_route_v4": "kernels_ascend.v4:moe_route_v4",
+        "silu_and_mul_clamped": "kernels_ascend.v4:silu_and_mul_clamped",
+        "fused_moe_clamped": "kernels_ascend.v4:fused_moe_clamped",
     }

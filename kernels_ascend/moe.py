@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels_cpu import ops as reference
@@ -41,8 +43,15 @@ def moe_route(logits, bias, top_k, scoring, n_group, topk_group, group_score, re
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
-    """init_routing_v2 (sort rows by expert) -> grouped_matmul -> swiglu -> grouped_matmul ->
-    finalize_routing (weighted combine). Experts outside [0, E) (other ranks') are routed to the extra
+    import torch_npu
+
+    return grouped_moe(x, w13, w2, weights, ids, lambda h: torch_npu.npu_swiglu(h, dim=-1))
+
+
+def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """init_routing_v2 (sort rows by expert) -> grouped_matmul -> ``act`` ([rows, 2I] -> [rows, I]) ->
+    grouped_matmul -> finalize_routing (weighted combine). Experts outside [0, E) (other ranks') are routed to the extra
     expert id E, outside ``active_expert_range``, so they are neither computed nor combined.
 
     The weights are read as ``w13.transpose(1, 2)`` ([E, C, 2I]: grouped_matmul computes x @ w); the
@@ -60,7 +69,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     )
     gate_up = torch_npu.npu_grouped_matmul([rows], [w13.transpose(1, 2)], group_list=counts, split_item=2,
                                            group_type=0, group_list_type=1)[0]
-    h = torch_npu.npu_swiglu(gate_up, dim=-1)
+    h = act(gate_up)
     down = torch_npu.npu_grouped_matmul([h], [w2.transpose(1, 2)], group_list=counts, split_item=2,
                                         group_type=0, group_list_type=1)[0]
     # rows past the routed ones belong to no group: their contents are undefined

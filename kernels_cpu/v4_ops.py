@@ -39,10 +39,16 @@ def v4_compress(state: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.
     Plain: pool the m tokens p-m+1..p. Overlapped: pool 2m slots, Ca of p-2m+1..p-m then Cb of
     p-m+1..p (slots before position 0 absent). gate += ape[pos % m]; softmax over slots per channel;
     rms_norm(norm_w); rope the last R channels at the window's first position p-m+1."""
+    pooled = v4_compress_pool(state, block_tables, seq_idx, close_pos, ape, norm_w.shape[0], col)
+    normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+    return v4_compress_rope(normed, close_pos, ape.shape[0], cos_sin, rope)
+
+
+def v4_compress_pool(state: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.Tensor, close_pos: torch.Tensor,
+                     ape: torch.Tensor, Dc: int, col: int) -> torch.Tensor:
+    """v4_compress's gated pooling: [N, Dc] float32, before the norm and the rope."""
     m, w = ape.shape
-    Dc = norm_w.shape[0]
     overlap = w == 2 * Dc
-    N = close_pos.shape[0]
     S = 2 * m if overlap else m
     pos = close_pos[:, None] - S + 1 + torch.arange(S, device=close_pos.device)  # [N, S]
     valid = pos >= 0
@@ -52,13 +58,16 @@ def v4_compress(state: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.
         kv = torch.cat((kv[:, :m, :Dc], kv[:, m:, Dc:]), dim=1)
         gate = torch.cat((gate[:, :m, :Dc], gate[:, m:, Dc:]), dim=1)
     gate = gate.masked_fill(~valid[..., None], float("-inf"))
-    pooled = (kv * gate.softmax(dim=1)).sum(dim=1)  # [N, Dc]
-    normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
-    R = cos_sin.shape[-1]
-    first = close_pos - m + 1
-    if N == 0:
+    return (kv * gate.softmax(dim=1)).sum(dim=1)  # [N, Dc]
+
+
+def v4_compress_rope(normed: torch.Tensor, close_pos: torch.Tensor, m: int, cos_sin: torch.Tensor,
+                     rope_fn) -> torch.Tensor:
+    """v4_compress's last step: ``rope_fn`` (the rope op) on the last R channels at position p-m+1."""
+    if normed.shape[0] == 0:
         return normed
-    roped = rope(normed[:, None, -R:], first, cos_sin)[:, 0]
+    R = cos_sin.shape[-1]
+    roped = rope_fn(normed[:, None, -R:], close_pos - m + 1, cos_sin)[:, 0]
     return torch.cat((normed[:, :-R], roped), dim=-1)
 
 

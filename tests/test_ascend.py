@@ -49,7 +49,7 @@ def test_every_torch_npu_use_fits_the_pinned_schemas():
     report = check_paths()
     assert report.errors == []
     assert report.ops == {
-        "npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_scatter_nd_update_",
+        "npu_rms_norm", "npu_swiglu", "npu_clipped_swiglu", "npu_rotary_mul", "npu_scatter_nd_update_",
         "npu_fused_infer_attention_score_v2", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
         "npu_grouped_matmul", "npu_moe_finalize_routing", "npu_top_k_top_p",
         "torch_npu.npu.is_current_stream_capturing", "torch_npu.npu.device_count", "torch_npu.npu.set_device",
@@ -165,6 +165,12 @@ FUSED_AT_KIT_SHAPES = {
     # the kit's head dims are not FIA's (latent 512 + rope 64; prefill 192/128): the torch path runs;
     # the FIA paths are checked at those sizes below
     "mla_decode": set(), "mla_prefill": set(),
+    # DeepSeek-V4
+    "rope_inverse": {"npu_rotary_mul"}, "v4_compress": {"npu_rms_norm", "npu_rotary_mul"},
+    "silu_and_mul_clamped": {"npu_clipped_swiglu", "npu_swiglu"},  # with a limit, and without
+    "fused_moe_clamped": {"npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_clipped_swiglu",
+                          "npu_moe_finalize_routing"},
+    "moe_route_v4": {"npu_moe_gating_top_k"},  # the kit's sigmoid case (sqrt-softplus and hash: plain torch)
 }
 
 
@@ -172,10 +178,8 @@ def test_every_registry_op_is_overridden_or_a_listed_plain_torch_fallback():
     from deepinfer_core.kernels import OP_NAMES
 
     plain = {"linear", "head_linear", "apply_penalties", "logsumexp"}
-    # DeepSeek-V4's ops run as the plain-torch reference on the NPU for now (docs/ascend.md lists the
-    # fused candidates: npu_lightning_indexer, npu_fused_infer_attention_score_v2 with learnable_sink, ...)
-    plain |= {"rope_inverse", "v4_compress", "v4_indexer_topk", "v4_sparse_attention", "mhc_pre", "mhc_post",
-              "mhc_head", "moe_route_v4", "silu_and_mul_clamped", "fused_moe_clamped"}
+    # DeepSeek-V4 ops no documented fused op computes (docs/ascend.md says why for each)
+    plain |= {"v4_indexer_topk", "v4_sparse_attention", "mhc_pre", "mhc_post", "mhc_head"}
     assert set(AscendKernels.overrides()) | plain == set(OP_NAMES)
     assert set(AscendKernels.overrides()) == set(FUSED_AT_KIT_SHAPES)
 
@@ -486,3 +490,31 @@ def test_captured_decode_graph_gives_fia_the_eager_arguments(tmp_path, ascend_em
     assert len(checked) == 3 and checked[0] == [8, 6, 2, 1]  # 3 decode steps; padding row: seq_len 1
     assert graph.replays == 3
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_v4_engine_on_ascend_generates_like_the_cpu_platform(ascend_emulated):
+    """The embedded tiny DeepSeek-V4 on the (emulated) Ascend platform: its fused V4 ops (and the
+    reference ones the table lists) give the cpu platform's greedy tokens and logprobs."""
+    from deepinfer_core import LLM, SamplingParams
+
+    prompts = ["def fibonacci(n):\n", "import os\n", "x = ["]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def run(accelerator):
+        llm = LLM(model="tiny-v4", dtype="float32", accelerator=accelerator, kv_cache_memory=16 << 20,
+                  enforce_eager=True)
+        outs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+        llm.engine.blocks.check_no_leaks()
+        return outs
+
+    want = run("cpu")
+    with npu_emulation.install() as emu:
+        got = run(None)
+    # tiny-v4 routes by sqrt-softplus and hash (plain torch); its experts clamp (npu_clipped_swiglu)
+    assert set(emu.calls) == {"npu_rms_norm", "npu_rotary_mul", "npu_scatter_nd_update_", "npu_moe_init_routing_v2",
+                              "npu_grouped_matmul", "npu_clipped_swiglu", "npu_moe_finalize_routing"}
+    for x, y in zip(got, want):
+        assert x.error is None and x.outputs[0].token_ids == y.outputs[0].token_ids
+        lx = [x.outputs[0].logprobs[j][t].logprob for j, t in enumerate(x.outputs[0].token_ids)]
+        ly = [y.outputs[0].logprobs[j][t].logprob for j, t in enumerate(y.outputs[0].token_ids)]
+        assert max(abs(p - q) for p, q in zip(lx, ly)) < 1e-4

@@ -127,8 +127,10 @@ def test_in_tree_plugins_are_discovered_with_their_distribution():
     assert kernels["ascend"].obj is AscendKernels
     assert ReferenceKernels.overrides() == list(OP_NAMES)
     assert set(CudaKernels.overrides()) <= set(OP_NAMES)
-    assert AscendKernels.overrides() == ["rms_norm", "add_rms_norm", "silu_and_mul", "rope", "paged_kv_write",
-                                         "mla_decode", "mla_prefill", "moe_route", "fused_moe", "sample"]
+    assert AscendKernels.overrides() == [
+        "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "paged_kv_write", "paged_kv_gather", "mla_decode",
+        "mla_prefill", "moe_route", "fused_moe", "rope_inverse", "v4_compress", "moe_route_v4",
+        "silu_and_mul_clamped", "fused_moe_clamped", "sample"]
 
 
 def test_installed_names_does_not_import(third_party):
@@ -298,9 +300,8 @@ def test_kernels_fall_back_to_the_reference_and_log_it(caplog):
     caplog.set_level(logging.INFO, logger="deepinfer.kernels")
     k = Kernels(AscendKernels, ReferenceKernels)
     assert k.backend_name == "ascend"
-    v4 = ["rope_inverse", "v4_compress", "v4_indexer_topk", "v4_sparse_attention", "mhc_pre", "mhc_post", "mhc_head",
-          "moe_route_v4", "silu_and_mul_clamped", "fused_moe_clamped"]  # docs/ascend.md: reference on the NPU for now
-    expected = ["linear", "head_linear", "paged_kv_gather", *v4, "apply_penalties", "logsumexp"]
+    v4 = ["v4_indexer_topk", "v4_sparse_attention", "mhc_pre", "mhc_post", "mhc_head"]  # docs/ascend.md: no fused op
+    expected = ["linear", "head_linear", *v4, "apply_penalties", "logsumexp"]
     assert k.fallbacks == expected
     assert [r.getMessage() for r in caplog.records] == [
         f"kernel backend 'ascend' has no {', '.join(expected)}; using the reference ops"

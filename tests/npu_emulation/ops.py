@@ -46,6 +46,21 @@ def npu_swiglu(self, dim):
     return (a * torch.sigmoid(a) * b).to(self.dtype)
 
 
+def npu_clipped_swiglu(x, group_index, dim, alpha, limit, bias, interleaved):
+    """docs: npu_clipped_swiglu, 计算公式 (1)-(5): split x along dim into A, B (halves, or even/odd
+    when interleaved); A = A.clamp(max=limit), B = B.clamp(-limit, limit); y = A * sigmoid(alpha * A) *
+    (B + bias); 参数说明: float16/bfloat16/float32, contiguous, more than 1-D, dim even."""
+    op = "npu_clipped_swiglu"
+    _unused(op, group_index=group_index)
+    _need(x.dtype in _FLOATS and x.is_contiguous() and x.dim() > 1, op,
+          "x must be a contiguous float16/bfloat16/float32 tensor of more than 1 dim")
+    _need(x.shape[dim] % 2 == 0, op, f"dim {dim} of x has odd size {x.shape[dim]}")
+    xf = x.float().movedim(dim, -1)
+    a, b = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, dim=-1)
+    a, b = a.clamp(max=limit), b.clamp(min=-limit, max=limit)
+    return (a * torch.sigmoid(alpha * a) * (b + bias)).movedim(-1, dim).to(x.dtype)
+
+
 def npu_rotary_mul(self, r1, r2, rotary_mode, rotate):
     """docs: npu_rotary_mul, 功能描述 (interleave: x_new pairs (-x[2i+1], x[2i]); out = r1*x + r2*x_new)
     and 约束说明 (4-D input, interleave with BSND input takes r1/r2 laid out 1S1D, D even and < 896,
@@ -375,7 +390,7 @@ def _attend(q, k, v, rope, scale, sparse_mode):
 
 
 IMPLEMENTED = {f.__name__: f for f in (
-    npu_rms_norm, npu_swiglu, npu_rotary_mul, npu_scatter_nd_update_, npu_moe_gating_top_k,
+    npu_rms_norm, npu_swiglu, npu_clipped_swiglu, npu_rotary_mul, npu_scatter_nd_update_, npu_moe_gating_top_k,
     npu_moe_init_routing_v2, npu_grouped_matmul, npu_moe_finalize_routing, npu_top_k_top_p,
     npu_fused_infer_attention_score_v2,
 )}
