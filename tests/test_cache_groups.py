@@ -36,6 +36,29 @@ def _manager(num_full=16, num_win=8, bs=2, window=4, prefix=True):
                           prefix)
 
 
+def test_planes_hold_the_same_records_as_one_tensor():
+    """A platform that splits an entry into planes (Platform.kv_cache_planes) stores and serves the same
+    block records as one tensor per layer; planes that cut a declared part are refused."""
+    spec = KVCacheSpec("latent", (0, 1), 12, parts=(8, 4))
+    layout = CacheLayout((spec,))
+    num = {pool_specs(layout)[0].name: 4}
+    split = allocate_caches(layout, num, 2, torch.float32, torch.device("cpu"), planes=lambda g: g.parts)
+    assert [[tuple(p.shape) for p in layer] for layer in split["latent"]] == [[(4, 2, 8), (4, 2, 4)]] * 2
+    for layer in split["latent"]:
+        for p in layer:
+            p.copy_(torch.randn(p.shape))
+    joined = {"latent": [torch.cat(layer, dim=-1) for layer in split["latent"]]}
+    a, b = KVCacheManager(layout, 2, num, split), KVCacheManager(layout, 2, num, joined)
+    assert torch.equal(a.read_block(1), b.read_block(1)) and a.read_block(1).shape == (2, 2, 12)
+    a.write_block(3, b.read_block(2))
+    assert torch.equal(a.read_block(3), b.read_block(2))
+    assert torch.equal(split["latent"][1][1][3], joined["latent"][1][2, :, 8:])
+    with pytest.raises(ValueError, match=r"cache group 'latent': planes \(6, 6\) do not group its parts \(8, 4\)"):
+        allocate_caches(layout, num, 2, torch.float32, torch.device("cpu"), planes=lambda g: (6, 6))
+    with pytest.raises(ValueError, match=r"parts \(8, 5\) must be positive and sum to entry_dim 12"):
+        KVCacheSpec("latent", (0,), 12, parts=(8, 5))
+
+
 def _seq(tokens: list[int], rid: str = "r") -> Sequence:
     return Sequence(rid, None, tokens, SamplingParams(), 0, [])
 
