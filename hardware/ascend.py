@@ -139,5 +139,7 @@ class AscendPlatform(Platform):
         return True
 
     def describe(self) -> dict[str, Any]:
-        # nothing here has run on an NPU yet: checked by schema and CPU emulation only (docs/ascend.md)
-        return {**super().describe(), "verified_on_hardware": False}
+        # mla_cache_planes: kv_cache_planes splits the MLA latent cache (latent, rope) for FIA; fia_in_graphs:
+        # decode graphs capture FIA and update its host lengths per replay (graph_replay). Nothing here
+        # has run on an NPU yet: checked by schema and CPU emulation only (docs/ascend.md)
+        return {**super().describe(), "mla_cache_planes": True, "fia_in_graphs": True, "verified_on_hardware": False}

@@ -300,13 +300,20 @@ def test_ascend_platform_reports_what_it_supports():
     assert p.describe() == {
         "device_type": "npu", "dist_backend": "hccl", "kernel_backend": "ascend", "graph_capture": True,
         "graph_capture_dtypes": ["bfloat16", "float16"], "pinned_memory": True, "async_overlap": True,
-        "fp8_gemm": False, "verified_on_hardware": False,
+        "fp8_gemm": False, "mla_cache_planes": True, "fia_in_graphs": True, "verified_on_hardware": False,
     }
     w = torch.randn(4, 6, 8)
     laid = p.linear_weight_layout(w)
     assert torch.equal(laid, w) and laid.transpose(1, 2).is_contiguous()
     w2 = torch.randn(6, 8)
     assert p.linear_weight_layout(w2) is w2
+    # the MLA latent cache as FIA's two planes; groups without declared parts (V4's) stay one tensor
+    from deepinfer_core.kv_cache_spec import KVCacheSpec
+    from hardware.cpu import CpuPlatform
+
+    latent = KVCacheSpec("latent", (0,), 576, parts=(512, 64))
+    assert p.kv_cache_planes(latent) == (512, 64) and CpuPlatform().kv_cache_planes(latent) == (576,)
+    assert p.kv_cache_planes(KVCacheSpec("swa", (0,), 512, window=128)) == (512,)
 
 
 def test_torch_npu_is_never_imported_here():

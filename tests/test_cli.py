@@ -88,7 +88,7 @@ def test_plugins_text_lists_every_backend_with_status(capsys):
         f"      available: no: {AscendPlatform.probe().reason}",
         f"      kernels: ascend; reference fallback for: {fallbacks}",
         "      features: graph_capture=yes, graph_capture_dtypes=bfloat16+float16, pinned_memory=yes, "
-        "async_overlap=yes, fp8_gemm=no, verified_on_hardware=no",
+        "async_overlap=yes, fp8_gemm=no, mla_cache_planes=yes, fia_in_graphs=yes, verified_on_hardware=no",
     ]
     kernels = section(out, "deepinfer.kernels")
     assert entry(kernels, "ascend")[1:] == [
