@@ -3,9 +3,10 @@ emulation could not prove. Nothing here has been run yet (docs/ascend.md).
 
     DEEPINFER_ACCELERATOR=ascend python examples/ascend_check.py
 
-1. the conformance kit on the NPU for every op kernels_ascend overrides (float32, bfloat16, float16);
-2. the FIA paths at DeepSeek sizes (MLA decode: latent 512 + rope 64, block sizes 16 and 128, ragged
-   queries; prefill: TND with qk 192 / v 128) against the reference ops;
+1. the conformance kit on the NPU for every op kernels_ascend overrides (float32, bfloat16, float16),
+   latent caches in the platform's planes;
+2. the FIA paths at DeepSeek sizes (MLA decode over the latent/rope planes: 512 + 64, block sizes 16
+   and 128, ragged queries; prefill: TND with qk 192 / v 128) against the reference ops;
 3. the engine on the embedded model in bfloat16, eager against NPU-graph decode: same tokens.
 """
 
@@ -46,7 +47,9 @@ def fia_at_deepseek_sizes(dev: torch.device) -> None:
             q = torch.randn(sum(q_lens), 128, 576, generator=g).bfloat16()
             cu = torch.tensor([0, *q_lens]).cumsum(0)
             args = (q, cache, bt, cu, torch.tensor(seq_lens), 576**-0.5, 512)
-            out = attention.mla_decode(*(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args))
+            planes = (cache[..., :512].contiguous().to(dev), cache[..., 512:].contiguous().to(dev))  # the layout
+            dev_args = (q.to(dev), planes, *(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args[2:]))
+            out = attention.mla_decode(*dev_args)
             _close(f"mla_decode bs={bs} q_lens={q_lens}", out, ref.mla_decode(q.float(), cache.float(), *args[2:]))
     q_lens, k_lens = [7, 1, 33], [7, 40, 33]
     q = torch.randn(sum(q_lens), 16, 192, generator=g).bfloat16()
@@ -83,7 +86,8 @@ def main() -> None:
     platform = select_platform("ascend")  # raises with the reason when torch_npu/CANN/NPU is missing
     dev = platform.device(0)
     print("1. conformance kit on", dev)
-    checked = check_kernel_backend(AscendKernels, dev, (torch.float32, torch.bfloat16, torch.float16))
+    checked = check_kernel_backend(AscendKernels, dev, (torch.float32, torch.bfloat16, torch.float16),
+                                   planes=platform.kv_cache_planes)
     print(f"  {len(checked)} (op, dtype) pairs conform")
     print("2. FIA at DeepSeek sizes")
     fia_at_deepseek_sizes(dev)
