@@ -21,6 +21,16 @@ from tiny_models import write_checkpoint  # noqa: E402
 TINY_V3 = dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-shape op tests, whatever an earlier test set (use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_v3(tmp_path_factory):
     """(checkpoint dir, the transformers model it was saved from)."""

@@ -28,14 +28,7 @@ from kernels_cpu import ops as ref
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

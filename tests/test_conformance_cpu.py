@@ -25,14 +25,7 @@ from kernels_cpu import ReferenceKernels
 from kernels_cpu import ops as ref
 
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- kernels: the reference passes its own kit ---------------------------------------------

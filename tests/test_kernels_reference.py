@@ -11,14 +11,7 @@ import torch.nn.functional as F
 from kernels_cpu import ops
 from kernels_cpu.rng import uniform_from_counter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny shapes: OpenMP threads only add overhead (and stall on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gen(seed: int = 0) -> torch.Generator:
