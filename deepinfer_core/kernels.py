@@ -25,7 +25,10 @@ class OpSpec:
     doc: str
 
 
-#: Every op the engine calls. Shapes: T tokens, B sequences, H heads, D head dim, E experts.
+#: Every op the engine calls. Shapes: T tokens, B sequences, H heads, D head dim, E experts. A latent
+#: ``cache[NB, BS, D]`` (paged_kv_write, paged_kv_gather, mla_decode) is a layer's ``LayerCache``: on a
+#: platform that stores the entry in planes (``Platform.kv_cache_planes``) it arrives as the tuple of
+#: planes, which that platform's kernels read (``kv_cache_spec``, "Planes").
 OP_SPECS: tuple[OpSpec, ...] = (
     OpSpec("linear", "(x[..., K], w[N, K], bias[N] | None) -> [..., N]", "y = x @ w.T + bias"),
     OpSpec("head_linear", "(x[T, H, K], w[H, N, K]) -> [T, H, N]",

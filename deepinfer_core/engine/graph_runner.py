@@ -29,6 +29,7 @@ from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, GroupM
 if TYPE_CHECKING:
     from deepinfer_core.engine.model_runner import StepBatch
     from deepinfer_core.kv_cache_spec import CacheLayout
+    from deepinfer_core.models.interface import KVCaches
     from deepinfer_core.platform import Platform
 
 logger = logging.getLogger("deepinfer.graphs")
@@ -51,7 +52,7 @@ class DecodeGraphs:
     static buffers (how the CPU tests exercise this path, and a reference on a GPU).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: dict[str, list[torch.Tensor]], sizes: list[int],
+    def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, sizes: list[int],
                  max_blocks_per_seq: int, device: torch.device, platform: Platform | None = None,
                  capture: bool = True, layout: CacheLayout | None = None,
                  pool_of: dict[str, str] | None = None) -> None:

@@ -23,6 +23,7 @@ from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
+    from deepinfer_core.models.interface import KVCaches
     from deepinfer_core.platform import Platform
 
 logger = logging.getLogger("deepinfer.runner")
@@ -82,7 +83,7 @@ def _cumsum(lens: list[int], device, pin: bool = False) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches: dict[str, list[torch.Tensor]], block_size: int, device: torch.device,
+    def __init__(self, model, kv_caches: KVCaches, block_size: int, device: torch.device,
                  batch_invariant: bool = False, layout: CacheLayout | None = None,
                  pool_of: dict[str, str] | None = None) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
