@@ -19,10 +19,10 @@ from deepinfer_core import cli
 from deepinfer_core.kernels import OP_NAMES
 from hardware.ascend import AscendPlatform
 from hardware.nvidia import NvidiaPlatform
+from kernels_ascend import AscendKernels
 from kernels_cuda import CudaKernels
 
-ASCEND_OVERRIDES = ["rms_norm", "add_rms_norm", "silu_and_mul", "rope", "paged_kv_write", "mla_decode", "mla_prefill",
-                    "moe_route", "fused_moe", "sample"]
+ASCEND_OVERRIDES = AscendKernels.overrides()  # pinned by test_plugins
 CUDA_OVERRIDES = CudaKernels.overrides()  # grows as TileLang kernels land
 CUDA_FALLBACKS = [n for n in OP_NAMES if n not in CUDA_OVERRIDES]
 
