@@ -84,9 +84,10 @@ def mla_decode(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, c
     if fia_decode_fits(q, cache, dv):
         B = seq_lens.shape[0]
         if not _capturing():
-            q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).tolist()  # FIA reads lengths on the host anyway
+            # FIA reads lengths on the host anyway: one copy brings both
+            q_lens, kv_lens = torch.stack((cu_q_lens[1:] - cu_q_lens[:-1], seq_lens.to(cu_q_lens.dtype))).tolist()
             if max(q_lens) <= 16:
-                return _mla_decode_fia(q, cache, block_tables, cu_q_lens, q_lens, seq_lens.tolist(), scale, dv)
+                return _mla_decode_fia(q, cache, block_tables, cu_q_lens, q_lens, kv_lens, scale, dv)
         elif q.shape[0] == B and graph.host_lengths_updated():
             # a decode graph (one query per sequence) whose FIA lengths the platform updates before every
             # replay (AscendPlatform.graph_replay). Captured with the longest lengths the block table
