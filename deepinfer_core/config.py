@@ -47,6 +47,8 @@ class EngineConfig:
     scheduler: str = "fcfs"
     features: list = field(default_factory=list)
     kv_store: dict | None = None
+    kv_role: str = "both"  # both | prefill (compute prompts, hand their KV off) | decode (engine/handoff.py)
+    kv_transfer: dict | None = None  # the hand-off transport: {backend = "shm" | "3fs" | "p2p", ...}
     seed: int = 0
     dp: int = 1
     ep: int = 1
@@ -194,7 +196,7 @@ def compose(config: str | dict | None = None, env: dict | None = None, **kwargs:
     table = load_toml(path) if path else dict(config or {})
     source = f"file {path}" if path else "config dict"
     for key, value in table.items():
-        if isinstance(value, dict) and key != "kv_store":
+        if isinstance(value, dict) and key not in ("kv_store", "kv_transfer"):
             sections[key] = value
         elif key in _FIELDS:
             values[key] = _check_type(key, value, source)
@@ -225,6 +227,11 @@ def compose(config: str | dict | None = None, env: dict | None = None, **kwargs:
 def _validate(cfg: EngineConfig) -> None:
     if cfg.load_format not in ("auto", "random"):
         raise ConfigError(f"config key 'load_format' must be 'auto' or 'random', got {cfg.load_format!r}")
+    if cfg.kv_role not in ("both", "prefill", "decode"):
+        raise ConfigError(f"config key 'kv_role' must be 'both', 'prefill' or 'decode', got {cfg.kv_role!r}")
+    if cfg.kv_role != "both" and not cfg.kv_transfer:
+        raise ConfigError(f"kv_role={cfg.kv_role!r} needs a [kv_transfer] table naming the transport "
+                          "(backend = 'shm', '3fs' or 'p2p')")
     if cfg.dtype not in _DTYPES:
         raise ConfigError(f"config key 'dtype' must be one of {_DTYPES}, got {cfg.dtype!r}")
     if cfg.log_level is not None and cfg.log_level.upper() not in _LOG_LEVELS:

@@ -69,7 +69,8 @@ def make_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
-def load_features(cfg: EngineConfig, pm: pluggy.PluginManager, reserved_sections=("kv_store",)) -> list[Feature]:
+def load_features(cfg: EngineConfig, pm: pluggy.PluginManager,
+                  reserved_sections=("kv_store", "kv_transfer")) -> list[Feature]:
     """Instantiate and register the features ``cfg.features`` names, each with its own section."""
     installed = plugins.installed_names(GROUP)
     for section in cfg.feature_config:

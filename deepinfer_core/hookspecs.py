@@ -64,6 +64,13 @@ def match_external_prefix(engine, request, block_hashes, num_device_blocks) -> i
     request's hash chain. Metadata only; the tier then fetches them off the step loop."""
 
 
+@hookspec(firstresult=True)
+def load_request_state(engine, request) -> int | None:
+    """A request handed over by another engine (prefill, or a draining decode engine) is being
+    admitted: allocate its blocks (``engine.blocks.allocate``), fill them from the transferred state,
+    set and return its number of computed tokens. None: nothing to load (normal admission follows)."""
+
+
 @hookspec
 def load_external_blocks(engine, request, block_ids, block_hashes) -> None:
     """Copy the fetched blocks for ``block_hashes`` into device blocks ``block_ids`` before the
@@ -127,6 +134,12 @@ def tokens_sampled(engine, batch, token_ids) -> None:
 @hookspec
 def step_finished(engine, step_stats) -> None:
     """A step ended (a safe point to move expert weights or rebalance)."""
+
+
+@hookspec
+def request_finishing(engine, request) -> None:
+    """A request is finishing and still holds its KV blocks (``engine.blocks.tables(request)`` is
+    valid, the tokens are on the host): read them now (a prefill engine hands its KV off here)."""
 
 
 @hookspec

@@ -57,3 +57,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: BaseException | None = None  # set when this request alone failed (finish_reason "error")
+    kv_transfer_params: dict | None = None  # a prefill engine's hand-off: pass it in SamplingParams to continue

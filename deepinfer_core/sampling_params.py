@@ -32,6 +32,8 @@ class SamplingParams:
     # Options owned by feature plugins (validated by them): structured output, request class, ...
     so_args: dict | None = None
     traffic_class: str | None = None
+    # A prefill engine's RequestOutput.kv_transfer_params: continue that request from its handed-off KV
+    kv_transfer_params: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

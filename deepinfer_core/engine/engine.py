@@ -205,6 +205,13 @@ class LLMEngine:
             from deepinfer_core.engine.kv_tiers import TieredKVCache
 
             self.pm.register(TieredKVCache(self, dict(cfg.kv_store)), name="kv_tiers")
+        self.handoff = None
+        if cfg.kv_transfer:
+            from deepinfer_core.engine.handoff import KVHandoff
+            from deepinfer_core.kv_transfer import load_transport
+
+            self.handoff = KVHandoff(self, cfg.kv_role, load_transport(cfg.kv_transfer))
+            self.pm.register(self.handoff, name="kv_handoff")
         self.pm.hook.engine_started(engine=self)
         if self.async_scheduling and self._takeover_features():
             logger.info("async scheduling: feature(s) %s run steps themselves (execute_step); steps run "
@@ -359,6 +366,9 @@ class LLMEngine:
         return ready is not False
 
     def _admit_prefix(self, seq: Sequence) -> int:
+        loaded = self.pm.hook.load_request_state(engine=self, request=seq)
+        if loaded is not None:
+            return loaded
         if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0
         hashes = self.blocks.prefix_hashes(seq)
@@ -683,6 +693,7 @@ class LLMEngine:
         n = seq.num_output_tokens
         if n:
             seq.metrics.decode_ppl = math.exp(-seq.sum_logprob / n)
+        self.pm.hook.request_finishing(engine=self, request=seq)
         if remove_from_scheduler:
             self.scheduler.finish(seq)
         else:

@@ -110,7 +110,7 @@ def request_output(seq: Sequence, completions: list[CompletionOutput], finished:
     if texts is not None:
         texts.fill(prompt_lps)
     return RequestOutput(request_id or seq.request_id, seq.prompt, seq.prompt_token_ids, prompt_lps, completions,
-                         finished, seq.metrics, seq.error)
+                         finished, seq.metrics, seq.error, seq.kv_transfer_out)
 
 
 def error_output(prompt, exc: BaseException, request_id: str = "") -> RequestOutput:

@@ -56,6 +56,7 @@ class Sequence:
         self.detokenizer = None  # IncrementalDetokenizer, created when stop strings are checked
         self.num_pending_tokens = 0  # trailing placeholders in token_ids (sampled, not yet on the host)
         self.last_token_pending = False  # a placeholder is its last token (max_tokens/max_model_len): not scheduled
+        self.kv_transfer_out: dict | None = None  # where its KV was handed off (engine/handoff.py)
 
     @property
     def block_table(self) -> list[int]:
