@@ -3,6 +3,7 @@
     deepinfer plugins [--json]        every installed plugin, whether it loads and can run here
     deepinfer generate --model DIR --prompt TEXT [...]
     deepinfer serve [MODEL] [--host --port ...]   OpenAI-compatible HTTP server (deepinfer_core/serving)
+    deepinfer router --prefill URL.. --decode URL..  P/D router in front of serve processes (deepinfer_core/router)
     deepinfer bench serve --base-url URL [...]    load generator against a server (examples/serve_bench.py)
     deepinfer calibrate ...           fit the scheduler's cost model (deepinfer_core.engine.calibrate)
     deepinfer eval generate|judge|report|ppl ...   offline evaluation (deepinfer_core/eval/)
@@ -326,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", choices=["none", "think"], default="none",
                    help="'think': <think>...</think> becomes reasoning_content")
     s.set_defaults(func=_cmd_serve)
+
+    from deepinfer_core.router.main import add_parser as add_router_parser
+
+    add_router_parser(sub, common)
 
     b = sub.add_parser("bench", help="benchmarks: `deepinfer bench serve --help`", add_help=False)
     b.set_defaults(func=_cmd_bench, pass_through=True)

@@ -49,6 +49,7 @@ class EngineConfig:
     kv_store: dict | None = None
     kv_role: str = "both"  # both | prefill (compute prompts, hand their KV off) | decode (engine/handoff.py)
     kv_transfer: dict | None = None  # the hand-off transport: {backend = "shm" | "3fs" | "p2p", ...}
+    drain_grace_s: float = 60.0  # start_drain(): seconds before unfinished requests are forwarded with their KV
     seed: int = 0
     dp: int = 1
     ep: int = 1
@@ -86,7 +87,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "max_num_seqs": (1, None, False), "max_num_batched_tokens": (1, None, False),
     "max_model_len": (1, None, False), "block_size": (1, None, False), "dp": (1, None, False),
     "ep": (1, None, False), "seed": (-(2**63), 2**64 - 1, False),  # what torch.manual_seed takes
-    "compute_quota_limit": (0, None, True), "worker_timeout_s": (0, None, True),
+    "compute_quota_limit": (0, None, True), "worker_timeout_s": (0, None, True), "drain_grace_s": (0, None, False),
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

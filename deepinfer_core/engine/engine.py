@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from deepinfer_core import plugins
-from deepinfer_core.config import ConfigError, EngineConfig
+from deepinfer_core.config import ConfigError, EngineConfig, check_number
 from deepinfer_core.engine.cost_model import CostModel, default_path
 from deepinfer_core.engine.detokenizer import stop_string_hit
 from deepinfer_core.engine.idle import DeviceIdleMeter
@@ -206,6 +206,7 @@ class LLMEngine:
 
             self.pm.register(TieredKVCache(self, dict(cfg.kv_store)), name="kv_tiers")
         self.handoff = None
+        self._forward_at: float | None = None  # start_drain(): when unfinished requests are forwarded
         if cfg.kv_transfer:
             from deepinfer_core.engine.handoff import KVHandoff
             from deepinfer_core.kv_transfer import load_transport
@@ -286,6 +287,8 @@ class LLMEngine:
     def add_request(self, prompt: str | dict | list, params: SamplingParams | dict | None,
                     request_id: str | None = None) -> Sequence:
         """Validate and queue a request. Bad input raises ValueError/TypeError naming the field."""
+        if self.draining:
+            raise ValueError("this engine is draining (start_drain): it takes no new requests; send them to another")
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         seq = self.new_sequence(prompt, params, request_id)
@@ -342,6 +345,38 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.is_finished:
             self._finish(seq, reason, error=error)
+
+    # ---- drain with forwarding ---------------------------------------------------------
+    def start_drain(self, grace_s: float | None = None) -> None:
+        """Stop admission now; after ``grace_s`` (default ``drain_grace_s``) every unfinished request
+        is handed off with its KV and finishes here with ``finish_reason == "forwarded"`` and
+        ``kv_transfer_params`` naming the hand-off, which another engine continues from (as a
+        decode engine continues a prefill engine's request). Thread-safe (a signal handler or a
+        server thread may call it); the forwarding itself runs in the next step."""
+        if self.handoff is None:
+            raise ConfigError("drain with forwarding needs a [kv_transfer] transport to hand requests off through")
+        grace = self.cfg.drain_grace_s if grace_s is None else grace_s
+        check_number("drain grace_s", grace, 0)
+        at = time.monotonic() + grace
+        self._forward_at = at if self._forward_at is None else min(self._forward_at, at)
+
+    @property
+    def draining(self) -> bool:
+        return self._forward_at is not None
+
+    def _forward_unfinished(self) -> list[Sequence]:
+        """Hand every unfinished request off (its tokens and the KV of its computed positions)."""
+        t0 = time.perf_counter()
+        self._drain()  # every token on the host, no step in flight
+        for seq in list(self._seqs.values()):
+            if not seq.is_finished:
+                seq.kv_transfer_out = self.handoff.export(self, seq)
+                self._finish(seq, "forwarded")
+                self.stats.extra["drain_forwarded"] = self.stats.extra.get("drain_forwarded", 0) + 1
+        self.stats.extra["drain_forward_s"] = self.stats.extra.get("drain_forward_s", 0.0) + time.perf_counter() - t0
+        finished = [s for s in self._seqs.values() if s.is_finished]
+        self._drop(finished)
+        return finished
 
     def load_stats(self) -> dict:
         """Cheap gauges for a serving front end: running and waiting requests, KV-cache usage (0..1)."""
@@ -412,6 +447,8 @@ class LLMEngine:
             return self._fail_step(exc)
 
     def _step(self) -> list[Sequence]:
+        if self._forward_at is not None and time.monotonic() >= self._forward_at:
+            return self._forward_unfinished()
         t0 = time.perf_counter()
         self._step_seqs = self._inflight.seqs() if self._inflight is not None else []
         overlap = self._can_overlap()
@@ -762,6 +799,7 @@ class LLMEngine:
         }
         if self._idle is not None:
             out.update(self._idle.metrics())
+        out.update(self.stats.extra)
         for extra in self.pm.hook.collect_metrics(engine=self):
             out.update(extra or {})
         return out

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream=true`` as
 server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET
-/metrics`` (Prometheus text), ``GET /version``.
+/metrics`` (Prometheus text), ``GET /version``, ``POST /v1/drain`` (stop admission, then forward
+unfinished requests with their KV: ``LLMEngine.start_drain``; also ``kill -USR1``).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 naming the bad field, 404
 for an unknown model, 429 when the admission queue is full, 503 when the engine has failed. A
@@ -13,6 +14,7 @@ client that disconnects (streaming or not) has its request aborted and its KV bl
 
 import asyncio
 import logging
+import signal
 import time
 
 from deepinfer_core.serving.common import APIError, ServerState
@@ -116,6 +118,17 @@ def build_app(state: ServerState):
     async def prometheus():
         return Response(metrics.render() if metrics is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/v1/drain")
+    async def drain(request: Request):
+        """Stop admission; after ``grace_s`` (default: the engine's drain_grace_s) forward every
+        unfinished request with its KV (finish_reason "forwarded", kv_transfer_params)."""
+        body = await request.json() if await request.body() else {}
+        try:
+            state.llm.engine.start_drain(body.get("grace_s"))
+        except (ValueError, AttributeError) as exc:
+            return error_response(APIError(400, str(exc), "grace_s"))
+        return {"draining": True}
+
     @app.get("/version")
     async def version():
         return {"version": "0.1.0", "core_api_version": CORE_API_VERSION}
@@ -158,6 +171,8 @@ def serve(engine, host: str, port: int, model_name: str | None = None, max_queue
     server = uvicorn.Server(config)
     print(f"deepinfer serve: {state.model_name!r} on http://{host}:{port}/v1 (max {state.max_pending} requests in "
           "flight)", flush=True)
+    if hasattr(signal, "SIGUSR1") and hasattr(engine, "start_drain") and engine.handoff is not None:
+        signal.signal(signal.SIGUSR1, lambda *_: engine.start_drain())  # `kill -USR1 PID` drains
     try:
         server.run()
     finally:

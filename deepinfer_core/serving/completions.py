@@ -37,7 +37,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, arrival:
 
 
 async def _whole(state: ServerState, streams, rid: str, n: int) -> dict:
-    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+    choices, prompt_tokens, completion_tokens, cached, transfer = [], 0, 0, 0, None
     async for i, update in merged(streams):
         if not update.finished:
             continue
@@ -47,6 +47,7 @@ async def _whole(state: ServerState, streams, rid: str, n: int) -> dict:
         out = update.output
         prompt_tokens += len(out.prompt_token_ids)
         cached += update.num_cached_tokens
+        transfer = transfer or out.kv_transfer_params
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             choices.append({"index": i * n + c.index, "text": c.text, "finish_reason": c.finish_reason,
@@ -55,7 +56,8 @@ async def _whole(state: ServerState, streams, rid: str, n: int) -> dict:
                             else None})
     choices.sort(key=lambda c: c["index"])
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached),
+            "kv_transfer_params": transfer}
 
 
 async def _stream(state: ServerState, req: CompletionRequest, streams, rid: str, n: int) -> AsyncIterator[str]:

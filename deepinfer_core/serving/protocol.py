@@ -75,6 +75,8 @@ class _Sampling(_Strict):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    # P/D disaggregation: a prefill engine's kv_transfer_params (deepinfer_core/engine/handoff.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request as SamplingParams; ``defaults`` are the model's generation_config values."""
@@ -94,7 +96,7 @@ class _Sampling(_Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            so_args=so_args,
+            so_args=so_args, kv_transfer_params=self.kv_transfer_params,
         )
 
     def structured_output(self) -> dict | None:

@@ -1,0 +1,8 @@
+"""The P/D router (``deepinfer router``): prefill and decode engine processes behind one endpoint.
+
+* ``balance``: the Prefill LB (uncached tokens in flight) and the Decode LB (running requests, then
+  KV tokens held), with the max/mean load ratios they report.
+* ``prefix``: the metadata-only prefix match against the shared KV store, done before routing.
+* ``client``: a small HTTP/1.1 JSON client (the router has no other dependency than the server's).
+* ``app``: the router's HTTP API.
+"""
