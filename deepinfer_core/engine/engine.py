@@ -80,6 +80,10 @@ FEATURE_OPTIONS = ("so_args",)  # SamplingParams fields that only a feature plug
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class EngineDrainingError(ValueError):
+    """The engine is draining (``start_drain``) and takes no new requests: send them elsewhere."""
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -288,7 +292,8 @@ class LLMEngine:
                     request_id: str | None = None) -> Sequence:
         """Validate and queue a request. Bad input raises ValueError/TypeError naming the field."""
         if self.draining:
-            raise ValueError("this engine is draining (start_drain): it takes no new requests; send them to another")
+            raise EngineDrainingError("this engine is draining (start_drain): it takes no new requests; send them "
+                                      "to another")
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         seq = self.new_sequence(prompt, params, request_id)
@@ -345,6 +350,17 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.is_finished:
             self._finish(seq, reason, error=error)
+
+    def kv_layout_info(self) -> dict:
+        """What a router needs to look this engine's blocks up in a shared KV store by itself: the
+        block size and, with a ``[kv_store]``, the layout its records are written with."""
+        tiers = self.pm.get_plugin("kv_tiers")
+        lay = getattr(tiers, "layout", None)
+        store = None if lay is None else {
+            "model_fingerprint": lay.model_fingerprint, "num_layers": lay.num_layers, "block_size": lay.block_size,
+            "entry_dim": lay.entry_dim, "dtype": str(lay.dtype).removeprefix("torch."),
+            "shape": list(lay.shape) if lay.shape is not None else None}
+        return {"block_size": self.block_size, "fingerprint": self.fingerprint, "kv_store_layout": store}
 
     # ---- drain with forwarding ---------------------------------------------------------
     def start_drain(self, grace_s: float | None = None) -> None:

@@ -166,6 +166,7 @@ class KVHandoff:
         request.num_computed_tokens = n
         engine.blocks.register_full_blocks(request)
         request.metrics.num_cached_tokens_by_tier["handoff"] = n
+        request.metrics.num_cached_tokens = n
         return n
 
     @hookimpl

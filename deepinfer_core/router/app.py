@@ -12,7 +12,7 @@ request (``n = 1``); the engines' errors are passed through with their status.
         --config deepinfer.toml      # the engines' model, block_size and [kv_store] (for the match)
 """
 
-from __future__ import annotations
+# No "from __future__ import annotations": FastAPI reads the handlers' annotations as live objects.
 
 import logging
 import time
@@ -27,11 +27,13 @@ MAX_FORWARDS = 8
 
 
 class Router:
-    """Routing state; ``tokenizer``: the engines' (``HFTokenizer``), ``matcher``: the store match."""
+    """Routing state; ``tokenizer``: the engines' (``HFTokenizer``); ``make_matcher(layout info)``:
+    the store match, built once the first prefill engine told its KV layout."""
 
-    def __init__(self, prefill: list[str], decode: list[str], tokenizer, matcher: PrefixMatcher) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], tokenizer, make_matcher) -> None:
         self.prefill, self.decode = PrefillBalancer(list(prefill)), DecodeBalancer(list(decode))
-        self.tokenizer, self.matcher = tokenizer, matcher
+        self.tokenizer, self.make_matcher = tokenizer, make_matcher
+        self.matcher: PrefixMatcher | None = None
         self.counts = {"requests": 0, "forwarded": 0, "prefix_cached_tokens": 0, "prompt_tokens": 0}
 
     def prompt_ids(self, body: dict) -> list[int]:
@@ -46,6 +48,8 @@ class Router:
         if body.get("stream") or body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
             raise ValueError("the router serves non-streaming requests with n = 1")
         ids = self.prompt_ids(body)
+        if self.matcher is None:
+            self.matcher = self.make_matcher(await request_json(self.prefill.urls[0] + "/v1/kv_layout", "GET"))
         cached = self.matcher.cached_tokens(ids)
         uncached = len(ids) - cached
         self.counts["requests"] += 1

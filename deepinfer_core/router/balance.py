@@ -73,7 +73,8 @@ class Balancer:
         n = len(self.samples)
         mean_active = [sum(s[i] for s in self.samples) / n if n else 0.0 for i in range(len(self.engines))]
         return {"assigned": max_mean([e.assigned for e in self.engines]), "in_flight": max_mean(mean_active),
-                "assigned_per_engine": [e.assigned for e in self.engines]}
+                "assigned_per_engine": [e.assigned for e in self.engines],
+                "running_per_engine": [e.running for e in self.engines]}
 
 
 class PrefillBalancer(Balancer):

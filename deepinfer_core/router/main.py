@@ -9,7 +9,9 @@ from deepinfer_core.router.prefix import PrefixMatcher, open_store
 
 
 def make_router(prefill: list[str], decode: list[str], cfg) -> Router:
-    """A router for engines that run ``cfg`` (an EngineConfig: model, block_size, [kv_store])."""
+    """A router for engines that run ``cfg`` (an EngineConfig: the model for the tokenizer, the
+    ``[kv_store]`` for the prefix match). The block size and store record layout are asked from
+    the first prefill engine (``GET /v1/kv_layout``) on the first request."""
     from deepinfer_core.engine.tokenizer import HFTokenizer
     from deepinfer_core.models.loader import read_config, resolve_model_dir
     from deepinfer_core.models.registry import parse_config
@@ -17,9 +19,8 @@ def make_router(prefill: list[str], decode: list[str], cfg) -> Router:
     model_dir = resolve_model_dir(cfg.model)
     _, mc = parse_config(read_config(model_dir))
     tokenizer = HFTokenizer.load(model_dir, mc.bos_token_id, mc.eos_token_id)
-    # the store is keyed by the engines' block size: give the effective one (a model that needs a
-    # multiple, as V4's 128, rounds block_size up in the engine; give that value here)
-    return Router(prefill, decode, tokenizer, PrefixMatcher(open_store(cfg.kv_store), cfg.block_size))
+    return Router(prefill, decode, tokenizer, lambda info: PrefixMatcher(
+        open_store(cfg.kv_store, info["kv_store_layout"]), info["block_size"]))
 
 
 def add_parser(sub, common) -> None:

@@ -118,6 +118,14 @@ def build_app(state: ServerState):
     async def prometheus():
         return Response(metrics.render() if metrics is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/kv_layout")
+    async def kv_layout():
+        """The engine's block size and KV store record layout (``LLMEngine.kv_layout_info``), for a router."""
+        info = getattr(state.llm.engine, "kv_layout_info", None)
+        if info is None:
+            return error_response(APIError(404, "this engine does not report its KV layout", code="not_found"))
+        return info()
+
     @app.post("/v1/drain")
     async def drain(request: Request):
         """Stop admission; after ``grace_s`` (default: the engine's drain_grace_s) forward every

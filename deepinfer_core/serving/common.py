@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from deepinfer_core.engine.engine import EngineDrainingError
 from deepinfer_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream, RequestUpdate
 
 
@@ -67,6 +68,9 @@ class ServerState:
         except EngineDeadError as exc:
             _abort(streams)
             raise APIError(503, str(exc), code="engine_dead") from exc
+        except EngineDrainingError as exc:
+            _abort(streams)
+            raise APIError(503, str(exc), code="draining") from exc
         except (ValueError, TypeError) as exc:
             _abort(streams)
             raise bad_request(exc) from exc
