@@ -60,6 +60,7 @@ class RankEngine(LLMEngine):
         self.num_nodes = num_nodes
         self.expert_parallel: ExpertParallel | None = None
         self.dummy_steps = 0
+        self.prefill_budgets: list[float] = []  # the MIN-reduced prefill budget of each step (seconds)
         super().__init__(cfg)
 
     def build_model(self, expert_range=None):
@@ -78,12 +79,29 @@ class RankEngine(LLMEngine):
         return model
 
     def step(self) -> list[Sequence]:
+        self._share_prefill_budget()
         calls = self.expert_parallel.calls
         finished = super().step()
         if self.expert_parallel.calls == calls:  # nothing ran here: keep the collectives in step
             self.dummy_forward()
             self.pm.hook.step_finished(engine=self, step_stats=self.stats)
         return finished
+
+    def _share_prefill_budget(self) -> None:
+        """Prefill LB inside a DP group: each rank's time budget for this step's prefill chunks is
+        ``compute_quota_limit`` less its own decode cost (the fitted cost of one token per running
+        decode), and every rank takes the MIN over the group. The ranks meet in every MoE layer's
+        all-to-all, so the step lasts as long as its slowest rank: a rank with room left over could
+        only wait for the others, and the one all-reduce keeps every rank's chunks in one budget."""
+        quota = self.cfg.compute_quota_limit
+        if quota is None or self.cost_model is None:
+            return
+        decode = sum(self.cost_model.cost(1, s.num_computed_tokens) for s in getattr(self.scheduler, "running", ())
+                     if not s.in_prefill and not s.is_finished)
+        budget = torch.tensor([max(0.0, quota - decode)], dtype=torch.float64)
+        self.comm.all_reduce(budget, "min")
+        self.scheduler.budget.compute_quota_limit = float(budget.item())
+        self.prefill_budgets.append(float(budget.item()))
 
     @torch.inference_mode()
     def dummy_forward(self) -> None:
@@ -97,6 +115,7 @@ class RankEngine(LLMEngine):
         layers, pairs = self.expert_parallel.rank_pairs_matrix()
         out["rank"] = self.rank
         out["dummy_steps"] = self.dummy_steps
+        out["prefill_budgets"] = self.prefill_budgets[-256:]
         out["ep_rank_pairs"] = {int(i): row.tolist() for i, row in zip(layers, pairs)}
         return out
 
