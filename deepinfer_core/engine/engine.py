@@ -211,9 +211,13 @@ class LLMEngine:
             self.pm.register(TieredKVCache(self, dict(cfg.kv_store)), name="kv_tiers")
         self.handoff = None
         self._forward_at: float | None = None  # start_drain(): when unfinished requests are forwarded
+        from deepinfer_core.engine.handoff import StateLoader
+
+        self.pm.register(StateLoader(), name="kv_state_loader")
         if cfg.kv_transfer:
             from deepinfer_core.engine.handoff import KVHandoff
             from deepinfer_core.kv_transfer import load_transport
+
 
             self.handoff = KVHandoff(self, cfg.kv_role, load_transport(cfg.kv_transfer))
             self.pm.register(self.handoff, name="kv_handoff")

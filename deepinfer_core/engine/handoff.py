@@ -143,6 +143,25 @@ class KVHandoff:
             request.feature_state[ROWS] = state
 
     @hookimpl
+    def request_finished(self, engine, request):
+        request.feature_state.pop(SEND, None)
+
+    @hookimpl
+    def collect_metrics(self, engine):
+        out = {f"handoff_{k}": v for k, v in self.counts.items()}
+        out.update({f"handoff_{k}_s": v for k, v in self.seconds.items()})
+        return out
+
+    @hookimpl
+    def engine_shutdown(self, engine):
+        self.transport.close()
+
+
+class StateLoader:
+    """Fills an admitted request's blocks from a ``RequestState`` put in its ``feature_state[ROWS]``
+    (a hand-off, or a context-parallel prefill) instead of computing them. Registered by every engine."""
+
+    @hookimpl
     def request_ready(self, engine, request):
         state = request.feature_state.get(ROWS)
         if state is not None and request.num_computed_tokens == 0:
@@ -172,14 +191,3 @@ class KVHandoff:
     @hookimpl
     def request_finished(self, engine, request):
         request.feature_state.pop(ROWS, None)
-        request.feature_state.pop(SEND, None)
-
-    @hookimpl
-    def collect_metrics(self, engine):
-        out = {f"handoff_{k}": v for k, v in self.counts.items()}
-        out.update({f"handoff_{k}_s": v for k, v in self.seconds.items()})
-        return out
-
-    @hookimpl
-    def engine_shutdown(self, engine):
-        self.transport.close()
