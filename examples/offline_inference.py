@@ -4,6 +4,7 @@
     python examples/offline_inference.py --model tiny-v4     # the embedded tiny DeepSeek-V4
     python examples/offline_inference.py --model /path/to/DeepSeek-V2-Lite --dtype bfloat16
     python examples/offline_inference.py --dspark      # speculative decoding with the shipped draft
+    python examples/offline_inference.py --cp 2        # each prompt's prefill over 2 context-parallel ranks
 """
 
 from __future__ import annotations
@@ -40,7 +41,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run regex, JSON Schema, EBNF and EOS-terminated requests with the structured_output "
                         "feature and print pass/fail for each")
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context parallelism: split each prompt's prefill over CP "
+                   "gloo processes (deepinfer_core/parallel/context_parallel.py); rank 0 then decodes")
     return p.parse_args(argv)
+
+
+def run_context_parallel(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from deepinfer_core.parallel import cp_worker
+
+    llm_kw = {k: v for k, v in (("model", args.model), ("dtype", args.dtype), ("accelerator", args.accelerator),
+                                ("config", args.config)) if v is not None}
+    tokenizer = LLM(**llm_kw).tokenizer
+    params = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
+              "seq_seed": args.seed}
+    for prompt in args.prompt or DEFAULT_PROMPTS:
+        with tempfile.TemporaryDirectory() as out:
+            res = cp_worker.run(llm_kw, tokenizer.encode(prompt), params, args.cp, out)
+        print("=" * 72)
+        print(prompt + tokenizer.decode(res["tokens"]))
+        print(f"-- cp={args.cp} prefill {res['prefill_s'] * 1000:.1f}ms, {res['loaded']} prompt tokens' KV loaded "
+              f"on rank 0, {len(res['tokens'])} tokens decoded there")
 
 
 def build_llm(args: argparse.Namespace, **extra) -> LLM:
@@ -59,6 +81,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.check_structured_output:
         return check_structured_output(args)
+    if args.cp > 1:
+        return run_context_parallel(args)
     llm = build_llm(args)
     prompts = args.prompt or DEFAULT_PROMPTS
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
