@@ -1,7 +1,9 @@
-"""P/D disaggregation figures on this machine (CPU): hand-off latency per transport and the time a
-draining decode engine takes to forward its requests with their KV.
+"""P/D disaggregation figures on this machine (CPU): hand-off latency per transport, the time a
+draining decode engine takes to forward its requests with their KV, and the context-parallel
+prefill speed-up.
 
     python examples/pd_bench.py [--prompt-len 2048] [--drain-requests 16]
+    python examples/pd_bench.py --only-cp --cp-len 8192 --cp 1 2     # CP prefill time, cp=1 vs 2 ranks
 
 The model is the random ``v3-tiny`` shape of ``examples/random_checkpoint.py`` (4 layers, latent
 128 + rope 16 per token per layer, float32: 2,304 B of KV per token). For each transport a prefill
@@ -108,6 +110,21 @@ def drain(model: str, n: int, prompt_len: int, work: Path) -> dict:
             "bytes": d1.metrics()["handoff_sent_bytes"], "receiver_finish_s": resume_s}
 
 
+def context_parallel(model: str, T: int, sizes: list[int], work: Path) -> list[tuple[int, float]]:
+    """Prefill seconds of a T-token prompt over each cp size (one gloo process per rank, 1 thread each)."""
+    from deepinfer_core.parallel import cp_worker
+
+    ids = torch.randint(4, 4000, (T,), generator=torch.Generator().manual_seed(7)).tolist()
+    kw = dict(model=model, load_format="random", dtype="float32", block_size=16, max_model_len=T + 16)
+    out = []
+    for cp in sizes:
+        d = work / f"cp{cp}"
+        d.mkdir()
+        res = cp_worker.run(kw, ids, {"temperature": 0, "max_tokens": 1}, cp, str(d))
+        out.append((cp, res["prefill_s"]))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=2048)
@@ -115,11 +132,22 @@ def main(argv=None) -> int:
     ap.add_argument("--transports", nargs="+", default=["shm", "3fs", "p2p"])
     ap.add_argument("--drain-requests", type=int, default=16)
     ap.add_argument("--drain-prompt-len", type=int, default=512)
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="context-parallel sizes to time")
+    ap.add_argument("--cp-len", type=int, default=8192)
+    ap.add_argument("--only-cp", action="store_true", help="only the context-parallel prefill timing")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = str(write_config(work / "model", {**shape_config("v3-tiny"), "max_position_embeddings": 16384}))
+        if args.cp:
+            times = context_parallel(model, args.cp_len, args.cp, work)
+            base = times[0][1]
+            for cp, sec in times:
+                print(f"context-parallel prefill of {args.cp_len} tokens: cp={cp} {sec:.2f} s "
+                      f"(speed-up {base / sec:.2f}x against cp={times[0][0]})", flush=True)
+        if args.only_cp:
+            return 0
         print(f"hand-off of a {args.prompt_len}-token prompt (median of {args.reps}):")
         print(f"{'transport':>9} {'MiB':>7} {'send ms':>8} {'recv ms':>8} {'load step ms':>12}")
         for kind in args.transports:
