@@ -24,7 +24,7 @@ from deepinfer_core.version import check_api_version
 logger = logging.getLogger("deepinfer.plugins")
 
 GROUPS = ("deepinfer.hardware", "deepinfer.kernels", "deepinfer.schedulers", "deepinfer.kv_stores",
-          "deepinfer.features", "deepinfer.models")
+          "deepinfer.features", "deepinfer.models", "deepinfer.kv_transports")
 
 
 class PluginError(RuntimeError):

@@ -106,7 +106,12 @@ def test_plugins_json(capsys):
     doc = json.loads(run_cli(capsys, "plugins", "--json"))
     assert doc["core_api_version"] == "1.0" and doc["accelerator_setting"] == "auto"
     assert set(doc["groups"]) == {"deepinfer.hardware", "deepinfer.kernels", "deepinfer.schedulers",
-                                  "deepinfer.kv_stores", "deepinfer.features", "deepinfer.models"}
+                                  "deepinfer.kv_stores", "deepinfer.features", "deepinfer.models",
+                                  "deepinfer.kv_transports"}
+    transports = {row["name"]: row["target"] for row in doc["groups"]["deepinfer.kv_transports"]}
+    assert transports == {"shm": "plugins.kv_transfer_shm:ShmTransport",
+                          "3fs": "plugins.kv_3fs.handoff:ThreeFSTransport",
+                          "p2p": "plugins.kv_transfer_p2p:P2PTransport"}
     models = {row["name"]: row["target"] for row in doc["groups"]["deepinfer.models"]}
     assert models["DeepseekV4ForCausalLM"] == "deepinfer_core.models.deepseek_v4:DeepseekV4ForCausalLM"
     assert models["DeepseekV3ForCausalLM"] == "deepinfer_core.models.deepseek:DeepseekForCausalLM"
