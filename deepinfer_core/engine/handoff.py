@@ -119,6 +119,9 @@ class KVHandoff:
     # ---- receiving ----------------------------------------------------------------------
     def _receive(self, engine, request) -> None:
         key, locator = check_params(request.params.kv_transfer_params)
+        if request.params.prompt_logprobs is not None:  # every prompt position must be scored here
+            self.counts["recomputed"] += 1
+            return
         t0 = time.perf_counter()
         try:
             if not key.startswith(prompt_key(request.prompt_token_ids)):
