@@ -210,3 +210,15 @@ def test_p2p_handoff_between_processes(tiny_v3_path, prompts, colocated, tmp_pat
     assert result["tokens"] == colocated
     assert result["metrics"]["handoff_received"] == len(prompts)
     assert result["tiers"] == [{"handoff": len(q["prompt_token_ids"])} for q in prompts]
+
+
+def test_prompt_logprobs_are_computed_on_the_decode_engine(tiny_v3_path, prompts, colocated, tmp_path):
+    """A request asking for prompt logprobs scores every prompt position, so D does not take the KV."""
+    section = transfer_section("shm", tmp_path)
+    _, pouts = prefill(tiny_v3_path, section, prompts[:2])
+    params = [dataclasses.replace(PARAMS, prompt_logprobs=0, kv_transfer_params=o.kv_transfer_params) for o in pouts]
+    d = LLM(kv_role="decode", kv_transfer=section, **kw(tiny_v3_path))
+    outs = d.generate(prompts[:2], params, use_tqdm=False)
+    assert tokens(outs) == colocated[:2]
+    assert [len(o.prompt_logprobs) for o in outs] == [len(q["prompt_token_ids"]) for q in prompts[:2]]
+    assert d.metrics()["handoff_recomputed"] == 2
