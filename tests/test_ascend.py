@@ -518,3 +518,27 @@ def test_v4_engine_on_ascend_generates_like_the_cpu_platform(ascend_emulated):
         lx = [x.outputs[0].logprobs[j][t].logprob for j, t in enumerate(x.outputs[0].token_ids)]
         ly = [y.outputs[0].logprobs[j][t].logprob for j, t in enumerate(y.outputs[0].token_ids)]
         assert max(abs(p - q) for p, q in zip(lx, ly)) < 1e-4
+
+
+def test_kv_handoff_from_planes_to_one_tensor(ascend_emulated):
+    """A prefill engine on the (emulated) Ascend platform, whose latent cache is two planes, hands
+    its KV off to a cpu decode engine (one tensor per layer): the payload carries whole entries, so
+    the decode engine continues with the cpu engine's greedy tokens."""
+    import dataclasses
+    import uuid
+
+    from deepinfer_core import LLM, SamplingParams
+
+    section = {"backend": "shm", "namespace": f"pd-ascend-{uuid.uuid4().hex[:8]}"}
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, kv_transfer=section)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = LLM(dtype="float32", accelerator="cpu").generate(PROMPTS, sp, use_tqdm=False)
+    d = LLM(kv_role="decode", accelerator="cpu", **kw)
+    with npu_emulation.install():
+        p = LLM(kv_role="prefill", **kw)
+        assert isinstance(p.engine.kv_caches["latent"][0], tuple)  # the platform's planes
+        first = p.generate(PROMPTS, sp, use_tqdm=False)
+    outs = d.generate(PROMPTS, [dataclasses.replace(sp, kv_transfer_params=o.kv_transfer_params) for o in first],
+                      use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert d.metrics()["handoff_received"] == len(PROMPTS)

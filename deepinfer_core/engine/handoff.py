@@ -29,6 +29,7 @@ import torch
 from deepinfer_core.engine.handoff_format import HandoffError, RequestState, layout_signature, pack, unpack
 from deepinfer_core.engine.hashing import ROOT_HASH, block_hash
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.kv_cache_spec import cache_planes
 from deepinfer_core.kv_transfer import KVTransport, check_key
 
 logger = logging.getLogger("deepinfer.handoff")
@@ -73,7 +74,9 @@ class KVHandoff:
         for g in engine.cache_layout.groups:
             pool = engine.blocks.pool_of[g.name]
             idx = torch.tensor([tables[pool][i] for i in blocks[pool]], dtype=torch.long, device=engine.device)
-            rows[g.name] = [t.index_select(0, idx).cpu() for t in engine.kv_caches[g.name]]
+            # whole entries, whatever planes this platform splits them into: the payload is platform-neutral
+            rows[g.name] = [torch.cat([p.index_select(0, idx) for p in cache_planes(t)], -1).cpu()
+                            for t in engine.kv_caches[g.name]]
         k = seq.num_output_tokens
         if seq.output_logprobs:
             top_n = seq.params.logprobs or 0
@@ -184,7 +187,12 @@ class StateLoader:
             pool = engine.blocks.pool_of[group]
             idx = torch.tensor([tables[pool][i] for i in state.blocks[pool]], dtype=torch.long, device=engine.device)
             for dst, src in zip(engine.kv_caches[group], tensors):
-                dst.index_copy_(0, idx, src.to(engine.device, non_blocking=True))
+                src = src.to(engine.device, non_blocking=True)
+                at = 0
+                for plane in cache_planes(dst):
+                    w = plane.shape[-1]
+                    plane.index_copy_(0, idx, src[..., at : at + w].contiguous())
+                    at += w
         request.num_computed_tokens = n
         engine.blocks.register_full_blocks(request)
         request.metrics.num_cached_tokens_by_tier["handoff"] = n
