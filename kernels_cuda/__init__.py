@@ -12,7 +12,8 @@ tensors they run the reference (tf32 tensor-core math would miss float32 toleran
 from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
-KERNEL_MODULES = ("norm", "elementwise", "kv_cache", "mla_decode", "mla_prefill", "moe", "moe_route", "sampling")
+KERNEL_MODULES = ("norm", "elementwise", "kv_cache", "mla_decode", "mla_prefill", "moe", "moe_route", "sampling",
+                  "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe")
 
 
 class CudaKernels(KernelBackend):
@@ -29,4 +30,13 @@ class CudaKernels(KernelBackend):
         "moe_route": "kernels_cuda.moe_route:moe_route",
         "fused_moe": "kernels_cuda.moe:fused_moe",
         "sample": "kernels_cuda.sampling:sample",
+        # DeepSeek-V4 (``mhc_head``, ``rope_inverse`` and ``silu_and_mul_clamped`` stay the reference: one
+        # call per step, or torch element-wise ops the clamped fused MoE already replaces on the hot path)
+        "v4_sparse_attention": "kernels_cuda.v4_attention:v4_sparse_attention",
+        "v4_compress": "kernels_cuda.v4_compress:v4_compress",
+        "v4_indexer_topk": "kernels_cuda.v4_indexer:v4_indexer_topk",
+        "mhc_pre": "kernels_cuda.v4_mhc:mhc_pre",
+        "mhc_post": "kernels_cuda.v4_mhc:mhc_post",
+        "moe_route_v4": "kernels_cuda.v4_moe:moe_route_v4",
+        "fused_moe_clamped": "kernels_cuda.v4_moe:fused_moe_clamped",
     }

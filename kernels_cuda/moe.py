@@ -87,7 +87,9 @@ def build_gather(C: int, K: int, BM: int, dtype: str):
     return moe_gather
 
 
-def build_gemm1(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, threads: int, dtype: str):
+def build_gemm1(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, threads: int, dtype: str,
+                limit: float | None = None):
+    """``limit``: V4's clamped SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit)."""
     T = _tl.language()
     CAP, NBLK = T.dynamic("CAP"), T.dynamic("NBLK")
     accum = "float32"
@@ -115,6 +117,10 @@ def build_gemm1(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, 
                 T.gemm(A_s, G_s, acc_g, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(A_s, U_s, acc_u, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             if e >= 0:
+                if limit is not None:
+                    for i, j in T.Parallel(BM, BN):
+                        acc_g[i, j] = T.min(acc_g[i, j], limit)
+                        acc_u[i, j] = T.max(T.min(acc_u[i, j], limit), -limit)
                 for i, j in T.Parallel(BM, BN):
                     acc_g[i, j] = acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j]
                 T.copy(acc_g, H_s)
@@ -213,13 +219,26 @@ def fused_moe(x, w13, w2, weights, ids, *, cfg: dict | None = None):
         from kernels_cpu.ops import fused_moe as ref  # float32: tensor cores would round to tf32
 
         return ref(x, w13, w2, weights, ids)
-    steps, finish = moe_steps(x, w13, w2, weights, ids, cfg=cfg)
+    return _fused(x, w13, w2, weights, ids, cfg, None)
+
+
+def fused_moe_clamped(x, w13, w2, weights, ids, limit, *, cfg: dict | None = None):
+    """``fused_moe`` with DeepSeek-V4's SwiGLU clamp (``kernels_cpu.v4_ops.fused_moe_clamped``)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] == 0:
+        from kernels_cpu.v4_ops import fused_moe_clamped as ref
+
+        return ref(x, w13, w2, weights, ids, limit)
+    return _fused(x, w13, w2, weights, ids, cfg, None if limit is None else float(limit))
+
+
+def _fused(x, w13, w2, weights, ids, cfg, limit):
+    steps, finish = moe_steps(x, w13, w2, weights, ids, cfg=cfg, limit=limit)
     for _, step in steps:
         step()
     return finish()
 
 
-def moe_steps(x, w13, w2, weights, ids, *, cfg: dict | None = None):
+def moe_steps(x, w13, w2, weights, ids, *, cfg: dict | None = None, limit: float | None = None):
     """The launches of :func:`fused_moe` as (name, thunk) pairs, plus a thunk returning the output
     (``examples/kernel_bench.py`` times each stage)."""
     NT, C = x.shape
@@ -250,7 +269,7 @@ def moe_steps(x, w13, w2, weights, ids, *, cfg: dict | None = None):
     out = torch.empty(NT, Cp, dtype=x.dtype, device=dev)
     k_align = _align(E, BM)
     k_gather = _gather(Cp, K, BM, dt)
-    k_gemm1 = _gemm1(E, Cp, Ip, BM, c["BN1"], BK, c["stages"], c["threads"], dt)
+    k_gemm1 = _gemm1(E, Cp, Ip, BM, c["BN1"], BK, c["stages"], c["threads"], dt, limit)
     k_gemm2 = _gemm2(E, Cp, Ip, BM, c["BN2"], BK, c["stages"], c["threads"], dt)
     k_combine = _combine(Cp, K, E, dt)
     steps = [
@@ -274,4 +293,7 @@ def representative_kernels():
         ("moe_gemm2 large", lambda: build_gemm2(E, C, I, g["BM"], g["BN2"], g["BK"], g["stages"], g["threads"],
                                                 "bfloat16")),
         ("moe_combine", lambda: build_combine(C, 8, E, "bfloat16")),
+        # V4-Flash experts (hidden 4096, width 2048) with the SwiGLU clamp at 10
+        ("moe_gemm1 small clamped V4", lambda: build_gemm1(256, 4096, 2048, s["BM"], s["BN1"], s["BK"], s["stages"],
+                                                           s["threads"], "bfloat16", 10.0)),
     ]

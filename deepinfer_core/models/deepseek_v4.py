@@ -59,6 +59,10 @@ def rope_table(dim: int, theta: float, max_positions: int, rope: dict | None = N
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+#: new tokens per sequence up to which a prefill-free step takes the host-synchronisation-free decode path
+DECODE_MAX_Q = 16
+
+
 @dataclass
 class Step:
     """Per-step views shared by every layer."""
@@ -66,6 +70,14 @@ class Step:
     positions: torch.Tensor  # [T] int64
     seq_idx: torch.Tensor  # [T] int64: the token's row in the block tables
     meta: AttentionMetadata
+
+    @property
+    def decode(self) -> bool:
+        """A decode step (no prompt chunk, at most :data:`DECODE_MAX_Q` tokens per sequence: speculative
+        verification included): few tokens, and its path must not synchronise with the host (decode
+        steps are captured as device graphs)."""
+        d = self.meta.decode
+        return self.meta.prefill is None and (d is None or d.max_q_len <= DECODE_MAX_Q)
 
     def tables(self, group: str) -> torch.Tensor:
         return self.meta.groups[group].block_tables
@@ -100,11 +112,12 @@ class Compressor(nn.Module):
         xf = x.float()
         return torch.cat((self.k.linear(xf, self.wkv), self.k.linear(xf, self.wgate)), dim=-1)
 
-    def compress(self, state: torch.Tensor, step: Step, group: str, close: torch.Tensor, col: int, eps: float,
-                 cos_sin: torch.Tensor) -> torch.Tensor:
-        """Entries [N, dim] for the closing tokens ``close`` [N] (indices into the step)."""
-        return self.k.v4_compress(state, step.tables(group), step.seq_idx[close], step.positions[close], self.ape,
-                                  self.norm, eps, cos_sin, col)
+    def compress(self, state: torch.Tensor, step: Step, group: str, close: torch.Tensor | None, col: int,
+                 eps: float, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Entries [N, dim] for the closing tokens ``close`` [N] (indices into the step); None: every token
+        of the step (rows of tokens that close nothing are garbage, and never stored)."""
+        seq_idx, pos = (step.seq_idx, step.positions) if close is None else (step.seq_idx[close], step.positions[close])
+        return self.k.v4_compress(state, step.tables(group), seq_idx, pos, self.ape, self.norm, eps, cos_sin, col)
 
 
 class Attention(nn.Module):
@@ -160,20 +173,23 @@ class Attention(nn.Module):
             inputs = torch.cat((inputs, self.indexer.compressor.inputs(x)), dim=-1)
         k.paged_kv_write(state, step.slots(state_group), inputs)  # [T, state row]
         close_slots = step.slots(group)
-        close = (close_slots >= 0).nonzero().flatten()
-        if close.numel():
+        # decode steps (a few tokens) compress every token and never ask the host which close a window:
+        # no synchronisation, so they can be captured in a device graph; prefill chunks pick the closers
+        close = None if step.decode else (close_slots >= 0).nonzero().flatten()
+        if close is None or close.numel():
             eps = cfg.rms_norm_eps
             entry = self.compressor.compress(state, step, state_group, close, 0, eps, cos_sin)
             if self.indexer is not None:
                 ikey = self.indexer.compressor.compress(state, step, state_group, close, self.compressor.state_dim,
                                                         eps, cos_sin)
                 entry = torch.cat((entry, ikey), dim=-1)  # [N, D + DI]
-            k.paged_kv_write(comp_cache, close_slots[close], entry)
+            k.paged_kv_write(comp_cache, close_slots if close is None else close_slots[close], entry)
         if self.indexer is not None:  # CSA: the indexer's top-k
             comp_ids = self.indexer(x, qr, step, comp_cache[..., D:], comp_tables, cos_sin)
-        else:  # HCA: every closed entry
+        else:  # HCA: every closed entry (decode: up to the block tables' capacity, a shape-only bound)
             visible = (pos + 1) // cfg.compress_hca
-            ids = torch.arange(int(visible.max()) if T else 0, device=x.device).expand(T, -1)
+            n = comp_tables.shape[1] * comp_cache.shape[1] if step.decode else (int(visible.max()) if T else 0)
+            ids = torch.arange(n, device=x.device).expand(T, -1)
             comp_ids = torch.where(ids < visible[:, None], ids, torch.full_like(ids, -1))
         return comp_cache, comp_tables, comp_ids
 
