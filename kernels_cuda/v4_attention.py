@@ -150,7 +150,8 @@ def v4_sparse_attention(q, swa_cache, swa_tables, comp_cache, comp_tables, comp_
         comp_ids = torch.empty(T_, 0, dtype=torch.int32, device=dev)
     if comp_cache.stride(-1) != 1 or comp_cache.dtype != q.dtype:
         comp_cache = comp_cache.contiguous().to(q.dtype)
-    kern = _kernel(Hp, D, int(window), swa_cache.shape[1], swa_cache.shape[2], comp_cache.shape[2], _tl.tl_dtype(q.dtype))
+    kern = _kernel(Hp, D, int(window), swa_cache.shape[1], swa_cache.shape[2], comp_cache.shape[2],
+                   _tl.tl_dtype(q.dtype))
     out = torch.empty(T_, Hp, D, dtype=q.dtype, device=dev)
     kern(q.contiguous(), swa_cache, swa_tables.to(torch.int32).contiguous(), comp_cache.contiguous(),
          comp_tables.to(torch.int32).contiguous(), comp_ids.to(torch.int32).contiguous(),

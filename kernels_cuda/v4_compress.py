@@ -108,7 +108,7 @@ def v4_compress(state, block_tables, seq_idx, close_pos, ape, norm_w, eps, cos_s
     Dc = norm_w.shape[0]
     R = cos_sin.shape[-1]
     N = close_pos.shape[0]
-    if state.dtype != torch.float32 or N == 0 or state.device.type != "cuda":
+    if state.dtype != torch.float32 or N == 0:
         from kernels_cpu.v4_ops import v4_compress as ref
 
         return ref(state, block_tables, seq_idx, close_pos, ape, norm_w, eps, cos_sin, col)

@@ -90,8 +90,7 @@ def v4_indexer_scores(q, weights, keys, block_tables, seq_idx, positions, ratio,
 def v4_indexer_topk(q, weights, keys, block_tables, seq_idx, positions, ratio, top_k, scale):
     """``kernels_cpu.v4_ops.v4_indexer_topk``: ids [T, top_k] int64 of the best visible entries, -1 padded."""
     T_, HI, DI = q.shape
-    if (q.dtype not in (torch.bfloat16, torch.float16) or keys.dtype != q.dtype or HI % 16 or DI % 16
-            or q.device.type != "cuda"):
+    if q.dtype not in (torch.bfloat16, torch.float16) or keys.dtype != q.dtype or HI % 16 or DI % 16:
         from kernels_cpu.v4_ops import v4_indexer_topk as ref  # float32 / odd head counts
 
         return ref(q, weights, keys, block_tables, seq_idx, positions, ratio, top_k, scale)
