@@ -6,6 +6,7 @@ with the same weight tensors (``hf_twin.py``).
     python examples/benchmark.py --suite h200 --shape v2-lite --out DIR          # on the H200
     python examples/benchmark.py --suite h200 --shape v3-slice --out DIR
     python examples/benchmark.py --suite h200 --shape v2-lite --scale tiny --out DIR   # CPU, seconds
+    python examples/benchmark.py --suite h200 --shape v4-flash-slice --out DIR   # DeepSeek-V4 (v4_suite.py)
     PROFILE=1 python examples/benchmark.py --suite h200 ...   # + torch.profiler traces and kernel tables
 
 Shapes (``random_checkpoint.SHAPES``): ``v2-lite`` is DeepSeek-V2-Lite (27 layers, 15.7B parameters,
@@ -309,6 +310,11 @@ def save(res: dict, out_dir: Path | None) -> None:
 
 
 def run(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("v4-flash-slice", "--shape=v4-flash-slice") for a in argv):  # DeepSeek-V4: its own driver
+        from v4_suite import run as run_v4
+
+        return run_v4(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=["h200"], default="h200")
     ap.add_argument("--shape", default="v2-lite", choices=sorted(SHAPES))
