@@ -20,6 +20,7 @@ model with ``kernels_cpu`` ops on the GPU), which is what is compared on a trans
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -97,7 +98,8 @@ class Driver:
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.caches.values() for t in ts)
 
-    def meta(self, seqs: list[int], positions: list[list[int]], prefill: bool) -> tuple[torch.Tensor, AttentionMetadata]:
+    def meta(self, seqs: list[int], positions: list[list[int]],
+             prefill: bool) -> tuple[torch.Tensor, AttentionMetadata]:
         """Positions [T] and the metadata of a step feeding ``positions[i]`` of sequence ``seqs[i]``."""
         dev = self.device
         q_lens = [len(p) for p in positions]
@@ -217,6 +219,10 @@ def set_kernels(model: torch.nn.Module, k: Kernels) -> None:
             m.k = k
 
 
+def eager_step(model, ids, pos, meta, caches) -> torch.Tensor:
+    return model.logits(model(ids, pos, meta, caches))
+
+
 def decode_points(model, platform, opts: dict, ceil: dict, dtype, device, graphs_on: bool) -> list[dict]:
     """Per context (largest batch first, one cache layout per context), each batch's decode step time."""
     cfg = model.cfg
@@ -236,19 +242,20 @@ def decode_points(model, platform, opts: dict, ceil: dict, dtype, device, graphs
             batch = SimpleNamespace(input_ids=ids, positions=pos, meta=meta, keep_hidden=False,
                                     logit_rows=list(range(B)))
             assert graphs.accepts(batch)
-            step_s = _time(lambda b=batch: graphs.run(b), device, opts["warmup"], opts["window"])
+            step_s = _time(functools.partial(graphs.run, batch), device, opts["warmup"], opts["window"])
             hit = expected_distinct(cfg.n_routed_experts, cfg.num_experts_per_tok, B)
             wb = weight_bytes(model, B, hit)
             kb = kv_bytes(cfg, B, ctx, torch.tensor([], dtype=dtype).element_size())
             base = sum(wb.values()) + kb["window_kv"] + kb["compressed_kv"]
-            roof_s, roof_idx_s = base / (ceil["read_GBps"] * 1e9), (base + kb["indexer_keys"]) / (ceil["read_GBps"] * 1e9)
+            bw = ceil["read_GBps"] * 1e9
+            roof_s, roof_idx_s = base / bw, (base + kb["indexer_keys"]) / bw
             row = {"batch": B, "context": ctx, "step_ms": step_s * 1e3, "tok_s": B / step_s,
                    "graphs": bool(graphs.graphs), "capture_s": capture_s, "bytes": {**wb, **kb},
                    "bytes_per_step": base, "roofline_ms": roof_s * 1e3, "fraction": roof_s / step_s,
                    "fraction_with_indexer": roof_idx_s / step_s, "experts_hit": hit,
                    "experts_source": "uniform-routing expectation"}
             if B in eager_b:
-                fwd = lambda: model.logits(model(ids, pos, meta, drv.caches))  # noqa: E731
+                fwd = functools.partial(eager_step, model, ids, pos, meta, drv.caches)
                 row["eager_step_ms"] = _time(fwd, device, 1, max(3, opts["window"] // 2)) * 1e3
                 row["graphs_speedup"] = row["eager_step_ms"] / row["step_ms"]
             rows.append(row)
@@ -302,7 +309,7 @@ def baseline(model, opts: dict, dtype, device, fast_rows: list[dict]) -> dict:
             drv = Driver(model, B, ctx, ctx + DECODE_STEPS_MAX, opts["block_size"], dtype, device)
             pos, meta = drv.meta(list(range(B)), [[ctx] for _ in range(B)], prefill=False)
             ids = torch.randint(2, model.cfg.vocab_size, (B,), device=device)
-            ms = _time(lambda: model.logits(model(ids, pos, meta, drv.caches)), device, 1, 3) * 1e3
+            ms = _time(functools.partial(eager_step, model, ids, pos, meta, drv.caches), device, 1, 3) * 1e3
             r = {"batch": B, "context": ctx, "reference_step_ms": ms}
             if (B, ctx) in fast:
                 r["speedup"] = ms / fast[(B, ctx)]
