@@ -79,16 +79,81 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     return done
 
 
+def warm_v4(cfg, block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """The DeepSeek-V4 ops of ``v4_suite.py``'s forward (``cfg`` a ``V4Config``), one call per configuration."""
+    from deepinfer_core.models.deepseek_v4 import cache_layout
+    from kernels_cuda.elementwise import rope
+    from kernels_cuda.kv_cache import paged_kv_write
+    from kernels_cuda.norm import rms_norm
+    from kernels_cuda.v4_attention import v4_sparse_attention
+    from kernels_cuda.v4_compress import v4_compress
+    from kernels_cuda.v4_indexer import v4_indexer_topk
+    from kernels_cuda.v4_mhc import mhc_post, mhc_pre
+    from kernels_cuda.v4_moe import fused_moe_clamped, moe_route_v4
+
+    e, f32, z = torch.empty, torch.float32, torch.zeros
+    C, H, D, R, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.rope_dim, cfg.hc_mult
+    HI, DI, m, m2, W = cfg.index_n_heads, cfg.index_head_dim, cfg.compress_csa, cfg.compress_hca, cfg.sliding_window
+    done = []
+    for width in {C, cfg.q_lora_rank, D}:
+        rms_norm(e(8, width, dtype=dtype), e(width, dtype=dtype), 1e-6)
+        done.append(f"rms_norm C={width}")
+    for heads, dim in ((H, D), (1, D), (HI, DI)):
+        rope(e(4, heads, dim, dtype=dtype)[..., -R:], z(4, dtype=torch.long), e(16, R, dtype=f32))
+        done.append(f"rope {heads}x{dim}")
+    caches = {}
+    for g in cache_layout(cfg).groups:
+        caches[g.name] = e(4, g.entries_per_block(block_size), g.entry_dim, dtype=g.dtype or dtype)
+        paged_kv_write(caches[g.name], z(4, dtype=torch.long), e(4, g.entry_dim, dtype=f32))
+        done.append(f"paged_kv_write {g.name}")
+    tab, pos, seq = z(4, 8, dtype=torch.int32), z(4, dtype=torch.long), z(4, dtype=torch.long)
+    sinks = e(H, dtype=f32)
+    v4_sparse_attention(e(4, H, D, dtype=dtype), caches["swa"], tab, None, None, None, seq, pos, W, sinks, D**-0.5)
+    for group, ids in (("csa", z(4, cfg.index_topk, dtype=torch.long)), ("hca", z(4, 16, dtype=torch.long))):
+        v4_sparse_attention(e(4, H, D, dtype=dtype), caches["swa"], tab, caches[group], tab, ids, seq, pos, W, sinks,
+                            D**-0.5)
+    done.append("v4_sparse_attention swa/csa/hca")
+    cs = e(16, R, dtype=f32)
+    v4_compress(caches["csa_state"], tab, seq, pos, e(m, 2 * D, dtype=f32), e(D, dtype=f32), 1e-6, cs, 0)
+    v4_compress(caches["csa_state"], tab, seq, pos, e(m, 2 * DI, dtype=f32), e(DI, dtype=f32), 1e-6, cs, 4 * D)
+    v4_compress(caches["hca_state"], tab, seq, pos, e(m2, D, dtype=f32), e(D, dtype=f32), 1e-6, cs, 0)
+    v4_indexer_topk(e(4, HI, DI, dtype=dtype), e(4, HI, dtype=f32), caches["csa"][..., D:], tab, seq, pos, m,
+                    cfg.index_topk, DI**-0.5)
+    done += ["v4_compress csa/indexer/hca", "v4_indexer_topk"]
+    h = e(4, n, C, dtype=dtype)
+    x, post, comb = mhc_pre(h, e((2 + n) * n, n * C, dtype=f32), e((2 + n) * n, dtype=f32), e(3, dtype=f32),
+                            cfg.hc_sinkhorn_iters, 1e-6, 1e-6)
+    mhc_post(x, h, post, comb)
+    done.append("mhc_pre/post")
+    E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    w13, w2 = e(E, 2 * I, C, dtype=dtype), e(E, C, I, dtype=dtype)
+    for T in (1, 8192):  # both tile configurations of the fused MoE
+        moe_route_v4(e(T, E, dtype=f32), e(E, dtype=f32), None, k, cfg.scoring_func, 1.5)
+        moe_route_v4(e(T, E, dtype=f32), None, z(T, k, dtype=torch.long), k, cfg.scoring_func, 1.5)
+        fused_moe_clamped(e(T, C, dtype=dtype), w13, w2, e(T, k, dtype=dtype), z(T, k, dtype=torch.long),
+                          cfg.swiglu_limit)
+        done.append(f"moe_route_v4 + fused_moe_clamped T={T}")
+    return done
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="v2-lite,v3-slice", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--shapes", default="v2-lite,v3-slice,v4-flash-slice",
+                    help=f"comma-separated, of {sorted(SHAPES)} and v4-flash-slice")
     ap.add_argument("--block-size", type=int, default=64)
     args = ap.parse_args(argv)
     if os.environ.get("DEEPINFER_TL_DRYRUN", "") in ("", "0"):
         raise SystemExit("engine_warm.py compiles only: set DEEPINFER_TL_DRYRUN=1 (and TILELANG_CACHE_DIR)")
     for shape in args.shapes.split(","):
         t0 = time.time()
-        names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size)
+        if shape == "v4-flash-slice":  # DeepSeek-V4 (v4_suite.py: pages of 256 tokens)
+            from v4_suite import suite_config
+
+            from deepinfer_core.models.config_v4 import V4Config
+
+            names = warm_v4(V4Config.from_dict(suite_config("full")))
+        else:
+            names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size)
         print(f"{shape}: {len(names)} op calls compiled in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -5,7 +5,7 @@ TileLang cache folder, and pack it (a GPU machine then starts with no compile ti
     python examples/kernel_warm.py [--cache .gpu/tlcache] [--pack .gpu/tlcache.tar.xz]
                                    [--engine-shapes v2-lite,v3-slice | --engine-shapes none]
 
-``--engine-shapes`` (default v2-lite,v3-slice) also compiles the kernels the engine's bf16 forward uses
+``--engine-shapes`` (default v2-lite,v3-slice,v4-flash-slice) also compiles the kernels the engine's bf16 forward uses
 for those shapes (``engine_warm.py``: the full-model suite of ``benchmark.py --suite h200``).
 """
 
@@ -25,13 +25,14 @@ def main() -> None:
     ap.add_argument("--pack", default=str(ROOT / ".gpu" / "tlcache.tar.xz"))
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument("--engine-shapes", default="v2-lite,v3-slice", help="model shapes, or 'none'")
+    ap.add_argument("--engine-shapes", default="v2-lite,v3-slice,v4-flash-slice", help="model shapes, or 'none'")
     args = ap.parse_args()
     env = dict(os.environ, DEEPINFER_TL_DRYRUN="1", TILELANG_CACHE_DIR=args.cache, CUDA_VISIBLE_DEVICES="")
     if not args.skip_tests:
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         str(ROOT / "tests" / "test_kernels_cuda_gpu.py"),
-                        str(ROOT / "tests" / "test_cuda_graphs_gpu.py")], env=env, cwd=ROOT, check=True)
+                        str(ROOT / "tests" / "test_cuda_graphs_gpu.py"),
+                        str(ROOT / "tests" / "test_kernels_cuda_v4_gpu.py")], env=env, cwd=ROOT, check=True)
     if not args.skip_bench:
         subprocess.run([sys.executable, str(ROOT / "examples" / "kernel_bench.py"), "--dry"], env=env, cwd=ROOT,
                        check=True)

@@ -129,3 +129,38 @@ def test_suite_tiny_end_to_end(tmp_path, monkeypatch):
     png = tmp_path / "pareto.png"
     summary = plot([sweep_json, out / "results.json"], png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and all(s["front"] for s in summary)
+
+
+def test_v4_flash_slice_tiny_end_to_end(tmp_path):
+    """``--shape v4-flash-slice --scale tiny`` on the CPU: prefill, decode through the graph runner's static
+    per-group buffers (eager on a CPU) at each batch, and the reference-op baseline; the byte counts of the
+    roofline by hand for the tiny widths (D 64, DI 16, window 8, CSA 4 with top-4, HCA 16, float32)."""
+    from benchmark import main
+    from v4_suite import kv_bytes, suite_config
+
+    from deepinfer_core.models.config_v4 import V4Config
+
+    cfg = V4Config.from_dict(suite_config("tiny"))
+    # per token at context 40: window 4 layers x 8 keys x 64 x 4 B; CSA 2 x 4 picks x 64 x 4 B + HCA 2 x 64 x 4 B;
+    # indexer keys 2 x 10 x 16 x 4 B
+    assert kv_bytes(cfg, 2, 40, 4) == {"window_kv": 2 * 8192, "compressed_kv": 2 * 2560, "indexer_keys": 2 * 1280}
+    out = tmp_path / "v4"
+    main(["--suite", "h200", "--shape", "v4-flash-slice", "--scale", "tiny", "--accelerator", "cpu", "--out", str(out),
+          "--batches", "1,2", "--contexts", "40", "--prefill-len", "32", "--warmup", "1", "--window", "2",
+          "--eager-batches", "1", "--baseline-batches", "1"])
+    res = json.loads((out / "results.json").read_text())
+    assert res["shape"] == "v4-flash-slice" and res["model_config"]["layer_types"] == [
+        "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+        "compressed_sparse_attention"]
+    assert [(r["batch"], r["context"]) for r in res["decode"]] == [(1, 40), (2, 40)]
+    for r in res["decode"]:
+        b = r["bytes"]
+        assert r["step_ms"] > 0 and 0 < r["fraction"] < r["fraction_with_indexer"] < 1
+        assert r["bytes_per_step"] == pytest.approx(b["dense"] + b["routed_experts"] + b["embedding"] + b["lm_head"]
+                                                    + b["window_kv"] + b["compressed_kv"])
+        assert b["window_kv"] == r["batch"] * 8192 and r["graphs"] is False
+    assert res["decode"][0]["graphs_speedup"] > 0 and "graphs_speedup" not in res["decode"][1]
+    (pre,) = res["prefill"]
+    assert pre["prompt_len"] == 32 and pre["flops"]["total"] > pre["flops"]["weights"] > 0 and pre["fraction"] > 0
+    base = res["baseline"]
+    assert "transformers" in base["note"] and base["rows"][0]["batch"] == 1 and base["rows"][0]["speedup"] > 0
