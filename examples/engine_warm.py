@@ -85,6 +85,7 @@ def warm_v4(cfg, block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> 
     from kernels_cuda.elementwise import rope
     from kernels_cuda.kv_cache import paged_kv_write
     from kernels_cuda.norm import rms_norm
+    from kernels_cuda.sampling import sample
     from kernels_cuda.v4_attention import v4_sparse_attention
     from kernels_cuda.v4_compress import v4_compress
     from kernels_cuda.v4_indexer import v4_indexer_topk
@@ -127,31 +128,35 @@ def warm_v4(cfg, block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> 
     done.append("mhc_pre/post")
     E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     w13, w2 = e(E, 2 * I, C, dtype=dtype), e(E, C, I, dtype=dtype)
-    for T in (1, 8192):  # both tile configurations of the fused MoE
+    for T in (1, 8192 if E > 64 else 2048):  # both tile configurations of the fused MoE
         moe_route_v4(e(T, E, dtype=f32), e(E, dtype=f32), None, k, cfg.scoring_func, 1.5)
         moe_route_v4(e(T, E, dtype=f32), None, z(T, k, dtype=torch.long), k, cfg.scoring_func, 1.5)
         fused_moe_clamped(e(T, C, dtype=dtype), w13, w2, e(T, k, dtype=dtype), z(T, k, dtype=torch.long),
                           cfg.swiglu_limit)
         done.append(f"moe_route_v4 + fused_moe_clamped T={T}")
+    B = 4
+    sample(e(B, cfg.vocab_size), torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B), torch.zeros(B),
+           torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
+    done.append("sample")
     return done
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="v2-lite,v3-slice,v4-flash-slice",
-                    help=f"comma-separated, of {sorted(SHAPES)} and v4-flash-slice")
+    ap.add_argument("--shapes", default="v2-lite,v3-slice,v4-flash-slice,v4-graph-test",
+                    help=f"comma-separated, of {sorted(SHAPES)}, v4-flash-slice and v4-graph-test")
     ap.add_argument("--block-size", type=int, default=64)
     args = ap.parse_args(argv)
     if os.environ.get("DEEPINFER_TL_DRYRUN", "") in ("", "0"):
         raise SystemExit("engine_warm.py compiles only: set DEEPINFER_TL_DRYRUN=1 (and TILELANG_CACHE_DIR)")
     for shape in args.shapes.split(","):
         t0 = time.time()
-        if shape == "v4-flash-slice":  # DeepSeek-V4 (v4_suite.py: pages of 256 tokens)
-            from v4_suite import suite_config
+        if shape in ("v4-flash-slice", "v4-graph-test"):  # DeepSeek-V4 (v4_suite.py: pages of 256 tokens)
+            from v4_suite import GRAPH_TEST, suite_config
 
             from deepinfer_core.models.config_v4 import V4Config
 
-            names = warm_v4(V4Config.from_dict(suite_config("full")))
+            names = warm_v4(V4Config.from_dict(suite_config("full") if shape == "v4-flash-slice" else GRAPH_TEST))
         else:
             names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size)
         print(f"{shape}: {len(names)} op calls compiled in {time.time() - t0:.0f} s", flush=True)

@@ -5,8 +5,9 @@ TileLang cache folder, and pack it (a GPU machine then starts with no compile ti
     python examples/kernel_warm.py [--cache .gpu/tlcache] [--pack .gpu/tlcache.tar.xz]
                                    [--engine-shapes v2-lite,v3-slice | --engine-shapes none]
 
-``--engine-shapes`` (default v2-lite,v3-slice,v4-flash-slice) also compiles the kernels the engine's bf16 forward uses
-for those shapes (``engine_warm.py``: the full-model suite of ``benchmark.py --suite h200``).
+``--engine-shapes`` (default v2-lite,v3-slice,v4-flash-slice,v4-graph-test) also compiles the kernels the
+engine's bf16 forward uses for those shapes (``engine_warm.py``: the full-model suite of ``benchmark.py --suite
+h200``, and the random V4 of ``tests/test_v4_graphs.py``).
 """
 
 import argparse
@@ -25,7 +26,8 @@ def main() -> None:
     ap.add_argument("--pack", default=str(ROOT / ".gpu" / "tlcache.tar.xz"))
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument("--engine-shapes", default="v2-lite,v3-slice,v4-flash-slice", help="model shapes, or 'none'")
+    ap.add_argument("--engine-shapes", default="v2-lite,v3-slice,v4-flash-slice,v4-graph-test",
+                    help="model shapes, or 'none'")
     args = ap.parse_args()
     env = dict(os.environ, DEEPINFER_TL_DRYRUN="1", TILELANG_CACHE_DIR=args.cache, CUDA_VISIBLE_DEVICES="")
     if not args.skip_tests:

@@ -55,6 +55,17 @@ FLASH = dict(
 TINY = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, head_dim=64, q_lora_rank=32, o_groups=2,
             o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, index_n_heads=4,
             index_head_dim=16, index_topk=4, sliding_window=8, compress_rates={CSA: 4, HCA: 16})
+#: tests/test_v4_graphs.py's GPU model: small, but at shapes that run every V4 TileLang kernel (16 heads of 128,
+#: indexer 16 x 64 with a top-16 choice, 16 experts, hidden 512); its kernels are warmed by engine_warm.py
+GRAPH_TEST = dict(
+    architectures=["DeepseekV4ForCausalLM"], vocab_size=4096, hidden_size=512, num_hidden_layers=4,
+    num_attention_heads=16, head_dim=128, partial_rotary_factor=0.5, q_lora_rank=256, o_groups=2, o_lora_rank=128,
+    n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=256, index_n_heads=16, index_head_dim=64,
+    index_topk=16, sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20, compress_rates={CSA: 4, HCA: 128},
+    layer_types=[SWA, CSA, HCA, CSA], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    scoring_func="sqrtsoftplus", swiglu_limit=10.0, max_position_embeddings=2048, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
+)
 FULL_OPTS = dict(batches="1,64,256", contexts="8192,32768", prefill_len=8192, block_size=256, warmup=3, window=10,
                  eager_batches="1,64", baseline_batches="1,64", dtype="bfloat16")
 TINY_OPTS = dict(batches="1,4,8", contexts="64,160", prefill_len=128, block_size=16, warmup=1, window=3,

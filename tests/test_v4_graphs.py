@@ -23,7 +23,6 @@ import torch
 from deepinfer_core import LLM, SamplingParams
 
 SIZES = [1, 2, 4, 8]
-CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
 
 def greedy(n: int) -> SamplingParams:
@@ -55,15 +54,6 @@ def test_v4_padded_static_path_generates_like_eager():
 
 
 # ---- GPU -------------------------------------------------------------------------------------------
-GPU_CONFIG = dict(
-    architectures=["DeepseekV4ForCausalLM"], vocab_size=4096, hidden_size=512, num_hidden_layers=4,
-    num_attention_heads=16, head_dim=128, partial_rotary_factor=0.5, q_lora_rank=256, o_groups=2, o_lora_rank=128,
-    n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=256, index_n_heads=16, index_head_dim=64,
-    index_topk=16, sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20, compress_rates={CSA: 4, HCA: 128},
-    layer_types=[SWA, CSA, HCA, CSA], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-    scoring_func="sqrtsoftplus", swiglu_limit=10.0, max_position_embeddings=2048, tie_word_embeddings=False,
-    bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
-)
 TIE = 0.1  # nats
 
 
@@ -81,8 +71,9 @@ def _gpu_llm(path: Path, eager: bool) -> LLM:
 def test_v4_graphs_match_eager_on_gpu(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from random_checkpoint import write_config
+    from v4_suite import GRAPH_TEST
 
-    path = write_config(tmp_path / "v4", GPU_CONFIG)
+    path = write_config(tmp_path / "v4", GRAPH_TEST)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(2, 4096) for _ in range(n)]}
                for n in (150, 700, 255, 256, 300, 511, 129, 400, 620, 200)]
