@@ -204,4 +204,4 @@ def test_graph_path_kernels_compile(shape):
         ragged = DecodeMeta(torch.tensor([0, 2, 3]), torch.tensor([9, 4]), tables, max_q_len=2)
         slots = torch.full((10,), -1, dtype=torch.long)
         model(torch.zeros(10, dtype=torch.long), torch.zeros(10, dtype=torch.long),
-              AttentionMetadata(7, slots, prefill, ragged), kv)
+              AttentionMetadata(7, slots, prefill, ragged), {"latent": kv})
