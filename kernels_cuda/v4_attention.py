@@ -144,10 +144,10 @@ def v4_sparse_attention(q, swa_cache, swa_tables, comp_cache, comp_tables, comp_
     if Hp != H:  # odd test shapes only (V4-Flash/Pro: 64/128 heads); padded heads are dropped
         q = torch.nn.functional.pad(q, (0, 0, 0, Hp - H))
         sinks = torch.nn.functional.pad(sinks, (0, Hp - H))
-    if comp_ids is None or comp_ids.shape[1] == 0:  # window only: no compressed tile runs (K = 0)
+    if comp_ids is None or comp_ids.shape[1] == 0:  # window only: one compressed tile, every key masked
         comp_cache = swa_cache[:1, :1, :D]
         comp_tables = swa_tables[:, :1]
-        comp_ids = torch.empty(T_, 0, dtype=torch.int32, device=dev)
+        comp_ids = torch.full((T_, 1), -1, dtype=torch.int32, device=dev)  # (no zero-size tensor for TileLang)
     if comp_cache.stride(-1) != 1 or comp_cache.dtype != q.dtype:
         comp_cache = comp_cache.contiguous().to(q.dtype)
     kern = _kernel(Hp, D, int(window), swa_cache.shape[1], swa_cache.shape[2], comp_cache.shape[2],
