@@ -246,15 +246,12 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from deepinfer_core.config import compose
-    from deepinfer_core.llm import make_engine
     from deepinfer_core.serving.api_server import serve
 
     kw = _engine_overrides(args)
     if args.model is not None:
         kw["model"] = args.model
-    engine = make_engine(compose(args.config, **kw))
-    serve(engine, args.host, args.port, model_name=args.served_model_name or args.model,
+    serve(args.config, kw, args.host, args.port, model_name=args.served_model_name or args.model,
           max_queue_len=args.max_queue_len, chat_template=args.chat_template,
           reasoning=args.reasoning_parser == "think", log_level=args.log_level or "warning")
     return 0

@@ -235,7 +235,9 @@ def test_async_llm_engine_failure_fails_every_request_and_refuses_new_ones():
     llm = AsyncLLM(engine)
 
     async def main():
-        streams = [await llm.add(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True)) for _ in range(2)]
+        # both sent before the core's first step, so both are queued before the third step fails
+        streams = await asyncio.gather(*(llm.add(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+                                         for _ in range(2)))
         last = []
         for s in streams:
             async for u in s:

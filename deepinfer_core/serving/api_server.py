@@ -2,8 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream=true`` as
 server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET
-/metrics`` (Prometheus text), ``GET /version``, ``POST /v1/drain`` (stop admission, then forward
-unfinished requests with their KV: ``LLMEngine.start_drain``; also ``kill -USR1``).
+/metrics`` (Prometheus text), ``GET /version``.
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 naming the bad field, 404
 for an unknown model, 429 when the admission queue is full, 503 when the engine has failed. A
@@ -14,7 +13,6 @@ client that disconnects (streaming or not) has its request aborted and its KV bl
 
 import asyncio
 import logging
-import signal
 import time
 
 from deepinfer_core.serving.common import APIError, ServerState
@@ -118,25 +116,6 @@ def build_app(state: ServerState):
     async def prometheus():
         return Response(metrics.render() if metrics is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/kv_layout")
-    async def kv_layout():
-        """The engine's block size and KV store record layout (``LLMEngine.kv_layout_info``), for a router."""
-        info = getattr(state.llm.engine, "kv_layout_info", None)
-        if info is None:
-            return error_response(APIError(404, "this engine does not report its KV layout", code="not_found"))
-        return info()
-
-    @app.post("/v1/drain")
-    async def drain(request: Request):
-        """Stop admission; after ``grace_s`` (default: the engine's drain_grace_s) forward every
-        unfinished request with its KV (finish_reason "forwarded", kv_transfer_params)."""
-        body = await request.json() if await request.body() else {}
-        try:
-            state.llm.engine.start_drain(body.get("grace_s"))
-        except (ValueError, AttributeError) as exc:
-            return error_response(APIError(400, str(exc), "grace_s"))
-        return {"draining": True}
-
     @app.get("/version")
     async def version():
         return {"version": "0.1.0", "core_api_version": CORE_API_VERSION}
@@ -144,44 +123,44 @@ def build_app(state: ServerState):
     return app
 
 
-def make_state(engine, model_name: str | None, max_queue_len: int, chat_template: str | None = None,
+def make_state(llm, model_name: str | None, max_queue_len: int, chat_template: str | None = None,
                reasoning: bool = False) -> ServerState:
-    """Wrap a built engine (``deepinfer_core.llm.make_engine``) for serving."""
-    from deepinfer_core.models.generation_config import sampling_defaults
-    from deepinfer_core.serving.async_llm import AsyncLLM
+    """Wrap a started :class:`~deepinfer_core.serving.async_llm.AsyncLLM` for serving."""
     from deepinfer_core.serving.chat import ChatEncoder, ChatTemplateError
     from deepinfer_core.serving.metrics import ServingMetrics
 
-    cfg = engine.cfg
+    cfg = llm.config
     name = model_name or (cfg.model if cfg.model else "deepinfer-default")
-    metrics = ServingMetrics(name)
-    llm = AsyncLLM(engine, metrics, sampling_defaults(engine.model_dir))
+    if llm.metrics is None:
+        llm.metrics = ServingMetrics(name)
     encoder, chat_error = None, None
     try:
-        encoder = ChatEncoder(engine.model_dir, engine.tokenizer, chat_template)
+        encoder = ChatEncoder(llm.model_dir, llm.tokenizer, chat_template)
     except ChatTemplateError as exc:
         chat_error = str(exc)
         logger.warning("chat disabled: %s", exc)
     max_pending = cfg.max_num_seqs * max(cfg.dp, 1) + max_queue_len
-    return ServerState(llm, name, str(engine.model_dir), engine.max_model_len, max_pending, encoder, chat_error,
-                       reasoning)
+    return ServerState(llm, name, str(llm.model_dir), llm.max_model_len, max_pending, encoder, chat_error, reasoning)
 
 
-def serve(engine, host: str, port: int, model_name: str | None = None, max_queue_len: int = 1024,
-          chat_template: str | None = None, reasoning: bool = False, log_level: str = "warning") -> None:
-    """Serve until interrupted; shuts the engine down on exit."""
+def serve(config: str | dict | None, overrides: dict, host: str, port: int, model_name: str | None = None,
+          max_queue_len: int = 1024, chat_template: str | None = None, reasoning: bool = False,
+          log_level: str = "warning") -> None:
+    """Start the engine process for ``compose(config, **overrides)`` (the same config as
+    ``LLM(config=config, **overrides)``), then serve until interrupted; stops the engine on exit."""
     import uvicorn
 
-    state = make_state(engine, model_name, max_queue_len, chat_template, reasoning)
-    app = build_app(state)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    print(f"deepinfer serve: {state.model_name!r} on http://{host}:{port}/v1 (max {state.max_pending} requests in "
-          "flight)", flush=True)
-    if hasattr(signal, "SIGUSR1") and hasattr(engine, "start_drain") and engine.handoff is not None:
-        signal.signal(signal.SIGUSR1, lambda *_: engine.start_drain())  # `kill -USR1 PID` drains
+    from deepinfer_core.serving.async_llm import AsyncLLM
+
+    llm = AsyncLLM.spawn(config, log_level=overrides.get("log_level"), **overrides)
     try:
+        state = make_state(llm, model_name, max_queue_len, chat_template, reasoning)
+        app = build_app(state)
+        config_ = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                                 timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config_)
+        print(f"deepinfer serve: {state.model_name!r} on http://{host}:{port}/v1 (max {state.max_pending} requests "
+              f"in flight; engine process {llm.engine_pid})", flush=True)
         server.run()
     finally:
-        state.llm.shutdown()
+        llm.shutdown()

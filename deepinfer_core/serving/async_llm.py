@@ -1,45 +1,50 @@
-"""AsyncLLM: an asyncio front end over one engine, for servers.
+"""AsyncLLM: an asyncio front end over one engine core, for servers.
 
-One background **thread** owns the engine: it alone calls ``add_request``, ``abort`` and ``step``,
-so the engine stays single-threaded exactly as under ``LLM.generate``. Callers on the event loop
-send it commands (a thread-safe queue plus a wake-up event) and receive per-request updates, which
-the thread hands back once per step with ``loop.call_soon_threadsafe``.
+The engine runs in an :class:`~deepinfer_core.serving.engine_core.EngineCore` loop that alone calls
+``add_request``, ``abort`` and ``step``, so the engine stays single-threaded exactly as under
+``LLM.generate``. AsyncLLM talks to it over a socket in JSON frames (``serving/wire.py``): requests
+and aborts in, one frame of per-request output deltas per step out.
 
-Why a thread and not an asyncio task driving ``step()``: a step blocks for its whole forward pass
-(milliseconds on a GPU, up to seconds for a long prefill on a CPU); inside the event loop it would
-stall every connection, accept and SSE flush for that long. In a thread, torch releases the GIL
-during kernels, so the loop keeps serving while the device works. A separate engine process (vLLM
-v1's EngineCore) would also isolate the Python host work, at the price of serialising every
-request and output; with dp/ep > 1 the model already runs in worker processes and the thread only
-drives the :class:`~deepinfer_core.parallel.launcher.ParallelEngine`, which offers the same
-interface, so AsyncLLM works unchanged there.
+``AsyncLLM.spawn(config, **overrides)`` (what ``deepinfer serve`` uses) runs the core in its own
+process, as vLLM v1 runs its EngineCore: the engine's per-step Python work (scheduling, sampling
+bookkeeping, detokenization) and the API process's HTTP/SSE work then never wait on one GIL, which
+on a busy machine cost a quarter of the throughput when they shared one. With dp/ep > 1 the core
+drives a :class:`~deepinfer_core.parallel.launcher.ParallelEngine` inside that process, unchanged.
 
-Each update carries, per completion, the tokens, text and logprobs added since the previous one.
-Text comes from an incremental detokenizer; while a request with stop strings runs, the last
-``max_stop_len - 1`` characters are held back, so streamed text never has to be taken back. The
-final update's text is cut from the full decode, so the concatenated stream equals
-``LLM.generate``'s text exactly.
+``AsyncLLM(engine)`` runs the same core in a thread over an engine object already built in this
+process, through the same socket and frames. It exists for callers that hold such an object, which
+cannot cross a process boundary: tests that instrument the engine (count its steps, make a step
+fail) and programs embedding an engine they configured themselves.
 
-Abort (``RequestStream.abort()``, or the consumer leaving the ``async for``) reaches the engine
-thread before its next step; the engine frees the request's KV blocks at once (with dp/ep, the
-owning rank does in the next lock step).
+A reader thread receives the frames and hands them to the event loop (``call_soon_threadsafe``),
+which routes each update to its :class:`RequestStream`. If the engine process dies, the socket reads
+EOF at once: every request fails with :class:`EngineDeadError`, ``error`` is set (``/health`` then
+answers 503) and new requests are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from deepinfer_core.engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from deepinfer_core.engine.sample_group import SampleGroup, as_params, completion_output
 from deepinfer_core.outputs import Logprob, RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.serving.wire import (
+    Channel,
+    error_from_wire,
+    logprobs_from_wire,
+    output_from_wire,
+    params_to_wire,
+)
 
 logger = logging.getLogger("deepinfer.serving")
 
@@ -71,35 +76,17 @@ class RequestUpdate:
     error: BaseException | None = None  # the request failed (finish_reason "error"), or the engine died
 
 
-@dataclass
-class _Child:
-    detok: IncrementalDetokenizer
-    tokens: int = 0  # output tokens reported
-    chars: int = 0  # text characters reported
-    logprobs: int = 0  # logprob entries reported
-    done: bool = False
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-
-@dataclass
-class _Tracked:
-    request_id: str
-    group: SampleGroup
-    stream: RequestStream
-    arrival: float
-    children: list[_Child] = field(default_factory=list)
-
-
 class RequestStream:
     """The updates of one request, consumed with ``async for`` on the event loop."""
 
-    def __init__(self, owner: AsyncLLM, request_id: str) -> None:
+    def __init__(self, owner: AsyncLLM, request_id: str, weight: int, arrival: float) -> None:
         self.owner, self.request_id = owner, request_id
         self.queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self.finished = False
-        self.weight = 1  # completions it draws (n / best_of): what it counts against the admission limit
+        self.weight = weight  # completions it draws (n / best_of): what it counts against the admission limit
+        self.arrival = arrival
+        self.token_times: dict[int, tuple[float, float]] = {}  # per completion: first and last token seen
 
     async def __aiter__(self) -> AsyncIterator[RequestUpdate]:
         try:
@@ -118,51 +105,115 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """An engine driven by a background thread; ``add`` a request, then iterate its stream.
+    """Add a request, then iterate its stream. ``AsyncLLM(engine)`` runs the core in a thread over an
+    in-process engine; :meth:`spawn` runs it in its own process (see the module docstring).
 
-    ``engine``: an ``LLMEngine`` or ``ParallelEngine`` (``deepinfer_core.llm.make_engine``).
     ``metrics``: an optional :class:`~deepinfer_core.serving.metrics.ServingMetrics`.
+    ``sampling_defaults``: what ``params=None`` means (the checkpoint's generation_config.json).
     """
 
     def __init__(self, engine, metrics=None, sampling_defaults: dict | None = None) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+        from deepinfer_core.serving.engine_core import EngineCore, engine_info
+
+        ours, theirs = socket.socketpair()
+        core = EngineCore(engine, Channel(theirs), sampling_defaults)
+        self._engine, self._proc = engine, None
+        self._core_thread = threading.Thread(target=self._run_core, args=(core, theirs), name="deepinfer-engine",
+                                             daemon=True)
+        self._setup(Channel(ours), engine.cfg, engine_info(engine), engine.tokenizer, metrics, sampling_defaults)
+        self._core_thread.start()
+
+    @staticmethod
+    def _run_core(core, sock: socket.socket) -> None:
+        try:
+            core.run()
+        finally:
+            sock.close()
+
+    @classmethod
+    def spawn(cls, config: str | dict | None = None, metrics=None, log_level: str | None = None,
+              **overrides) -> AsyncLLM:
+        """An engine core in its own process, built from ``compose(config, **overrides)`` exactly as
+        ``LLM(config=config, **overrides)`` builds its engine. A bad config raises here (ConfigError)
+        before any process starts; an error building the engine (missing checkpoint, no accelerator)
+        is raised again here with the same class and message."""
+        from deepinfer_core.config import compose
+        from deepinfer_core.engine.tokenizer import HFTokenizer
+        from deepinfer_core.models.generation_config import sampling_defaults
+
+        cfg = compose(config, **overrides)
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.serving.engine_core", str(theirs.fileno())],
+                                pass_fds=(theirs.fileno(),), env=env, start_new_session=True)
+        theirs.close()
+        channel = Channel(ours)
+        try:
+            channel.send({"config": config, "overrides": overrides, "log_level": log_level})
+            try:
+                first = channel.recv()[0]
+            except (EOFError, OSError):
+                raise RuntimeError(f"the engine process exited while starting ({_exit_text(proc)})") from None
+            if first["t"] == "failed":  # the process says why and exits
+                channel.close()
+                _stop_process(proc, 30)
+                raise error_from_wire(first["error"])
+        except BaseException:
+            if proc.poll() is None:  # interrupted while the engine was still being built
+                proc.kill()
+                proc.wait()
+            channel.close()
+            raise
+        info = first["info"]
+        self = cls.__new__(cls)
+        self._engine, self._proc, self._core_thread = None, proc, None
+        tokenizer = HFTokenizer.load(info["model_dir"], info["bos_token_id"], info["eos_token_id"])
+        self._setup(channel, cfg, info, tokenizer, metrics, sampling_defaults(info["model_dir"]))
+        return self
+
+    def _setup(self, channel: Channel, cfg, info: dict, tokenizer, metrics, sampling_defaults: dict | None) -> None:
+        self.config = cfg
+        self.model_dir = info["model_dir"]
+        self.max_model_len = info["max_model_len"]
+        self.tokenizer = tokenizer
         self.metrics = metrics
         self.sampling_defaults = dict(sampling_defaults or {})
         self.error: BaseException | None = None
         self.num_unfinished = 0  # completions (n per request) added and not yet finished (event-loop side)
-        self._texts = TokenTexts(self.tokenizer)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._channel = channel
+        self._send_lock = threading.Lock()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
-        self._aborted = False
-        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
-        self._thread.start()
+        self._streams: dict[str, RequestStream] = {}  # event-loop side
+        self._reader = threading.Thread(target=self._read, name="deepinfer-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id (None when the core runs in a thread)."""
+        return None if self._proc is None else self._proc.pid
 
     # ---- event-loop side ------------------------------------------------------------------
     async def add(self, prompt, params: SamplingParams | dict | None = None,
                   request_id: str | None = None, arrival: float | None = None) -> RequestStream:
         """Queue a request. Raises the engine's ValueError/TypeError for bad input (before any
         output), :class:`EngineDeadError` if the engine failed."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine failed: {self.error}") from self.error
-        if self._closed:
-            raise EngineDeadError("the engine is shut down")
+        self._check_alive()
         self._loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(self, request_id)
-        stream.weight = params.num_samples if isinstance(params, SamplingParams) else 1
-        self.num_unfinished += stream.weight
-        self._send(("add", request_id, prompt, params, stream, arrival or time.perf_counter()))
+        weight = params.num_samples if isinstance(params, SamplingParams) else 1
+        stream = RequestStream(self, request_id, weight, arrival or time.perf_counter())
+        self._streams[request_id] = stream
+        self.num_unfinished += weight
+        self._send(["add", request_id, prompt, params_to_wire(params)])
         try:
             await stream.accepted
         except asyncio.CancelledError:  # the caller left while the request was being queued
-            stream.abort()  # its abort (or rejection) update settles num_unfinished
+            stream.abort()  # its abort (or rejection) frame settles num_unfinished
             raise
         except BaseException:
-            self.num_unfinished -= stream.weight
             stream.finished = True
             raise
         return stream
@@ -173,180 +224,145 @@ class AsyncLLM:
         stream = await self.add(prompt, params, request_id)
         async for update in stream:
             if update.finished:
+                if update.error is not None and update.output is None:
+                    raise EngineDeadError(f"the engine failed: {update.error}") from update.error
                 return update.output
         raise EngineDeadError("request stream ended without an output")
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        if self.error is None:
+            self._send(["abort", request_id])
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._send(("stop",))
-        self._thread.join(timeout=60)
-        self.engine.shutdown()
-
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    def _deliver(self, updates: list[tuple[RequestStream, RequestUpdate | BaseException | None]]) -> None:
-        for stream, item in updates:
-            if isinstance(item, BaseException):  # add_request rejected it
-                if stream.accepted.done():  # its caller was cancelled meanwhile: nobody else counts it
-                    self.num_unfinished -= stream.weight
-                else:
-                    stream.accepted.set_exception(item)
-                continue
-            if not stream.accepted.done():
-                stream.accepted.set_result(None)
-            if item is not None:
-                if item.finished:
-                    self.num_unfinished -= stream.weight
-                stream.queue.put_nowait(item)
-
-    # ---- engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            out: list = []
-            self._aborted = False
-            if not self._apply_commands(out):
-                break
-            try:
-                if engine.has_unfinished() or self._aborted:  # a step also drops aborted requests
-                    engine.step()
-                    for t in list(self._tracked.values()):
-                        if t.group.pending:
-                            t.group.release(engine)
-                    self._collect(out)
-                    if self.metrics is not None:
-                        self.metrics.engine_load(engine.load_stats())
-                else:
-                    self._post(out)
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-            except Exception as exc:  # the engine itself failed: every request fails with it
-                logger.exception("engine step failed; failing all requests")
-                self.error = exc
-                for t in self._tracked.values():
-                    out.append((t.stream, self._failed_update(t, exc)))
-                self._tracked.clear()
-                self._post(out)
-                self._drain_after_failure(exc)
-                return
-            self._post(out)
-
-    def _post(self, out: list) -> None:
-        if out and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, out)
-
-    def _apply_commands(self, out: list) -> bool:
-        """Adds and aborts sent since the last step; False on stop."""
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if cmd[0] == "stop":
-                for t in self._tracked.values():
-                    self._abort_group(t)
-                return False
-            if cmd[0] == "abort":
-                t = self._tracked.pop(cmd[1], None)
-                if t is not None:
-                    self._abort_group(t)
-                    self._aborted = True
-                    out.append((t.stream, RequestUpdate(t.request_id, [], True, len(t.group.seqs[0].prompt_token_ids),
-                                                        output=None)))
-                    if self.metrics is not None:
-                        self.metrics.request_finished("abort", t.group.seqs[0])
-                continue
-            _, rid, prompt, params, stream, arrival = cmd
-            try:
-                params = as_params(params, self.sampling_defaults)
-                group = SampleGroup(self.engine, prompt, params, rid)
-            except (ValueError, TypeError) as exc:
-                out.append((stream, exc))
-                continue
-            t = _Tracked(rid, group, stream, arrival)
-            self._tracked[rid] = t
-            out.append((stream, None))
-
-    def _abort_group(self, t: _Tracked) -> None:
-        for seq in t.group.seqs:
-            if not seq.is_finished:
-                self.engine.abort(seq.request_id)
-        t.group._child_params = t.group._child_params[: len(t.group.seqs)]  # siblings never queued
-
-    def _collect(self, out: list) -> None:
-        now = time.perf_counter()
-        for rid, t in list(self._tracked.items()):
-            deltas = []
-            for i, seq in enumerate(t.group.seqs):
-                if i == len(t.children):
-                    t.children.append(_Child(IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)))
-                d = self._child_delta(t, i, seq, now)
-                if d is not None:
-                    deltas.append(d)
-            finished = t.group.finished
-            if not deltas and not finished:
-                continue
-            first = t.group.seqs[0]
-            update = RequestUpdate(rid, deltas, finished, len(first.prompt_token_ids), first.metrics.num_cached_tokens)
-            if finished:
-                del self._tracked[rid]
-                update.output = t.group.output(self.tokenizer, self._texts)
-                errors = [s.error for s in t.group.seqs if s.error is not None]
-                update.error = errors[0] if errors else None
-                if self.metrics is not None:
-                    for seq in t.group.seqs:
-                        self.metrics.request_finished(seq.finish_reason, seq, t.arrival)
-            out.append((t.stream, update))
-
-    def _child_delta(self, t: _Tracked, i: int, seq, now: float) -> CompletionDelta | None:
-        c = t.children[i]
-        if c.done:
-            return None
-        n = seq.num_output_tokens
-        if n == c.tokens and not seq.is_finished:
-            return None
-        new_ids = seq.token_ids[seq.num_prompt_tokens + c.tokens : seq.num_known_tokens]
-        c.detok.feed(new_ids)
-        if new_ids and self.metrics is not None:
-            self.metrics.tokens_emitted(len(new_ids), now, t.arrival, c.first_token_time, c.last_token_time)
-        if new_ids:
-            c.first_token_time = c.first_token_time or now
-            c.last_token_time = now
-        c.tokens = n
-        if seq.is_finished:
-            text = completion_output(seq, self.tokenizer).text
-            if not text.startswith(c.detok.text[: c.chars]):
-                logger.warning("request %s: incremental text diverged from the full decode", seq.request_id)
-            delta_text, c.chars, c.done = text[c.chars:], len(text), True
+        self._send(["stop"])
+        if self._proc is not None:
+            _stop_process(self._proc, 60)
         else:
-            visible = len(c.detok.text) - max(0, seq.params.max_stop_len - 1)
-            delta_text = c.detok.text[c.chars:visible] if visible > c.chars else ""
-            c.chars = max(c.chars, visible)
-        logprobs = None
-        if seq.params.logprobs is not None:
-            logprobs = seq.output_logprobs[c.logprobs:]
-            c.logprobs = len(seq.output_logprobs)
-            self._texts.fill(logprobs)
-        return CompletionDelta(i, delta_text, new_ids, logprobs, seq.finish_reason if c.done else None,
-                               seq.stop_reason if c.done else None)
+            self._core_thread.join(timeout=60)
+            self._engine.shutdown()
+        self._channel.close()
 
-    def _failed_update(self, t: _Tracked, exc: BaseException) -> RequestUpdate:
-        deltas = [CompletionDelta(i, "", [], None, "error") for i in range(len(t.group.seqs))]
-        return RequestUpdate(t.request_id, deltas, True, len(t.group.seqs[0].prompt_token_ids), error=exc)
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed: {self.error}") from self.error
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
 
-    def _drain_after_failure(self, exc: BaseException) -> None:
-        """After an engine failure: reject whatever is still sent, until stop."""
+    def _send(self, command: list) -> None:
+        try:
+            with self._send_lock:
+                self._channel.send(command)
+        except OSError:  # the engine is gone: the reader reports it
+            pass
+
+    # ---- frames from the engine core --------------------------------------------------------
+    def _read(self) -> None:
+        """Reader thread: frames to the event loop; EOF marks the engine dead."""
         while True:
-            cmd = self._commands.get()
-            if cmd[0] == "stop":
+            try:
+                frames = self._channel.recv()
+            except (EOFError, OSError):
+                if not self._closed:
+                    self._died(EngineDeadError(f"the engine {self._exit_text()}"))
                 return
-            if cmd[0] == "add":
-                self._post([(cmd[4], EngineDeadError(f"the engine failed: {exc}"))])
+            for f in frames:
+                if f["t"] == "dead":
+                    self._died(error_from_wire(f["error"]))
+            self._post(self._on_frames, frames)
+
+    def _exit_text(self) -> str:
+        if self._proc is None:
+            return "thread stopped"
+        try:
+            self._proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        return f"process exited unexpectedly ({_exit_text(self._proc)})"
+
+    def _died(self, exc: BaseException) -> None:
+        if self.error is None:
+            logger.error("engine failed: %s; failing all requests", exc)
+            self.error = exc
+        self._post(self._fail_all, exc)
+
+    def _post(self, fn, arg) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, arg)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _finish(self, request_id: str) -> RequestStream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.num_unfinished -= stream.weight
+        return stream
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._streams):
+            stream = self._finish(rid)
+            if not stream.accepted.done():
+                stream.accepted.set_exception(EngineDeadError(f"the engine failed: {exc}"))
+                continue
+            deltas = [CompletionDelta(i, "", [], None, "error") for i in range(stream.weight)]
+            stream.queue.put_nowait(RequestUpdate(rid, deltas, True, 0, error=exc))
+
+    def _on_frames(self, frames: list) -> None:
+        now = time.perf_counter()
+        metrics = self.metrics
+        for f in frames:
+            if f["t"] != "step":
+                continue
+            for rid in f["acc"]:
+                stream = self._streams.get(rid)
+                if stream is not None and not stream.accepted.done():
+                    stream.accepted.set_result(None)
+            for rid, err in f["rej"]:
+                stream = self._finish(rid)
+                if stream is not None and not stream.accepted.done():
+                    stream.accepted.set_exception(error_from_wire(err))
+            for u in f["u"]:
+                self._route(u, now)
+            if metrics is not None and "load" in f:
+                metrics.engine_load(f["load"])
+
+    def _route(self, u: list, now: float) -> None:
+        rid, finished, num_prompt, num_cached, deltas, output, error, stats = u
+        stream = self._finish(rid) if finished else self._streams.get(rid)
+        if stream is None:
+            return
+        if not stream.accepted.done():
+            stream.accepted.set_result(None)
+        metrics = self.metrics
+        ds = []
+        for i, text, ids, lps, reason, stop in deltas:
+            ds.append(CompletionDelta(i, text, ids, logprobs_from_wire(lps), reason, stop))
+            if ids and metrics is not None:
+                first, last = stream.token_times.get(i, (None, None))
+                metrics.tokens_emitted(len(ids), now, stream.arrival, first, last)
+                stream.token_times[i] = (first or now, now)
+        if stats is not None and metrics is not None:
+            for reason, prompt_tokens, tiers, accept in stats:
+                metrics.request_finished(reason, prompt_tokens, tiers, accept, now - stream.arrival)
+        stream.queue.put_nowait(RequestUpdate(rid, ds, finished, num_prompt, num_cached,
+                                              None if output is None else output_from_wire(output),
+                                              error_from_wire(error)))
+
+
+def _exit_text(proc: subprocess.Popen) -> str:
+    rc = proc.poll()
+    if rc is None:
+        return "still running"
+    return f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+
+
+def _stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -2,7 +2,8 @@
 
 Latencies are measured from the moment the server received the request, so they include the HTTP
 layer and the admission queue: what a client sees. Each server owns its registry (no process-wide
-state), and every update is thread-safe (the engine thread writes, the event loop reads).
+state). The engine core ships what they count with its output frames (``serving/engine_core.py``);
+the event loop records it on arrival.
 """
 
 from __future__ import annotations
@@ -63,17 +64,17 @@ class ServingMetrics:
             for _ in range(n):
                 self._itl.observe(gap)
 
-    def request_finished(self, reason: str | None, seq, arrival: float | None = None) -> None:
+    def request_finished(self, reason: str | None, prompt_tokens: int, cached_by_tier: dict[str, int],
+                         accept_rate: float | None, e2e: float) -> None:
+        """One completion finished (``reason``); ``e2e``: seconds since the server received it."""
         m = self.model_name
         self.requests.labels(m, reason or "unknown").inc()
-        self.prompt_tokens.labels(m).inc(len(seq.prompt_token_ids))
-        for tier, n in seq.metrics.num_cached_tokens_by_tier.items():
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        for tier, n in cached_by_tier.items():
             self.cache_hits.labels(m, tier).inc(n)
-        rate = seq.metrics.extra.get("accept_rate")
-        if rate is not None:
-            self.spec_accept.labels(m).observe(rate)
-        if arrival is not None and seq.metrics.finished_time is not None:
-            self.e2e.labels(m).observe(max(0.0, seq.metrics.finished_time - arrival))
+        if accept_rate is not None:
+            self.spec_accept.labels(m).observe(accept_rate)
+        self.e2e.labels(m).observe(max(0.0, e2e))
 
     def reject(self, code: int) -> None:
         self.rejected.labels(self.model_name, str(code)).inc()
