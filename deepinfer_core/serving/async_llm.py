@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from deepinfer_core.outputs import Logprob, RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
@@ -169,13 +170,14 @@ class AsyncLLM:
         info = first["info"]
         self = cls.__new__(cls)
         self._engine, self._proc, self._core_thread = None, proc, None
-        tokenizer = HFTokenizer.load(info["model_dir"], info["bos_token_id"], info["eos_token_id"])
-        self._setup(channel, cfg, info, tokenizer, metrics, sampling_defaults(info["model_dir"]))
+        model_dir = Path(info["model_dir"])
+        tokenizer = HFTokenizer.load(model_dir, info["bos_token_id"], info["eos_token_id"])
+        self._setup(channel, cfg, info, tokenizer, metrics, sampling_defaults(model_dir))
         return self
 
     def _setup(self, channel: Channel, cfg, info: dict, tokenizer, metrics, sampling_defaults: dict | None) -> None:
         self.config = cfg
-        self.model_dir = info["model_dir"]
+        self.model_dir = Path(info["model_dir"])
         self.max_model_len = info["max_model_len"]
         self.tokenizer = tokenizer
         self.metrics = metrics

@@ -97,24 +97,30 @@ def logprobs_from_wire(entries: list | None) -> list[dict[int, Logprob] | None] 
 
 # ---- errors --------------------------------------------------------------------------------------------
 def error_to_wire(exc: BaseException | None) -> list | None:
-    return None if exc is None else [type(exc).__name__, str(exc)]
+    """``[class name, message, nearest built-in class name]``."""
+    if exc is None:
+        return None
+    base = next(c for c in type(exc).__mro__ if getattr(builtins, c.__name__, None) is c)
+    return [type(exc).__name__, str(exc), base.__name__]
 
 
 def error_from_wire(err: list | None) -> BaseException | None:
-    """The same built-in exception class (ValueError, TypeError, FileNotFoundError, ...) with the same
-    message; a class that is not built in (ConfigError, a plugin's) keeps its name in the message
-    and becomes a RuntimeError, or a ValueError for ConfigError (one of ValueError's subclasses)."""
+    """An exception of the nearest built-in class (a plugin's GrammarError stays a ValueError) with
+    the same message; ConfigError is rebuilt as itself. Where the built-in class says little
+    (RuntimeError, Exception), the message keeps the original class name."""
     if err is None:
         return None
-    name, message = err
-    cls = getattr(builtins, name, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        return cls(message)
+    name, message, base = err
     if name == "ConfigError":
         from deepinfer_core.config import ConfigError
 
         return ConfigError(message)
-    return RuntimeError(f"{name}: {message}")
+    cls = getattr(builtins, base, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = RuntimeError
+    if name != cls.__name__ and cls in (Exception, RuntimeError):
+        message = f"{name}: {message}"
+    return cls(message)
 
 
 # ---- a finished request's output ---------------------------------------------------------------------
