@@ -157,14 +157,18 @@ def run_offline(engine, prompts: list[list[int]], concurrency: int, output_len: 
 
 
 def _process_cpu(pid: int | None) -> float:
-    """User + system CPU seconds of a process (Linux /proc), 0.0 where unknown."""
+    """User + system CPU seconds of a process and its live descendants (the server and its engine
+    process), from Linux /proc; 0.0 where unknown."""
     if pid is None:
         return 0.0
     try:
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        children = [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                    for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(_process_cpu(c) for c in children)
 
 
 def _free_port() -> int:
