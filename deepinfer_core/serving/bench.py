@@ -50,64 +50,52 @@ def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int
 
 
 async def run_level(client, model: str, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
-    """Closed-loop streaming requests through the openai client."""
+    """Closed-loop streaming requests through the openai client (or, given a plain HTTP client, raw
+    SSE frames split but not parsed into objects: a lighter client)."""
     ttfts, itls, ok, errors, error_texts = [], [], 0, 0, []
     out_tokens = 0
     queue = list(range(len(prompts)))
 
+    async def openai_chunks(i: int):
+        """(carries a choice, finish reason, completion tokens from usage) per stream chunk."""
+        stream = await client.completions.create(
+            model=model, prompt=prompts[i], max_tokens=output_len, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            yield (bool(chunk.choices), chunk.choices[0].finish_reason if chunk.choices else None,
+                   chunk.usage.completion_tokens if chunk.usage is not None else None)
+
+    async def raw_chunks(i: int):
+        body = {"model": model, "prompt": prompts[i], "max_tokens": output_len, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        async with client.stream("POST", "/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if '"choices":[]' in line:
+                    yield False, None, json.loads(line[6:])["usage"]["completion_tokens"]
+                elif '"finish_reason":"' in line:
+                    yield True, json.loads(line[6:])["choices"][0]["finish_reason"], None
+                else:
+                    yield True, None, None
+
+    chunks = openai_chunks if hasattr(client, "completions") else raw_chunks
+
     async def one(i: int) -> None:
         nonlocal ok, errors, out_tokens
         t0 = time.perf_counter()
-        last = None
-        finish, tokens = None, None
-        try:
-            stream = await client.completions.create(
-                model=model, prompt=prompts[i], max_tokens=output_len, temperature=0.0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                now = time.perf_counter()
-                if chunk.choices:
-                    if last is None:
-                        ttfts.append(now - t0)
-                    else:
-                        itls.append(now - last)
-                    last = now
-                    finish = chunk.choices[0].finish_reason or finish
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-        except Exception as exc:
-            errors += 1
-            error_texts.append(f"{type(exc).__name__}: {exc}"[:200])
-            return
-        if finish is not None and tokens == output_len:
-            ok += 1
-            out_tokens += tokens
-
-    async def one_raw(i: int) -> None:
-        """The same request over plain HTTP, frames split but not parsed into objects (a light client)."""
-        nonlocal ok, errors, out_tokens
-        t0 = time.perf_counter()
         last, finish, tokens = None, None, None
-        body = {"model": model, "prompt": prompts[i], "max_tokens": output_len, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
         try:
-            async with raw.stream("POST", "/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    now = time.perf_counter()
-                    if '"choices":[]' in line:
-                        tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-                        continue
-                    if last is None:
-                        ttfts.append(now - t0)
-                    else:
-                        itls.append(now - last)
+            async for has_choice, reason, used in chunks(i):
+                now = time.perf_counter()
+                if has_choice:
+                    (ttfts if last is None else itls).append(now - (t0 if last is None else last))
                     last = now
-                    if '"finish_reason":"' in line:
-                        finish = json.loads(line[6:])["choices"][0]["finish_reason"]
+                    finish = reason or finish
+                if used is not None:
+                    tokens = used
         except Exception as exc:
             errors += 1
             error_texts.append(f"{type(exc).__name__}: {exc}"[:200])
@@ -115,10 +103,6 @@ async def run_level(client, model: str, prompts: list[list[int]], concurrency: i
         if finish is not None and tokens == output_len:
             ok += 1
             out_tokens += tokens
-
-    raw = None
-    if not hasattr(client, "completions"):  # a plain HTTP client: the light load generator
-        raw, one = client, one_raw  # noqa: F811
 
     async def worker() -> None:
         while queue:

@@ -9,7 +9,17 @@ import time
 from collections.abc import AsyncIterator
 
 from deepinfer_core.outputs import Logprob
-from deepinfer_core.serving.common import APIError, ServerState, failed, merged, request_id, sse, usage
+from deepinfer_core.serving.common import (
+    APIError,
+    ServerState,
+    chunk_writer,
+    failed,
+    live_updates,
+    merged,
+    request_id,
+    sse,
+    usage,
+)
 from deepinfer_core.serving.protocol import ChatCompletionRequest, NamedToolChoice, UnsupportedField
 from deepinfer_core.serving.tool_parser import MessageParser, ReasoningParser, tool_call_grammar, tool_format_for
 
@@ -112,26 +122,14 @@ async def _whole(state: ServerState, streams, rid: str, parser, top_n: int) -> d
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, streams, rid: str, parser,
                   top_n: int) -> AsyncIterator[str]:
-    created = int(time.time())
+    chunk = chunk_writer(rid, "chat.completion.chunk", state.model_name)
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     parsers: dict[int, MessageParser] = {}
     completion_tokens = 0
-
-    def chunk(choices: list[dict], use: dict | None = None) -> str:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                "choices": choices}
-        if use is not None:
-            body["usage"] = use
-        return sse(body)
-
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(req.n)])
     try:
-        async for _, update in merged(streams):
-            err = failed(update) if update.finished else None
-            if err is not None:
-                yield sse(err.body())
-                break
+        async for _, update in live_updates(streams):
             choices = []
             for d in update.deltas:
                 completion_tokens += len(d.token_ids)

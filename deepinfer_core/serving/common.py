@@ -132,6 +132,28 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         _abort(streams)
 
 
+async def live_updates(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestUpdate]]:
+    """``merged(streams)`` until a request fails: then its error is raised as an APIError."""
+    async for i, update in merged(streams):
+        err = failed(update) if update.finished else None
+        if err is not None:
+            raise err
+        yield i, update
+
+
+def chunk_writer(rid: str, obj: str, model: str):
+    """``chunk(choices, usage=None)``: one SSE frame of a streamed response of type ``obj``."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict], use: dict | None = None) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+        if use is not None:
+            body["usage"] = use
+        return sse(body)
+
+    return chunk
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,

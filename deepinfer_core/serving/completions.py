@@ -6,7 +6,17 @@ import time
 from collections.abc import AsyncIterator
 
 from deepinfer_core.outputs import Logprob
-from deepinfer_core.serving.common import APIError, ServerState, failed, merged, request_id, sse, usage
+from deepinfer_core.serving.common import (
+    APIError,
+    ServerState,
+    chunk_writer,
+    failed,
+    live_updates,
+    merged,
+    request_id,
+    sse,
+    usage,
+)
 from deepinfer_core.serving.protocol import CompletionRequest
 
 
@@ -61,24 +71,12 @@ async def _whole(state: ServerState, streams, rid: str, n: int) -> dict:
 
 
 async def _stream(state: ServerState, req: CompletionRequest, streams, rid: str, n: int) -> AsyncIterator[str]:
-    created = int(time.time())
+    chunk = chunk_writer(rid, "text_completion", state.model_name)
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     prompt_tokens, completion_tokens, cached = 0, 0, 0
     offsets: dict[int, int] = {}
-
-    def chunk(choices: list[dict], use: dict | None = None) -> str:
-        body = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": choices}
-        if use is not None:
-            body["usage"] = use
-        return sse(body)
-
     try:
-        async for i, update in merged(streams):
-            err = failed(update) if update.finished else None
-            if err is not None:
-                yield sse(err.body())
-                break
+        async for i, update in live_updates(streams):
             if update.finished:
                 prompt_tokens += update.num_prompt_tokens
                 cached += update.num_cached_tokens

@@ -94,16 +94,56 @@ class ReasoningParser:
 _NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
-class ToolCallParser:
+class _CallStream:
+    """What both tool-call formats share: the text buffer, the calls parsed so far, the content before
+    a marker, and the arguments each feed adds to the open call."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.calls: list[dict] = []  # {"id", "name", "arguments"} as parsed so far
+        self._args_sent = 0
+
+    def _content_until(self, out: ParsedDelta, markers: tuple[str, ...], final: bool) -> str | None:
+        """Move the text before the first of ``markers`` into ``out.content``, drop the marker, and
+        return it; None when no marker is in the buffer (then all is content but a tail that may
+        still begin one)."""
+        hits = [(i, m) for m in markers if (i := self.buf.find(m)) >= 0]
+        if not hits:
+            keep = 0 if final else max(_held_suffix(self.buf, m) for m in markers)
+            out.content += self.buf[: len(self.buf) - keep]
+            self.buf = self.buf[len(self.buf) - keep:]
+            return None
+        i, marker = min(hits)
+        out.content += self.buf[:i]
+        self.buf = self.buf[i + len(marker):]
+        return marker
+
+    def _open_call(self, name: str | None) -> dict:
+        self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": ""})
+        self._args_sent = 0
+        return self.calls[-1]
+
+    def _send_args(self, out: ParsedDelta, args: str) -> None:
+        """The open call's arguments are ``args`` so far: add what is new to ``out``."""
+        if len(args) <= self._args_sent:
+            return
+        new, self._args_sent = args[self._args_sent:], len(args)
+        self.calls[-1]["arguments"] = args
+        index = len(self.calls) - 1
+        if out.tool_calls and out.tool_calls[-1].index == index:
+            out.tool_calls[-1].arguments += new
+        else:
+            out.tool_calls.append(ToolCallDelta(index, arguments=new))
+
+
+class ToolCallParser(_CallStream):
     """Streams ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks out of the text."""
 
     begin, end = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
-        self.buf = ""
+        super().__init__()
         self.in_call = False
-        self.calls: list[dict] = []  # {"id", "name", "arguments"} as parsed so far
-        self._args_sent = 0
         self._name_sent = False
 
     def feed(self, text: str, final: bool = False) -> ParsedDelta:
@@ -111,16 +151,10 @@ class ToolCallParser:
         out = ParsedDelta()
         while True:
             if not self.in_call:
-                i = self.buf.find(self.begin)
-                if i < 0:
-                    keep = 0 if final else _held_suffix(self.buf, self.begin)
-                    out.content += self.buf[: len(self.buf) - keep]
-                    self.buf = self.buf[len(self.buf) - keep:]
+                if self._content_until(out, (self.begin,), final) is None:
                     return out
-                out.content += self.buf[:i]
-                self.buf, self.in_call = self.buf[i + len(self.begin):], True
-                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": None, "arguments": ""})
-                self._args_sent, self._name_sent = 0, False
+                self.in_call, self._name_sent = True, False
+                self._open_call(None)
             call = self.calls[-1]
             m = _NAME.match(self.buf)
             if m is None:
@@ -143,14 +177,7 @@ class ToolCallParser:
             else:
                 args = body[: len(body) - _held_suffix(body, self.end)]
                 args = args if final else _withhold_close(args)
-            if len(args) > self._args_sent:
-                new = args[self._args_sent:]
-                self._args_sent = len(args)
-                call["arguments"] = args
-                if out.tool_calls and out.tool_calls[-1].index == len(self.calls) - 1:
-                    out.tool_calls[-1].arguments += new
-                else:
-                    out.tool_calls.append(ToolCallDelta(len(self.calls) - 1, arguments=new))
+            self._send_args(out, args)
             if j < 0:
                 return out
             self.buf, self.in_call = body[j + len(self.end):], False
@@ -168,7 +195,7 @@ def _withhold_close(args: str) -> str:
     return s[:-1] if s.endswith("}") else s
 
 
-class DeepSeekToolCallParser:
+class DeepSeekToolCallParser(_CallStream):
     """Streams DeepSeek's ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` calls out of the text."""
 
     calls_begin, calls_end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -176,10 +203,8 @@ class DeepSeekToolCallParser:
     fence_open, fence_close = "```json\n", "\n```"
 
     def __init__(self) -> None:
-        self.buf = ""
+        super().__init__()
         self.state = "content"  # content | block | header | args
-        self.calls: list[dict] = []
-        self._args_sent = 0
         self._fenced = False
 
     def feed(self, text: str, final: bool = False) -> ParsedDelta:
@@ -187,18 +212,10 @@ class DeepSeekToolCallParser:
         out = ParsedDelta()
         while True:
             if self.state == "content":
-                i = self.buf.find(self.calls_begin)
-                j = self.buf.find(self.begin)
-                k = min(x for x in (i, j) if x >= 0) if max(i, j) >= 0 else -1
-                if k < 0:
-                    keep = 0 if final else max(_held_suffix(self.buf, self.calls_begin),
-                                               _held_suffix(self.buf, self.begin))
-                    out.content += self.buf[: len(self.buf) - keep]
-                    self.buf = self.buf[len(self.buf) - keep:]
+                marker = self._content_until(out, (self.calls_begin, self.begin), final)
+                if marker is None:
                     return out
-                out.content += self.buf[:k]
-                self.buf = self.buf[k + (len(self.calls_begin) if k == i else 0):]
-                self.state = "block"
+                self.state = "block" if marker == self.calls_begin else "header"
             elif self.state == "block":
                 rest = self.buf.lstrip()
                 if rest.startswith(self.calls_end):
@@ -226,9 +243,9 @@ class DeepSeekToolCallParser:
                     self.buf = body[len(self.fence_open):] if self._fenced else body
                 else:  # V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>
                     name, self.buf, self._fenced = kind, after, False
-                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": ""})
-                out.tool_calls.append(ToolCallDelta(len(self.calls) - 1, self.calls[-1]["id"], name))
-                self._args_sent, self.state = 0, "args"
+                call = self._open_call(name)
+                out.tool_calls.append(ToolCallDelta(len(self.calls) - 1, call["id"], name))
+                self.state = "args"
             else:  # args
                 terminator = (self.fence_close if self._fenced else "") + self.end
                 j = self.buf.find(self.end)
@@ -240,14 +257,7 @@ class DeepSeekToolCallParser:
                 else:
                     args = self.buf if final else self.buf[: len(self.buf) - _held_suffix(self.buf, terminator)]
                     args = args if final else args.rstrip()
-                call = self.calls[-1]
-                if len(args) > self._args_sent:
-                    new, self._args_sent = args[self._args_sent:], len(args)
-                    call["arguments"] = args
-                    if out.tool_calls and out.tool_calls[-1].index == len(self.calls) - 1:
-                        out.tool_calls[-1].arguments += new
-                    else:
-                        out.tool_calls.append(ToolCallDelta(len(self.calls) - 1, arguments=new))
+                self._send_args(out, args)
                 if j < 0:
                     return out
                 self.buf, self.state = self.buf[j + len(self.end):], "block"
