@@ -10,16 +10,17 @@ exactly ``--output-len`` output tokens (greedy, ``ignore_eos``). Reported per le
 requests/s, TTFT and inter-token latency p50/p99 (ITL: the gap between stream chunks), errors, and
 requests *lost* (no error, yet not finished with the expected token count; must be 0). With
 ``--repeats R`` each level runs R times and the median run is reported. When the command starts
-the server itself it also reports CPU time per output token of the server process against the
-offline engine's: a figure that other work on the machine barely moves, unlike tok/s.
+the server itself it also reports CPU time per output token of the server's processes (API and
+engine) against the offline engine's: a figure that other work on the machine barely moves, unlike
+tok/s.
 
 ``--compare-offline`` builds an in-process engine with the same options and runs the same prompts at
 the same closed-loop concurrency directly on it (no HTTP, no asyncio, no detokenization): the
 server's overhead share is ``1 - server tok/s / offline tok/s``. Each level runs served, then offline,
 back to back, after a warm-up request each. The offline engine is stepped from a worker thread, as
-AsyncLLM steps the server's: on a small, loaded CPU machine torch ops issued from the main thread
-ran 5-10x slower than from a worker thread (intra-op thread pool contention), which would otherwise
-dwarf the difference being measured.
+the server's engine process steps its engine: on a small, loaded CPU machine torch ops issued from
+the main thread ran 5-25x slower than from a worker thread (intra-op thread pool contention), which
+would otherwise dwarf the difference being measured.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ async def _levels(base: str, model: str, levels, prompts_for, output_len: int, e
             if server_pid is not None and runs[-1]["output_tok_s"]:
                 tokens = runs[-1]["output_tok_s"] * runs[-1]["seconds"]
                 cpu_served.append((_process_cpu(server_pid) - cpu0) / tokens)
-            if engine is not None:  # stepped from a worker thread, as AsyncLLM steps the server's engine
+            if engine is not None:  # stepped from a worker thread, as the server's engine process does
                 cpu0 = time.process_time()  # this process: only the offline engine works meanwhile
                 off = await asyncio.to_thread(run_offline, engine, prompts_for(c), c, output_len)
                 offline.append(off["output_tok_s"])

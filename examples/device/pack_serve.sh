@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Downloads into .gpu/serve_whl/ (git-ignored) the wheels `deepinfer serve` and `deepinfer bench serve`
-# need on the GPU image, which has Python 3.12, torch, triton, transformers, jinja2 and huggingface_hub
+# need on the GPU image, which has Python 3.12, torch, triton, transformers and huggingface_hub
 # but no HTTP stack: fastapi, starlette, uvicorn, pydantic(+core), openai, httpx, prometheus_client and
-# everything they require. The set is the dependency closure of those four in this venv (markers
-# evaluated for CPython 3.12 on Linux), each pinned to the version installed here; the binary ones
-# (pydantic-core, jiter) come as cp312 manylinux wheels. On the device (see examples/device/serve_h200.sh):
+# everything they require, and jinja2 (chat templates) in case the image lacks it. The set is the
+# dependency closure of those five in this venv (markers evaluated for CPython 3.12 on Linux), each
+# pinned to the version installed here; the binary ones (pydantic-core, jiter, markupsafe) come as
+# cp312 manylinux wheels. About 7 MiB. On the device (see examples/device/serve_h200.sh):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/serve_whl/*.whl
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
@@ -17,7 +18,7 @@ from packaging.requirements import Requirement
 env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
        "platform_system": "Linux", "platform_machine": "x86_64", "platform_python_implementation": "CPython",
        "implementation_name": "cpython", "os_name": "posix", "extra": ""}
-seen, todo = {}, ["fastapi", "uvicorn", "prometheus_client", "openai"]
+seen, todo = {}, ["fastapi", "uvicorn", "prometheus_client", "openai", "jinja2"]
 while todo:
     dist = md.distribution(todo.pop())
     name = dist.metadata["Name"]

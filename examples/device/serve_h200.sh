@@ -30,10 +30,10 @@ from random_checkpoint import shape_config, write_config
 
 out, scale = Path(sys.argv[1]), sys.argv[2]
 cfg = shape_config("v2-lite")
-if scale == "tiny":  # h200_suite.TINY: every width shrunk, the architecture kept
+if scale == "tiny":  # h200_suite.TINY (every width shrunk), with the embedded tokenizer's vocabulary
     cfg.update(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=512,
+               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=4096,
                max_position_embeddings=1024)
 write_config(out, cfg)
 assert (out / "tokenizer.json").is_file(), "the embedded tokenizer did not fit this vocabulary"
