@@ -29,11 +29,22 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _server_pid(port: int) -> int:
+    return next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                and f"--port\0{port}\0".encode() in (p / "cmdline").read_bytes())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not reaped
+    except OSError:
+        return True
+
+
 def test_killed_engine_process_gives_503_and_failing_health():
     with server("--max-num-seqs", "4") as base:
         port = int(base.rsplit(":", 1)[1])
-        server_pid = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                          and f"--port\0{port}\0".encode() in (p / "cmdline").read_bytes())
+        server_pid = _server_pid(port)
         (engine_pid,) = _children(server_pid)
         assert b"deepinfer_core.serving.engine_core" in Path(f"/proc/{engine_pid}/cmdline").read_bytes()
 
@@ -51,9 +62,16 @@ def test_killed_engine_process_gives_503_and_failing_health():
         assert health.status_code == 503 and "engine process exited unexpectedly" in health.json()["error"]["message"]
         r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
-        wait_for(lambda: not Path(f"/proc/{engine_pid}").exists() or
-                 "Z" in Path(f"/proc/{engine_pid}/stat").read_text().rsplit(")", 1)[1].split()[0],
-                 what="the engine process gone")
+        wait_for(lambda: _gone(engine_pid), what="the engine process gone")
+
+
+def test_engine_process_exits_with_the_api_process():
+    with server("--max-num-seqs", "4") as base:
+        port = int(base.rsplit(":", 1)[1])
+        server_pid = _server_pid(port)
+        (engine_pid,) = _children(server_pid)
+        os.kill(server_pid, signal.SIGKILL)  # no shutdown message: the engine reads EOF and stops
+        wait_for(lambda: _gone(engine_pid), timeout=60, what="the orphaned engine process exiting")
 
 
 def test_serve_config_errors_are_one_line():

@@ -12,6 +12,7 @@ client that disconnects (streaming or not) has its request aborted and its KV bl
 # No "from __future__ import annotations": FastAPI reads the handlers' annotations as live objects.
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -37,7 +38,12 @@ def build_app(state: ServerState):
     from deepinfer_core.serving.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
     from deepinfer_core.version import CORE_API_VERSION
 
-    app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.llm.attach()  # the engine's frames are read on this loop from now on
+        yield
+
+    app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = state.llm.metrics
 
     def error_response(err: APIError) -> JSONResponse:

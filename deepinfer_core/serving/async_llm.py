@@ -16,10 +16,11 @@ process, through the same socket and frames. It exists for callers that hold suc
 cannot cross a process boundary: tests that instrument the engine (count its steps, make a step
 fail) and programs embedding an engine they configured themselves.
 
-A reader thread receives the frames and hands them to the event loop (``call_soon_threadsafe``),
-which routes each update to its :class:`RequestStream`. If the engine process dies, the socket reads
-EOF at once: every request fails with :class:`EngineDeadError`, ``error`` is set (``/health`` then
-answers 503) and new requests are refused.
+The event loop reads the frames itself (``loop.add_reader`` on the socket): no reader thread, so
+no GIL hand-off between threads in the API process per step. It routes each update to its
+:class:`RequestStream`. If the engine process dies, the socket reads EOF at once: every request
+fails with :class:`EngineDeadError`, ``error`` is set (``/health`` then answers 503) and new
+requests are refused.
 """
 
 from __future__ import annotations
@@ -188,10 +189,12 @@ class AsyncLLM:
         theirs.close()
         channel = Channel(ours)
         try:
-            channel.send({"config": config, "overrides": overrides, "log_level": log_level})
+            channel.send({"config": os.fspath(config) if isinstance(config, os.PathLike) else config,
+                          "overrides": overrides, "log_level": log_level})
             try:
                 first = channel.recv()[0]
             except (EOFError, OSError):
+                _stop_process(proc, 10)
                 raise RuntimeError(f"the engine process exited while starting ({_exit_text(proc)})") from None
             if first["t"] == "failed":  # the process says why and exits
                 channel.close()
@@ -225,8 +228,6 @@ class AsyncLLM:
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # event-loop side
-        self._reader = threading.Thread(target=self._read, name="deepinfer-engine-reader", daemon=True)
-        self._reader.start()
 
     @property
     def engine_pid(self) -> int | None:
@@ -239,7 +240,7 @@ class AsyncLLM:
         """Queue a request. Raises the engine's ValueError/TypeError for bad input (before any
         output), :class:`EngineDeadError` if the engine failed."""
         self._check_alive()
-        self._loop = asyncio.get_running_loop()
+        self.attach()
         request_id = request_id or uuid.uuid4().hex
         weight = params.num_samples if isinstance(params, SamplingParams) else 1
         stream = RequestStream(self, request_id, weight, arrival or time.perf_counter())
@@ -276,6 +277,7 @@ class AsyncLLM:
             return
         self._closed = True
         self._send(["stop"])
+        self._detach()
         if self._proc is not None:
             _stop_process(self._proc, 60)
         else:
@@ -297,19 +299,38 @@ class AsyncLLM:
             pass
 
     # ---- frames from the engine core --------------------------------------------------------
-    def _read(self) -> None:
-        """Reader thread: frames to the event loop; EOF marks the engine dead."""
-        while True:
+    def attach(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Read the engine's frames on ``loop`` (default: the running one). ``add`` attaches to its
+        loop by itself; a server attaches at startup, so an engine that dies while no request runs
+        is noticed at once."""
+        loop = loop or asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        self._detach()
+        self._loop = loop
+        loop.add_reader(self._channel.sock.fileno(), self._on_readable)
+
+    def _detach(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
             try:
-                frames = self._channel.recv()
-            except (EOFError, OSError):
-                if not self._closed:
-                    self._died(EngineDeadError(f"the engine {self._exit_text()}"))
-                return
-            for f in frames:
-                if f["t"] == "dead":
-                    self._died(error_from_wire(f["error"]))
-            self._post(self._on_frames, frames)
+                self._loop.remove_reader(self._channel.sock.fileno())
+            except (ValueError, OSError):  # the socket is closed already
+                pass
+        self._loop = None
+
+    def _on_readable(self) -> None:
+        """Event loop: the frames that arrived; EOF marks the engine dead."""
+        try:
+            frames = self._channel.poll()
+        except (EOFError, OSError):
+            self._detach()
+            if not self._closed:
+                self._died(EngineDeadError(f"the engine {self._exit_text()}"))
+            return
+        for f in frames:
+            if f["t"] == "dead":
+                self._died(error_from_wire(f["error"]))
+        self._on_frames(frames)
 
     def _exit_text(self) -> str:
         if self._proc is None:
@@ -324,15 +345,7 @@ class AsyncLLM:
         if self.error is None:
             logger.error("engine failed: %s; failing all requests", exc)
             self.error = exc
-        self._post(self._fail_all, exc)
-
-    def _post(self, fn, arg) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(fn, arg)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
+        self._fail_all(exc)
 
     def _finish(self, request_id: str) -> RequestStream | None:
         stream = self._streams.pop(request_id, None)

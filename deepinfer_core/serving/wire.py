@@ -32,6 +32,7 @@ class Channel:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._buf = bytearray()
+        self._eof = False
 
     def send(self, message) -> None:
         data = _encode(message).encode()
@@ -59,13 +60,18 @@ class Channel:
             self._buf += chunk
 
     def poll(self) -> list:
-        """The whole frames that can be read now without blocking (possibly none)."""
-        while select.select([self.sock], [], [], 0)[0]:
+        """The whole frames that can be read now without blocking (possibly none). EOFError once
+        the other end has closed and every frame it sent has been returned."""
+        while not self._eof and select.select([self.sock], [], [], 0)[0]:
             chunk = self.sock.recv(1 << 20)
             if not chunk:
-                raise EOFError("the other end closed the channel")
+                self._eof = True
+                break
             self._buf += chunk
-        return self._frames()
+        frames = self._frames()
+        if self._eof and not frames:
+            raise EOFError("the other end closed the channel")
+        return frames
 
     def close(self) -> None:
         try:
