@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream=true`` as
 server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET
-/metrics`` (Prometheus text), ``GET /version``.
+/metrics`` (Prometheus text), ``GET /version``, ``GET /v1/kv_layout``, ``POST /v1/drain`` (stop
+admission, then forward unfinished requests with their KV: ``LLMEngine.start_drain``; also
+``kill -USR1``).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 naming the bad field, 404
 for an unknown model, 429 when the admission queue is full, 503 when the engine has failed. A
@@ -14,6 +16,7 @@ client that disconnects (streaming or not) has its request aborted and its KV bl
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 
 from deepinfer_core.serving.common import APIError, ServerState
@@ -41,6 +44,9 @@ def build_app(state: ServerState):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.llm.attach()  # the engine's frames are read on this loop from now on
+        loop = asyncio.get_running_loop()
+        if state.llm.can_drain and hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` drains
+            loop.add_signal_handler(signal.SIGUSR1, lambda: asyncio.ensure_future(state.llm.start_drain()))
         yield
 
     app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -121,6 +127,24 @@ def build_app(state: ServerState):
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render() if metrics is not None else b"", media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kv_layout")
+    async def kv_layout():
+        """The engine's block size and KV store record layout (``LLMEngine.kv_layout_info``), for a router."""
+        if state.llm.kv_layout is None:
+            return error_response(APIError(404, "this engine does not report its KV layout", code="not_found"))
+        return state.llm.kv_layout
+
+    @app.post("/v1/drain")
+    async def drain(request: Request):
+        """Stop admission; after ``grace_s`` (default: the engine's drain_grace_s) forward every
+        unfinished request with its KV (finish_reason "forwarded", kv_transfer_params)."""
+        body = await request.json() if await request.body() else {}
+        try:
+            await state.llm.start_drain(body.get("grace_s"))
+        except (ValueError, AttributeError, RuntimeError) as exc:
+            return error_response(APIError(400, str(exc), "grace_s"))
+        return {"draining": True}
 
     @app.get("/version")
     async def version():

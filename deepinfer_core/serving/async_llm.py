@@ -43,6 +43,7 @@ from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.serving.wire import (
     Channel,
     error_from_wire,
+    error_to_wire,
     logprobs_from_wire,
     output_from_wire,
     params_to_wire,
@@ -219,6 +220,10 @@ class AsyncLLM:
 
     def _setup(self, channel: Channel, cfg, info: dict, tokenizer, metrics, sampling_defaults: dict | None) -> None:
         self.config = cfg
+        self.kv_layout: dict | None = info.get("kv_layout")  # LLMEngine.kv_layout_info(), for a router
+        self.can_drain: bool = info.get("can_drain", False)  # a [kv_transfer] to forward requests through
+        self.draining = False
+        self._drains: list[asyncio.Future] = []
         self.model_dir = Path(info["model_dir"])
         self.max_model_len = info["max_model_len"]
         self.tokenizer = tokenizer
@@ -270,6 +275,19 @@ class AsyncLLM:
                     raise EngineDeadError(f"the engine failed: {update.error}") from update.error
                 return update.output
         raise EngineDeadError("request stream ended without an output")
+
+    async def start_drain(self, grace_s: float | None = None) -> None:
+        """Stop admission; after ``grace_s`` the engine forwards every unfinished request with its KV
+        (``LLMEngine.start_drain``). Raises its error (no transport: ConfigError; a bad grace_s)."""
+        self._check_alive()
+        self.attach()
+        done = asyncio.get_running_loop().create_future()
+        self._drains.append(done)
+        self._send(["drain", grace_s])
+        err = await done
+        if err is not None:
+            raise error_from_wire(err)
+        self.draining = True
 
     def abort(self, request_id: str) -> None:
         if self.error is None:
@@ -357,6 +375,10 @@ class AsyncLLM:
         return stream
 
     def _fail_all(self, exc: BaseException) -> None:
+        for done in self._drains:
+            if not done.done():
+                done.set_result(error_to_wire(EngineDeadError(f"the engine failed: {exc}")))
+        self._drains.clear()
         for rid in list(self._streams):
             stream = self._finish(rid)
             if not stream.accepted.done():
@@ -381,6 +403,9 @@ class AsyncLLM:
                     stream.accepted.set_exception(error_from_wire(err))
             for u in f["u"]:
                 self._route(u, now)
+            for err in f.get("drain", ()):
+                if self._drains:
+                    self._drains.pop(0).set_result(err)
             if metrics is not None and "load" in f:
                 metrics.engine_load(f["load"])
 

@@ -48,7 +48,7 @@ class ServerState:
         """429 when ``count`` more requests would overflow the admission queue; 503 if the engine died."""
         if self.llm.error is not None:
             raise APIError(503, f"the engine failed and cannot serve requests: {self.llm.error}", code="engine_dead")
-        if getattr(self.llm.engine, "draining", False):
+        if self.llm.draining:
             raise APIError(503, "this engine is draining and takes no new requests", code="draining")
         if self.llm.num_unfinished + count > self.max_pending:
             if self.llm.metrics is not None:

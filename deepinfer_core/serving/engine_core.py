@@ -6,7 +6,7 @@ process never share a GIL; or, for an engine object built in-process, in a threa
 (:class:`AsyncLLM` over that engine). The loop is the same either way:
 
 1. read the commands sent since the last step (block only when there is nothing to run);
-2. apply them: ``["add", rid, prompt, params]``, ``["abort", rid]``, ``["stop"]``;
+2. apply them: ``["add", rid, prompt, params]``, ``["abort", rid]``, ``["drain", grace_s]``, ``["stop"]``;
 3. ``engine.step()``, then one ``"step"`` frame with every request's output delta, the requests
    accepted or rejected, and the engine's load (running, waiting, KV usage).
 
@@ -60,8 +60,11 @@ def seq_stats(seq) -> list:
 def engine_info(engine) -> dict:
     """What the API process needs to know about the engine (the ``"ready"`` frame)."""
     mc = engine.model_config
+    layout = getattr(engine, "kv_layout_info", None)
     return {"model_dir": str(engine.model_dir), "max_model_len": engine.max_model_len,
-            "bos_token_id": mc.bos_token_id, "eos_token_id": mc.eos_token_id, "vocab_size": mc.vocab_size}
+            "bos_token_id": mc.bos_token_id, "eos_token_id": mc.eos_token_id, "vocab_size": mc.vocab_size,
+            "kv_layout": layout() if layout is not None else None,
+            "can_drain": hasattr(engine, "start_drain") and getattr(engine, "handoff", None) is not None}
 
 
 class EngineCore:
@@ -101,7 +104,7 @@ class EngineCore:
                 logger.exception("engine step failed; failing all requests")
                 self._send({"t": "dead", "error": error_to_wire(exc)})
                 return
-            if frame["u"] or frame["acc"] or frame["rej"] or "load" in frame:
+            if frame["u"] or frame["acc"] or frame["rej"] or "load" in frame or "drain" in frame:
                 if not self._send(frame):
                     self._abort_all()
                     return
@@ -120,6 +123,13 @@ class EngineCore:
             kind = cmd[0]
             if kind == "stop":
                 return None
+            if kind == "drain":  # stop admission, forward the unfinished requests (LLMEngine.start_drain)
+                try:
+                    self.engine.start_drain(cmd[1])
+                    frame.setdefault("drain", []).append(None)
+                except Exception as exc:  # no transport, a bad grace_s, an engine without drain
+                    frame.setdefault("drain", []).append(error_to_wire(exc))
+                continue
             if kind == "abort":
                 t = self._tracked.pop(cmd[1], None)
                 if t is not None:

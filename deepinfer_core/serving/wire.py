@@ -112,8 +112,8 @@ def error_to_wire(exc: BaseException | None) -> list | None:
 
 def error_from_wire(err: list | None) -> BaseException | None:
     """An exception of the nearest built-in class (a plugin's GrammarError stays a ValueError) with
-    the same message; ConfigError is rebuilt as itself. Where the built-in class says little
-    (RuntimeError, Exception), the message keeps the original class name."""
+    the same message; ConfigError and EngineDrainingError are rebuilt as themselves. Where the
+    built-in class says little (RuntimeError, Exception), the message keeps the original class name."""
     if err is None:
         return None
     name, message, base = err
@@ -121,6 +121,10 @@ def error_from_wire(err: list | None) -> BaseException | None:
         from deepinfer_core.config import ConfigError
 
         return ConfigError(message)
+    if name == "EngineDrainingError":  # a 503 (send it elsewhere), not a 400
+        from deepinfer_core.engine.engine import EngineDrainingError
+
+        return EngineDrainingError(message)
     cls = getattr(builtins, base, None)
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         cls = RuntimeError
@@ -134,12 +138,12 @@ def output_to_wire(out: RequestOutput) -> list:
     completions = [[c.index, c.text, c.token_ids, logprobs_to_wire(c.logprobs), c.finish_reason, c.stop_reason,
                     c.cumulative_logprob] for c in out.outputs]
     return [out.request_id, out.prompt, out.prompt_token_ids, logprobs_to_wire(out.prompt_logprobs), completions,
-            out.finished, dataclasses.asdict(out.metrics), error_to_wire(out.error)]
+            out.finished, dataclasses.asdict(out.metrics), error_to_wire(out.error), out.kv_transfer_params]
 
 
 def output_from_wire(w: list) -> RequestOutput:
-    rid, prompt, prompt_ids, prompt_lps, completions, finished, metrics, error = w
+    rid, prompt, prompt_ids, prompt_lps, completions, finished, metrics, error, transfer = w
     outs = [CompletionOutput(i, text, ids, logprobs_from_wire(lps), reason, stop, cum)
             for i, text, ids, lps, reason, stop, cum in completions]
     return RequestOutput(rid, prompt, prompt_ids, logprobs_from_wire(prompt_lps), outs, finished,
-                         RequestMetrics(**metrics), error_from_wire(error))
+                         RequestMetrics(**metrics), error_from_wire(error), transfer)
