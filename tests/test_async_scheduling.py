@@ -28,7 +28,7 @@ def gen(llm: LLM, prompts, params):
     outs = llm.generate(ps, params, use_tqdm=False)
     for o in outs:
         assert o.error is None, o.error
-    assert not llm.engine.has_unfinished() and llm.engine._inflight is None
+    assert not llm.engine.has_unfinished() and llm.engine.pipeline.inflight is None
     llm.engine.blocks.check_no_leaks()
     return outs
 
@@ -174,7 +174,7 @@ def test_abort_mid_run(tiny_v3_path):
     n_at_abort = victim.num_output_tokens
     while eng.has_unfinished():
         eng.step()
-    assert eng._inflight is None
+    assert eng.pipeline.inflight is None
     eng.blocks.check_no_leaks()
     out = to_output(victim, eng.tokenizer)
     assert out.outputs[0].finish_reason == "abort"
@@ -313,7 +313,7 @@ class TakesOver:
 
     @hookimpl
     def execute_step(self, engine, scheduled):
-        assert engine._inflight is None and all(min(s.seq.token_ids) >= 0 for s in scheduled.decodes)
+        assert engine.pipeline.inflight is None and all(min(s.seq.token_ids) >= 0 for s in scheduled.decodes)
         return None
 
 

@@ -18,6 +18,7 @@ from deepinfer_core.engine.graph_runner import DecodeGraphs, default_batch_sizes
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv_cache_spec import CacheLayout
+from deepinfer_core.models.interface import RouteHook
 from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, GroupMeta, PrefillMeta
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -108,6 +109,20 @@ class ModelRunner:
         self.graphs_off_reason = "setup_graphs() was not called"
         #: Per layer, events of KV swap-ins the next prepared step must wait for (see swap_in_events).
         self.layer_ready: list[list] | None = None
+        #: The route hook installed on every MoE layer (``set_route_hook``), or None.
+        self.route_hook: RouteHook | None = None
+
+    def set_route_hook(self, hook: RouteHook) -> None:
+        """Install ``hook`` on every routed-expert layer the model declares (``CausalLM.moe_layers``):
+        it rewrites each layer's (weights, expert ids) before the experts run. The engine installs a
+        feature's hook before setting up graphs, so steps then run eagerly (a hook may keep host-side
+        state); one installed later (a benchmark's counter) runs in eager steps only."""
+        layers = self.model.moe_layers()
+        if not layers:
+            raise ValueError(f"{type(self.model).__name__} declares no MoE layers (moe_layers()); nothing to route")
+        for moe in layers.values():
+            moe.route_hook = hook
+        self.route_hook = hook
 
     def swap_in_events(self, events: list) -> None:
         """KV blocks are being copied into the cache on a side stream, ``events[i]`` recorded after
@@ -130,11 +145,10 @@ class ModelRunner:
                     f"{[str(d) for d in platform.graph_capture_dtypes()]} only, not {dtype}")
         if self.batch_invariant:
             return "batch_invariant kernels read sequence lengths on the host"
-        for m in self.model.modules():
-            if getattr(m, "expert_parallel", None) is not None:
-                return "expert-parallel MoE layers exchange host-sized all-to-alls"
-            if getattr(m, "route_hook", None) is not None:
-                return "a feature hooks MoE routing (route_hook)"
+        if any(m.expert_parallel is not None for m in self.model.moe_layers().values()):
+            return "expert-parallel MoE layers exchange host-sized all-to-alls"
+        if self.route_hook is not None:
+            return "a feature hooks MoE routing (moe_route_hook)"
         return None
 
     def setup_graphs(self, platform: Platform, cfg: EngineConfig, max_model_len: int, *,

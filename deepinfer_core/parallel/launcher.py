@@ -56,6 +56,14 @@ PROBE_TIMEOUT_S = 1.0  # a live rank's probe thread answers well within this
 TAKEOVER_HOOKS = ("execute_step", "execute_decode")  # hooks that run a step's forwards themselves
 
 
+def merge_feature_metrics(pm, per_rank: list[dict]) -> dict:
+    """The features' own merge of their metrics over the ranks (``merge_metrics`` hook); keys no
+    feature merges keep rank 0's value."""
+    out: dict = {}
+    for merged in pm.hook.merge_metrics(per_rank=per_rank):
+        out.update(merged or {})
+    return out
+
 class WorkerFailure(RuntimeError):
     """A rank died, hung or failed; ``ranks`` names the culprits."""
 
@@ -232,7 +240,7 @@ class ParallelEngine:
         self.world_size = cfg.ep
         local_world = tr["local_world_size"] if tr else self.world_size
         check_parallel_config(cfg, mc, self.platform, local_world, tr["world_size"] if tr else None)
-        pm = make_plugin_manager()
+        self.pm = pm = make_plugin_manager()
         load_features(cfg, pm)  # unknown features and bad sections fail here, before any process starts
         hooks = [h for h in (getattr(pm.hook, n, None) for n in TAKEOVER_HOOKS) if h is not None]
         takeover = sorted({pm.get_name(impl.plugin) for h in hooks for impl in h.get_hookimpls()})
@@ -627,6 +635,7 @@ class ParallelEngine:
         pairs = out.pop("ep_rank_pairs", {})
         if "moe_lb" not in out and pairs:  # no feature measured it (EPLB does, since its last rebalance)
             out["moe_lb"], out["moe_lb_per_layer"] = moe_lb_from_pairs(pairs)
+        out.update(merge_feature_metrics(self.pm, per_rank))
         out["ranks"] = [{k: v for k, v in m.items() if k != "ep_rank_pairs"} for m in per_rank]
         return out
 

@@ -295,10 +295,10 @@ class DSpark(Feature):
             normal = replace(batch, scheduled=[s for s in batch.scheduled if s.seq.request_id not in ids],
                              sample_seqs=[batch.sample_seqs[i] for i in keep],
                              sample_rows=[batch.sample_rows[i] for i in keep])
-            engine._postprocess(normal, scheduled, logits)
+            engine.postprocess_step(normal, logits)
             self._verify(engine, batch, logits, drafted)
         else:
-            engine._postprocess(batch, scheduled, logits)
+            engine.postprocess_step(batch, logits)
         td = time.perf_counter()
         self._drafted, self._caught = (0, 0, 0.0), 0
         self._propose(engine, scheduled, batch, rowmap)
@@ -448,15 +448,17 @@ class DSpark(Feature):
                                          st.conf[:n_log], [1.0] * min(a, n_log) + [0.0] * (n_log - min(a, n_log)),
                                          seq.token_ids[-1:] + st.drafts[:m], st.cum[:m], a))
             st.drafts, st.q, st.feats = [], None, None
-        engine.append_tokens(seqs, tokens, logprobs, tops)
+        stops = engine.append_tokens(seqs, tokens, logprobs, tops)
         for seq, st, _ in drafted:
-            if not seq.is_finished:
-                engine.blocks.truncate(seq, seq.num_tokens)  # roll back the rejected drafts' KV
-                engine.blocks.register_full_blocks(seq)
+            engine.blocks.truncate(seq, seq.num_tokens)  # roll back the rejected drafts' KV
+            engine.blocks.register_full_blocks(seq)
             self._request_metrics(seq, st)
-        flat_seqs = [s for s, toks in zip(seqs, tokens) for _ in toks]
+        # every appended token (a stop ends a request's list), then the stops: the engine's hook order
+        kept = [toks[: len(seq.token_ids) - first] for seq, toks, first in zip(seqs, tokens, first_pos)]
+        flat_seqs = [s for s, toks in zip(seqs, kept) for _ in toks]
         view = replace(batch, scheduled=[], sample_seqs=flat_seqs, sample_rows=list(range(len(flat_seqs))))
-        engine.pm.hook.tokens_sampled(engine=engine, batch=view, token_ids=emit_toks)
+        engine.pm.hook.tokens_sampled(engine=engine, batch=view, token_ids=[t for toks in kept for t in toks])
+        engine.finish_stopped(stops)
 
     @staticmethod
     def _request_metrics(seq: Sequence, st: _State) -> None:
@@ -813,12 +815,34 @@ class DSpark(Feature):
             "dspark_decode_steps": n["decode_steps"], "dspark_verified": n["verified"],
             "dspark_accepted": n["accepted"],
             "dspark_mean_draft_depth": n["depth"] / n["proposals"] if n["proposals"] else 0.0,
+            "dspark_proposals": n["proposals"], "dspark_draft_depth_total": n["depth"],
             "dspark_steps_without_drafts": n["skipped_steps"],
             "dspark_draft_time": self.t["draft"], "dspark_verify_time": self.t["verify"],
             "dspark_schedule_time": self.t["schedule"],
             "dspark_cost_verify_scale": self.live.verify_scale, "dspark_cost_draft_scale": self.live.draft_scale,
             "dspark_cost_extra_overhead": self.live.extra_overhead_s,
         }
+
+    @hookimpl
+    def merge_metrics(self, per_rank: list[dict]) -> dict | None:
+        """Sum the ranks' counters and times; rates from the sums; cost corrections averaged."""
+        ranks = [m for m in per_rank if "dspark_decode_steps" in m]
+        if not ranks:
+            return None
+        out = dict(ranks[0])
+        out = {k: v for k, v in out.items() if k.startswith("dspark_")}
+        for key in ("decode_steps", "verified", "accepted", "steps_without_drafts", "proposals",
+                    "draft_depth_total", "draft_time", "verify_time", "schedule_time"):
+            out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks)
+        for key in ("cost_verify_scale", "cost_draft_scale", "cost_extra_overhead"):
+            out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks) / len(ranks)
+        steps, ver, acc = max(out["dspark_decode_steps"], 1), out["dspark_verified"], out["dspark_accepted"]
+        out.update(dspark_accept_rate=acc / ver if ver else 0.0, dspark_mean_accepted_len=acc / steps,
+                   dspark_verified_per_step=ver / steps,
+                   dspark_tokens_per_step=(acc + out["dspark_decode_steps"]) / steps,
+                   dspark_mean_draft_depth=(out["dspark_draft_depth_total"] / out["dspark_proposals"]
+                                            if out["dspark_proposals"] else 0.0))
+        return out
 
     def reset_metrics(self) -> None:
         for key in self.n:

@@ -124,8 +124,11 @@ class EPLB(Feature):
             self._place(placement=initial_placement(E, self.world_size, self.opts["redundant_experts_per_rank"],
                                                     len(self.layers)))
         self._mark()
-        for layer in self.layers:
-            ep.moes[layer].route_hook = self._route
+
+    @hookimpl
+    def moe_route_hook(self, engine):
+        """Every MoE layer maps logical experts to replicas and counts its loads (``_route``)."""
+        return self._route if self.engine is not None else None
 
     # ---- per step ------------------------------------------------------------------------
     def _route(self, layer: int, weights: torch.Tensor, ids: torch.Tensor):

@@ -220,6 +220,12 @@ class StructuredOutput(Feature):
             schedule_fills(self._mask_pool, refill)
 
     @hookimpl
+    def merge_metrics(self, per_rank: list[dict]) -> dict | None:
+        """Every ``so_*`` metric is a count or a sum of seconds: summed over the ranks."""
+        keys = {k for m in per_rank for k in m if k.startswith("so_")}
+        return {k: sum(m.get(k, 0) for m in per_rank) for k in keys} or None
+
+    @hookimpl
     def collect_metrics(self, engine) -> dict:
         s = self.stats
         c = self.compiler
