@@ -235,7 +235,9 @@ def process_logits(engine: EngineView, batch: StepBatch, logits: torch.Tensor) -
     mode on a tensor the hook owns for the call: in-place edits are allowed and are what is sampled.
 
     :param engine: the engine.
-    :param batch: the step; ``batch.sample_seqs[i]`` is the request of ``logits[i]``.
+    :param batch: the step; ``batch.sample_seqs[i]`` is the request of ``logits[i]`` (with
+        speculative decoding a request verifying drafts appears once per verified position, in
+        order: its row after its last token, then after each draft).
     :param logits: float32 ``[len(batch.sample_seqs), vocab]``. With async scheduling this runs
         when the step is launched, before ``tokens_sampled`` of the previous step (see
         ``request_needs_sync``).

@@ -33,6 +33,9 @@ class SchedulerBudget:
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens whose KV this step computes (a prefill chunk, or 1 for decode)
+    #: speculative decoding: a decode's lookahead tokens (a prefix of ``seq.spec_tokens``), verified
+    #: in this step; their KV slots are reserved with the step's blocks and count in its token budget
+    spec_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -43,7 +46,8 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.prefills) + sum(s.num_new_tokens for s in self.decodes)
+        return (sum(s.num_new_tokens for s in self.prefills)
+                + sum(s.num_new_tokens + len(s.spec_tokens) for s in self.decodes))
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)

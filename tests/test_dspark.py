@@ -22,9 +22,9 @@ from tiny_models import kv_bytes_per_block, rand_ids, write_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
+from deepinfer_core.engine.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
 from plugins.dspark import feature as dspark_feature
 from plugins.dspark.policy import LiveCost, StepCost, choose_lengths, fixed_lengths, worth_drafting
-from plugins.dspark.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
 
 BS = 4
 

@@ -61,6 +61,7 @@ from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
 from deepinfer_core.engine.pipeline import StepPipeline
 from deepinfer_core.engine.sampler import Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
+from deepinfer_core.engine.speculative import SpecDecoder
 from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
@@ -212,7 +213,13 @@ class LLMEngine:
 
             self.handoff = KVHandoff(self, cfg.kv_role, load_transport(cfg.kv_transfer))
             self.pm.register(self.handoff, name="kv_handoff")
+        self.spec = SpecDecoder(self, cfg.speculative) if cfg.speculative else None
+        takeover = [type(h.plugin).__name__ for h in self.pm.hook.execute_step.get_hookimpls()]
+        if self.spec is not None and takeover:
+            raise ConfigError(f"[speculative] cannot be combined with a feature that runs steps itself {takeover}")
         self.pm.hook.engine_started(engine=self)
+        if self.spec is not None:
+            self.spec.proposer.start(self)
         route = self.pm.hook.moe_route_hook(engine=self)
         if route is not None:
             self.runner.set_route_hook(route)
@@ -443,6 +450,8 @@ class LLMEngine:
                 s.seq.metrics.first_scheduled_time = now
         if overlap:
             pipe.overlap(out)
+        elif self.spec is not None:
+            self.spec.run(out)
         elif not self.pm.hook.execute_step(engine=self, scheduled=out):
             pipe.run_sync(out)
         finished += [s for s in self._seqs.values() if s.is_finished and s not in finished]
@@ -507,7 +516,7 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Whether the coming step may be launched before the one in flight is post-processed."""
-        if not self.async_scheduling or self._sync_requests or self._takeover_features():
+        if not self.async_scheduling or self._sync_requests or self._takeover_features() or self.spec is not None:
             return False
         return not any(self.pm.hook.step_needs_sync(engine=self))
 
@@ -590,6 +599,8 @@ class LLMEngine:
         else:
             self.blocks.release(seq)
         self.pm.hook.request_finished(engine=self, request=seq)
+        if self.spec is not None:
+            self.spec.proposer.request_finished(self, seq)
 
     def _drop(self, finished: list[Sequence]) -> None:
         for seq in finished:
@@ -626,6 +637,8 @@ class LLMEngine:
         if self._idle is not None:
             out.update(self._idle.metrics())
         out.update(self.stats.extra)
+        if self.spec is not None:
+            out.update(self.spec.metrics())
         for extra in self.pm.hook.collect_metrics(engine=self):
             out.update(extra or {})
         return out

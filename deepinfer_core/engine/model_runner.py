@@ -182,7 +182,7 @@ class ModelRunner:
         A placeholder id ``-(i + 1)`` in a request's tokens is resolved to ``prev_tokens[i]`` here,
         on the device. No host copy in here waits for queued device work."""
         bs, dev, pin = self.block_size, self.device, self.pin_memory
-        drafts = draft_tokens or {}
+        drafts = draft_tokens or {s.seq.request_id: s.spec_tokens for s in out.decodes if s.spec_tokens}
         ids: list[int] = []
         pos: list[int] = []
         slots: dict[tuple[str, int], list[int]] = {key: [] for key in self._slot_keys}

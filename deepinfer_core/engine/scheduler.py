@@ -66,10 +66,11 @@ class FcfsScheduler(Scheduler):
             if tokens_left <= 0:
                 break
             n = seq.num_tokens - seq.num_computed_tokens
-            if not self._reserve(seq, seq.num_tokens, out):
+            spec = self._lookahead(seq, n, tokens_left)
+            if not spec and not self._reserve(seq, seq.num_tokens, out):
                 continue  # seq itself was preempted
-            out.decodes.append(ScheduledSeq(seq, n))
-            tokens_left -= n
+            out.decodes.append(ScheduledSeq(seq, n, spec))
+            tokens_left -= n + len(spec)
 
         # 2. running requests still in prefill (chunked), oldest first
         for seq in self.running:
@@ -107,6 +108,20 @@ class FcfsScheduler(Scheduler):
                 quota -= self.cost_model.cost(n, seq.num_computed_tokens)
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _lookahead(self, seq: Sequence, n: int, tokens_left: int) -> list[int]:
+        """The proposed tokens this decode verifies, with their KV slots reserved: as many as the
+        token budget leaves, only when their blocks are free without preempting anyone and leave a
+        block per running request (drafts never displace work)."""
+        spec = seq.spec_tokens[: max(0, tokens_left - n)] if n == 1 else []
+        while spec:
+            total = seq.num_tokens + len(spec)
+            extra = self.blocks.blocks_needed(seq, total)
+            if self.blocks.can_allocate(seq, total) and self.blocks.num_free - extra >= len(self.running):
+                self.blocks.allocate(seq, total)
+                return spec
+            spec = spec[:-1]
+        return []
 
     def _chunk(self, seq: Sequence, tokens_left: int, quota: float | None, first: bool) -> int:
         n = min(seq.num_tokens - seq.num_computed_tokens, tokens_left)

@@ -20,7 +20,7 @@ lengths the policy chooses (``plugins.dspark.policy``) from their confidences an
 measured step-time curve; every decode request then gets the query tokens [last token, d_1..d_m]
 and ONE target forward runs over prefill chunks and decodes together. Requests without drafts go
 through the engine's normal post-processing; drafted ones through rejection sampling
-(``plugins.dspark.rejection``), ``engine.append_tokens``, and a KV roll-back of rejected tokens.
+(``deepinfer_core.engine.rejection``), ``engine.append_tokens``, and a KV roll-back of rejected tokens.
 Finally the draft catches up on the tokens the target computed (prefill chunks, accepted tokens)
 and proposes up to k drafts per request for the next step, with a confidence per draft; under
 the throughput policy it stops drafting when one more draft step no longer pays for itself. A draft
@@ -50,6 +50,7 @@ import deepinfer_core
 from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.cost_model import cache_dir
 from deepinfer_core.engine.engine import model_fingerprint
+from deepinfer_core.engine.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
@@ -62,7 +63,6 @@ from plugins.dspark import confidence as conf_mod
 from plugins.dspark.draft import CACHE_GROUP, DraftModel, MTPDraft, has_mtp, is_mtp_dir
 from plugins.dspark.lean import context_slot_table
 from plugins.dspark.policy import LiveCost, StepCost, choose_lengths, fixed_lengths, worth_drafting
-from plugins.dspark.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
 
 logger = logging.getLogger("deepinfer.dspark")
 KEY = "dspark"

@@ -135,7 +135,7 @@ class StructuredOutput(Feature):
             return None
         fut, timeout = pending.future, self.cfg["compile_timeout_s"]
         left = timeout - (time.perf_counter() - pending.submitted)
-        if not fut.done() and left > 0 and engine.scheduler.num_running() == 0:
+        if not fut.done() and left > 0 and engine.load_stats()["running"] == 0:
             try:  # nothing else to run: block briefly rather than spin the step loop
                 fut.result(timeout=min(left, IDLE_WAIT_S))
             except Exception:
