@@ -25,13 +25,13 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from deepinfer_core.engine.engine import EngineStats, LLMEngine
+    from deepinfer_core.engine.engine import EngineStats
     from deepinfer_core.engine.model_runner import StepBatch
     from deepinfer_core.engine.sequence import Sequence
     from deepinfer_core.engine_view import EngineView
     from deepinfer_core.kv_cache_spec import CacheLayout, KVCacheSpec
     from deepinfer_core.models.interface import RouteHook
-    from deepinfer_core.scheduler import SchedulerOutput
+    from deepinfer_core.proposer import Proposer
 
 PROJECT = "deepinfer"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -183,16 +183,14 @@ def request_finished(engine: EngineView, request: Sequence) -> None:
 
 # ---- the step ------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def execute_step(engine: LLMEngine, scheduled: SchedulerOutput) -> bool | None:
-    """Run the model work of a scheduled step yourself (speculative decoding): prepare, forward,
-    then ``engine.postprocess_step`` / ``engine.append_tokens`` / ``engine.finish_stopped`` for the
-    bookkeeping. The one hook given the whole engine, not an ``EngineView``. Only called on
-    synchronous steps (see ``step_needs_sync``): every request's tokens are on the host and no step
-    is in flight.
+def speculative_proposer(engine: EngineView) -> Proposer | None:
+    """The draft proposer this feature provides for speculative decoding (a feature that also
+    owns cache groups or config, e.g. DSpark; a plain proposer is an entry point in
+    ``deepinfer.proposers`` named by the ``[speculative]`` table instead). Called once, after
+    ``engine_started``; at most one proposer runs.
 
-    :param engine: the engine itself.
-    :param scheduled: the step the scheduler chose.
-    :return: True when done, or None to let the engine run the step normally.
+    :param engine: the engine (started).
+    :return: the proposer (its ``k``: the most drafts per request and step), or None.
     """
 
 
@@ -201,10 +199,9 @@ def execute_step(engine: LLMEngine, scheduled: SchedulerOutput) -> bool | None:
 # step N is still on the device (a placeholder in ``request.token_ids``; ``request.output_token_ids``
 # holds the known tokens only), and ``tokens_sampled`` for step N runs after step N+1 was launched.
 # A feature that needs the last token on the host before the next step (a grammar mask built from
-# it, penalties over the output) or that runs steps itself says so through the two hooks below;
-# the engine then runs those steps synchronously (it first post-processes the step in flight). The
-# rule is the same for every feature and never depends on its name. A feature that implements
-# ``execute_step`` but not ``step_needs_sync`` is assumed to take over every step (all synchronous).
+# it, penalties over the output) says so through the two hooks below; the engine then runs those
+# steps synchronously (it first post-processes the step in flight). The rule is the same for every
+# feature and never depends on its name. Speculative steps run synchronously too.
 
 
 @hookspec
@@ -224,8 +221,7 @@ def step_needs_sync(engine: EngineView) -> bool | None:
     only with async scheduling on; keep it cheap).
 
     :param engine: the engine.
-    :return: True to run it synchronously (a feature implementing ``execute_step`` returns True
-        for the steps it may take over).
+    :return: True to run it synchronously.
     """
 
 

@@ -308,15 +308,6 @@ class NeedsSync:
         return True if self.every_step else None
 
 
-class TakesOver:
-    """Implements execute_step (but never takes a step over) and says nothing about sync."""
-
-    @hookimpl
-    def execute_step(self, engine, scheduled):
-        assert engine.pipeline.inflight is None and all(min(s.seq.token_ids) >= 0 for s in scheduled.decodes)
-        return None
-
-
 def test_feature_hooks_force_synchronous_steps(tiny_v3_path):
     prompts = [rand_ids(7, 600), rand_ids(10, 601)]
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -333,13 +324,6 @@ def test_feature_hooks_force_synchronous_steps(tiny_v3_path):
         assert (llm.metrics()["overlapped_steps"] > before) == overlaps
         for r, o in zip(ref, outs):
             assert r.outputs[0].token_ids == o.outputs[0].token_ids
-
-    # execute_step without step_needs_sync: assumed to take over every step
-    llm = make_llm(tiny_v3_path, True)
-    llm.engine.pm.register(TakesOver())
-    outs = gen(llm, prompts, plain)
-    assert llm.metrics()["overlapped_steps"] == 0
-    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
 
 
 # ---- idle measurement, config --------------------------------------------------------------------

@@ -26,15 +26,14 @@ schedule(N+1), launches forward(N+1), and only then post-processes N:
 * Synchronous steps. A request whose next step needs its previous token on the host (penalties count
   output tokens; the ``request_needs_sync`` hook, e.g. a grammar mask) makes every step run
   synchronously while it is unfinished, and so does any step for which a feature's ``step_needs_sync``
-  hook says so, or a feature that implements ``execute_step`` without ``step_needs_sync`` (assumed to
-  take over every step). Such a step first completes the step in flight, so every token is on the
-  host before it is scheduled. ``postprocess_step``, ``append_tokens`` and ``finish_stopped`` keep
-  their synchronous meaning for features that run steps themselves.
+  hook says so, and every speculative step (``engine/speculative.py``: the verify decides the next
+  step's input). Such a step first completes the step in flight, so every token is on the host
+  before it is scheduled.
 
 Failures never poison the engine. An exception while sampling a request or scoring its prompt
 logprobs fails that request alone (``StepPipeline._sample``: rows are independent, so a failing batch is retried
 row by row to find the culprit); any other exception in a step (scheduling, input preparation, the
-forward, post-processing, a feature's ``execute_step``) fails the requests the step involved, frees
+forward, post-processing, a proposer) fails the requests the step involved, frees
 their blocks and drops the step in flight (``_fail_step``); the engine keeps serving the rest.
 """
 
@@ -57,7 +56,7 @@ from deepinfer_core.engine.cost_model import CostModel, default_path
 from deepinfer_core.engine.detokenizer import stop_string_hit
 from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.kv_cache_manager import KVCacheManager, allocate_caches, size_pools
-from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
+from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.engine.pipeline import StepPipeline
 from deepinfer_core.engine.sampler import Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
@@ -213,19 +212,13 @@ class LLMEngine:
 
             self.handoff = KVHandoff(self, cfg.kv_role, load_transport(cfg.kv_transfer))
             self.pm.register(self.handoff, name="kv_handoff")
-        self.spec = SpecDecoder(self, cfg.speculative) if cfg.speculative else None
-        takeover = [type(h.plugin).__name__ for h in self.pm.hook.execute_step.get_hookimpls()]
-        if self.spec is not None and takeover:
-            raise ConfigError(f"[speculative] cannot be combined with a feature that runs steps itself {takeover}")
         self.pm.hook.engine_started(engine=self)
-        if self.spec is not None:
-            self.spec.proposer.start(self)
+        self.spec = SpecDecoder.create(self)
         route = self.pm.hook.moe_route_hook(engine=self)
         if route is not None:
             self.runner.set_route_hook(route)
-        if self.async_scheduling and self._takeover_features():
-            logger.info("async scheduling: feature(s) %s run steps themselves (execute_step); steps run "
-                        "synchronously", [type(p).__name__ for p in self._takeover_features()])
+        if self.async_scheduling and self.spec is not None:
+            logger.info("async scheduling: speculative steps (proposer %s) run synchronously", self.spec.name)
         # after the features: they may hook the model (moe_route_hook) or allocate device memory
         self.runner.setup_graphs(self.platform, cfg, self.max_model_len)
         # The model, caches and plugins live as long as the engine: keep the cyclic GC from rescanning
@@ -452,7 +445,7 @@ class LLMEngine:
             pipe.overlap(out)
         elif self.spec is not None:
             self.spec.run(out)
-        elif not self.pm.hook.execute_step(engine=self, scheduled=out):
+        else:
             pipe.run_sync(out)
         finished += [s for s in self._seqs.values() if s.is_finished and s not in finished]
         self._drop(finished)
@@ -509,21 +502,11 @@ class LLMEngine:
         return finished
 
     # ---- async scheduling ---------------------------------------------------------------
-    def _takeover_features(self) -> list:
-        """Features that run steps themselves (execute_step) and do not say when (step_needs_sync)."""
-        aware = {id(h.plugin) for h in self.pm.hook.step_needs_sync.get_hookimpls()}
-        return [h.plugin for h in self.pm.hook.execute_step.get_hookimpls() if id(h.plugin) not in aware]
-
     def _can_overlap(self) -> bool:
         """Whether the coming step may be launched before the one in flight is post-processed."""
-        if not self.async_scheduling or self._sync_requests or self._takeover_features() or self.spec is not None:
+        if not self.async_scheduling or self._sync_requests or self.spec is not None:
             return False
         return not any(self.pm.hook.step_needs_sync(engine=self))
-
-    def postprocess_step(self, batch: StepBatch, logits: torch.Tensor) -> None:
-        """Sample and post-process a step whose forward has run, synchronously (for a feature that
-        runs steps itself, ``execute_step``; no step is in flight then)."""
-        self.pipeline.complete(self.pipeline.submit(batch, logits))
 
     def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]],
                       tops: list[list] | None = None) -> list[tuple[Sequence, tuple]]:
@@ -600,7 +583,7 @@ class LLMEngine:
             self.blocks.release(seq)
         self.pm.hook.request_finished(engine=self, request=seq)
         if self.spec is not None:
-            self.spec.proposer.request_finished(self, seq)
+            self.spec.request_finished(seq)
 
     def _drop(self, finished: list[Sequence]) -> None:
         for seq in finished:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,11 @@ class StepBatch:
     keep_hidden: bool = False  # forward() keeps every row's final hidden state in ``hidden`` (MTP drafts)
     hidden: torch.Tensor | None = None
     logit_index: torch.Tensor | None = None  # ``logit_rows`` on the device (set by prepare)
+    num_prefills: int = 0  # ``scheduled`` holds the step's prefill chunks first, then its decodes
+    row_starts: list[int] = field(default_factory=list)  # per scheduled request: its first token row
+    computed_before: list[int] = field(default_factory=list)  # per scheduled request: computed tokens before
+    started: float = 0.0  # perf_counter() when the step was prepared
+    forward_s: float = 0.0  # seconds of its forward (set where measured: speculative steps)
 
 
 def _block_table_tensor(seqs: list[Sequence], device, pin: bool = False) -> torch.Tensor:
@@ -194,10 +200,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         prompt_lp = []
         placeholders = False
+        started = time.perf_counter()
+        row_starts: list[int] = []
+        computed_before: list[int] = []
         for i, s in enumerate(out.prefills + out.decodes):
             seq, n = s.seq, s.num_new_tokens
             c = seq.num_computed_tokens
             row0 = len(ids)
+            row_starts.append(row0)
+            computed_before.append(c)
             placeholders = placeholders or (seq.num_pending_tokens > 0 and c + n > seq.num_known_tokens)
             ids.extend(seq.token_ids[c : c + n])
             extra = drafts.get(seq.request_id, ()) if drafts and i >= len(out.prefills) else ()
@@ -260,7 +271,9 @@ class ModelRunner:
             input_ids = torch.where(input_ids < 0, prev_tokens[(-input_ids - 1).clamp(min=0)], input_ids)
         return StepBatch(input_ids, to_device(pos, torch.long, dev, pin), meta, out.prefills + out.decodes,
                          logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden,
-                         logit_index=to_device(logit_rows, torch.long, dev, pin) if logit_rows else None)
+                         logit_index=to_device(logit_rows, torch.long, dev, pin) if logit_rows else None,
+                         num_prefills=len(out.prefills), row_starts=row_starts, computed_before=computed_before,
+                         started=started)
 
     def _group_meta(self, meta: AttentionMetadata, scheduled: list[ScheduledSeq],
                     slots: dict[tuple[str, int], list[int]], q_all: list[int]) -> None:

@@ -45,11 +45,31 @@ def load_proposer(section: dict) -> tuple[Proposer, int]:
 class SpecDecoder:
     """Runs an engine's steps when a proposer is configured."""
 
-    def __init__(self, engine, section: dict) -> None:
-        self.engine = engine
-        self.proposer, self.k = load_proposer(section)
-        self.name = type(self.proposer).__name__
+    def __init__(self, engine, proposer: Proposer, k: int, from_feature: bool) -> None:
+        self.engine, self.proposer, self.k = engine, proposer, k
+        self.from_feature = from_feature  # a feature's proposer gets request_finished as a hook already
+        self.name = type(proposer).__name__
         self.n = dict(spec_steps=0, spec_verified=0, spec_accepted=0, spec_proposed=0)
+
+    @classmethod
+    def create(cls, engine) -> SpecDecoder | None:
+        """The engine's speculative decoder: from the ``[speculative]`` table (an entry-point
+        proposer) or a feature's ``speculative_proposer`` hook; None when neither."""
+        hooked = engine.pm.hook.speculative_proposer(engine=engine)
+        if engine.cfg.speculative and hooked is not None:
+            raise ConfigError(f"[speculative] is set but feature proposer {type(hooked).__name__} is enabled "
+                              "too; use one")
+        if hooked is not None:
+            return cls(engine, hooked, hooked.k, from_feature=True)
+        if not engine.cfg.speculative:
+            return None
+        proposer, k = load_proposer(engine.cfg.speculative)
+        proposer.start(engine)
+        return cls(engine, proposer, k, from_feature=False)
+
+    def request_finished(self, seq: Sequence) -> None:
+        if not self.from_feature:
+            self.proposer.request_finished(self.engine, seq)
 
     def eligible(self, seq: Sequence) -> bool:
         """Whether a request may get drafts (penalties and feature-owned options: not yet)."""
@@ -63,7 +83,9 @@ class SpecDecoder:
         batch = eng.runner.prepare(out, keep_hidden=self.proposer.needs_hidden)
         tf = time.perf_counter()
         logits = eng.runner.forward(batch)
-        eng.stats.forward_time += time.perf_counter() - tf
+        eng.platform.synchronize()  # the verify reads the results at once: time the forward alone
+        batch.forward_s = time.perf_counter() - tf
+        eng.stats.forward_time += batch.forward_s
         drafted = [s for s in out.decodes if s.spec_tokens]
         if drafted:
             ids = {id(s.seq) for s in drafted}

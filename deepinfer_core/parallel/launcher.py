@@ -53,7 +53,6 @@ from deepinfer_core.selection import select_platform
 logger = logging.getLogger("deepinfer.parallel")
 STARTUP_TIMEOUT_MIN_S = 300.0  # model loading may take longer than a step
 PROBE_TIMEOUT_S = 1.0  # a live rank's probe thread answers well within this
-TAKEOVER_HOOKS = ("execute_step", "execute_decode")  # hooks that run a step's forwards themselves
 
 
 def merge_feature_metrics(pm, per_rank: list[dict]) -> dict:
@@ -242,12 +241,6 @@ class ParallelEngine:
         check_parallel_config(cfg, mc, self.platform, local_world, tr["world_size"] if tr else None)
         self.pm = pm = make_plugin_manager()
         load_features(cfg, pm)  # unknown features and bad sections fail here, before any process starts
-        hooks = [h for h in (getattr(pm.hook, n, None) for n in TAKEOVER_HOOKS) if h is not None]
-        takeover = sorted({pm.get_name(impl.plugin) for h in hooks for impl in h.get_hookimpls()})
-        if takeover:
-            raise ConfigError(f"feature(s) {takeover} run the model step themselves (speculative decoding); "
-                              "with dp/ep > 1 every rank must run exactly one forward per step, which they "
-                              "do not guarantee yet")
         self.claimed_options = {o for opts in pm.hook.request_options() for o in (opts or [])}
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)

@@ -15,17 +15,16 @@ Enable with ``features=["dspark"]``; configure in its ``[dspark]`` section (vali
 
 ``DEEPINFER_ENABLE_MTP_VARLEN=0`` turns variable length off (fixed k).
 
-A step (``execute_step``): the drafts proposed at the end of the previous step are cut to the
-lengths the policy chooses (``plugins.dspark.policy``) from their confidences and this platform's
-measured step-time curve; every decode request then gets the query tokens [last token, d_1..d_m]
-and ONE target forward runs over prefill chunks and decodes together. Requests without drafts go
-through the engine's normal post-processing; drafted ones through rejection sampling
-(``deepinfer_core.engine.rejection``), ``engine.append_tokens``, and a KV roll-back of rejected tokens.
-Finally the draft catches up on the tokens the target computed (prefill chunks, accepted tokens)
-and proposes up to k drafts per request for the next step, with a confidence per draft; under
-the throughput policy it stops drafting when one more draft step no longer pays for itself. A draft
-model's decode steps run on a lean path (``plugins.dspark.lean``); the policy's step-time curve is
-corrected by every step's measured times (``policy.LiveCost``).
+DSpark is the engine's draft proposer (``deepinfer_core.proposer``, given through the
+``speculative_proposer`` hook); the engine schedules its drafts as lookahead tokens, verifies them
+in the step's one forward and rolls back the rejected ones (``deepinfer_core.engine.speculative``).
+After each step (``propose``) the draft catches up on the tokens the target computed (prefill
+chunks, accepted tokens) and proposes up to k drafts per request, with a confidence per draft;
+under the throughput policy it stops drafting when one more draft step no longer pays for itself,
+and cuts each request's drafts to the lengths the policy chooses (``plugins.dspark.policy``) from
+their confidences and this platform's measured step-time curve. A draft model's decode steps run
+on a lean path (``plugins.dspark.lean``); the curve is corrected by every step's measured times
+(``policy.LiveCost``); ``verified`` takes the engine's accept counts back.
 
 Requests using penalties or feature-owned options (``so_args``) are decoded without drafts.
 
@@ -41,7 +40,6 @@ import logging
 import math
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,13 +48,14 @@ import deepinfer_core
 from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.cost_model import cache_dir
 from deepinfer_core.engine.engine import model_fingerprint
-from deepinfer_core.engine.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
+from deepinfer_core.engine.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.kv_cache_spec import KVCacheSpec
 from deepinfer_core.models.loader import EMBEDDED_MODEL, load_model_config
 from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, PrefillMeta
+from deepinfer_core.proposer import Draft, Proposer
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 from plugins.dspark import confidence as conf_mod
@@ -140,7 +139,7 @@ class _Rows:
         return self._ctx
 
 
-class DSpark(Feature):
+class DSpark(Feature, Proposer):
     name = "dspark"
     core_api_version = "1.0"
 
@@ -263,54 +262,88 @@ class DSpark(Feature):
             return MTPDraft(engine, path)
         return DraftModel(engine, path)
 
-    # ---- the step -------------------------------------------------------------------------
+    # ---- the proposer ----------------------------------------------------------------------
     @hookimpl
-    def execute_step(self, engine, scheduled: SchedulerOutput):
-        if self.source is None:
-            return None
-        with torch.inference_mode():
-            self._step(engine, scheduled)
-        return True
+    def speculative_proposer(self, engine):
+        return self if self.source is not None else None
 
-    def _step(self, engine, scheduled: SchedulerOutput) -> None:
+    @property
+    def needs_hidden(self) -> bool:
+        return self.source is not None and self.source.needs_hidden
+
+    def propose(self, engine, requests: list[Sequence], max_drafts: list[int], batch) -> list[Draft | None]:
+        """After a step: catch the draft up on what the target computed and draft for the next step;
+        the lengths are cut by the policy (``_choose``)."""
         t0 = time.perf_counter()
         if self._pending is not None:  # the previous decode step's times, with its whole cycle
             *obs, start, contiguous, caught = self._pending
             self.live.observe(*obs, cycle_s=t0 - start if contiguous else None, catchup_rows=caught)
             self._pending = None
-        plan, drafted = self._plan(engine, scheduled)
-        t1 = time.perf_counter()
-        self.t["schedule"] += t1 - t0
-        rowmap = self._row_map(scheduled, plan) if self.source.needs_hidden else None
-        batch = engine.runner.prepare(scheduled, plan or None, keep_hidden=self.source.needs_hidden)
-        tf = time.perf_counter()
-        logits = engine.runner.forward(batch)
-        engine.platform.synchronize()
-        dt = time.perf_counter() - tf
-        engine.stats.forward_time += dt
-        self.t["verify"] += dt
-        if drafted:
-            ids = set(plan)
-            keep = [i for i, s in enumerate(batch.sample_seqs) if s.request_id not in ids]
-            normal = replace(batch, scheduled=[s for s in batch.scheduled if s.seq.request_id not in ids],
-                             sample_seqs=[batch.sample_seqs[i] for i in keep],
-                             sample_rows=[batch.sample_rows[i] for i in keep])
-            engine.postprocess_step(normal, logits)
-            self._verify(engine, batch, logits, drafted)
-        else:
-            engine.postprocess_step(batch, logits)
-        td = time.perf_counter()
+        scheduled = SchedulerOutput(prefills=batch.scheduled[: batch.num_prefills],
+                                    decodes=batch.scheduled[batch.num_prefills :])
+        for s in scheduled.decodes:
+            st = s.seq.feature_state.get(KEY)
+            if st:
+                st.decode_steps += 1
+                self.n["decode_steps"] += 1
+        rowmap = {s.seq.request_id: (r, c) for s, r, c in zip(batch.scheduled, batch.row_starts,
+                                                               batch.computed_before)}
         self._drafted, self._caught = (0, 0, 0.0), 0
-        self._propose(engine, scheduled, batch, rowmap)
+        with torch.inference_mode():
+            self._propose(engine, scheduled, batch, rowmap if self.source.needs_hidden else None)
         engine.platform.synchronize()
-        dd = time.perf_counter() - td
-        engine.stats.forward_time += dd
+        dd = time.perf_counter() - t0
         self.t["draft"] += dd
+        self.t["verify"] += batch.forward_s
         if not scheduled.prefills and scheduled.decodes:
             live = sum(1 for s in scheduled.decodes if not s.seq.is_finished)
             rows, steps, steps_s = self._drafted
-            self._pending = (batch.input_ids.shape[0], dt, rows, steps, steps_s, dd - steps_s if rows else 0.0,
-                             len(scheduled.decodes), t0, live > 0, self._caught)
+            self._pending = (batch.input_ids.shape[0], batch.forward_s, rows, steps, steps_s,
+                             dd - steps_s if rows else 0.0, len(scheduled.decodes), batch.started, live > 0,
+                             self._caught)
+        t1 = time.perf_counter()
+        out = self._choose(engine, requests, max_drafts)
+        self.t["schedule"] += time.perf_counter() - t1
+        return out
+
+    def _choose(self, engine, requests: list[Sequence], max_drafts: list[int]) -> list[Draft | None]:
+        """The drafts to verify next step: cut to the lengths the policy picks from their
+        confidences and the step-time curve (variable length), or as many as fit (fixed)."""
+        cands, caps, idx = [], [], []
+        for i, (seq, m) in enumerate(zip(requests, max_drafts)):
+            st = seq.feature_state.get(KEY)
+            if st and st.drafts and st.base_len == seq.num_tokens and st.epoch == seq.metrics.num_preemptions:
+                cap = min(len(st.drafts), m, len(seq.block_table) * engine.block_size - seq.num_tokens)
+                if cap > 0:
+                    cands.append((seq, st))
+                    caps.append(cap)
+                    idx.append(i)
+        out: list[Draft | None] = [None] * len(requests)
+        if not cands:
+            return out
+        n_tokens = len(requests)  # the next step's query tokens (one per decode)
+        budget = engine.cfg.max_num_batched_tokens - n_tokens
+        if self.opts["verify_budget"]:
+            budget = min(budget, self.opts["verify_budget"])
+        if self.varlen:
+            fixed = self.live.overhead(len(requests)) + self.live.drafting(len(cands), self.last_depth)
+            lengths = choose_lengths([st.cum[:c] for (_, st), c in zip(cands, caps)], n_tokens, budget,
+                                     self.live, fixed)
+            self.n["plans"] += 1
+            if self.n["plans"] % EXPLORE_VERIFY_EVERY == 0 and sum(lengths) < budget:
+                # one draft more than chosen, on the request whose next draft is likeliest: the live
+                # cost model then sees the step time of the next verify size too
+                more = [(st.cum[m], i) for i, ((_, st), c, m) in enumerate(zip(cands, caps, lengths)) if m < c]
+                if more:
+                    lengths[max(more)[1]] += 1
+        else:
+            lengths = fixed_lengths(caps, budget)
+        for i, (_, st), m in zip(idx, cands, lengths):
+            if m > 0:
+                out[i] = Draft(st.drafts[:m], None if st.q is None else st.q[:m], st.conf[:m])
+            else:
+                st.drafts, st.q, st.feats = [], None, None
+        return out
 
     def _state(self, seq: Sequence) -> _State | None:
         st = seq.feature_state.get(KEY)
@@ -328,112 +361,15 @@ class DSpark(Feature):
             st.kept_hidden, st.kept_rows = [], 0
         return st
 
-    def _plan(self, engine, scheduled: SchedulerOutput):
-        """Drafts to verify this step: {request_id: tokens} and [(seq, state, m)]."""
-        cands, caps = [], []
-        bs = engine.block_size
-        for s in scheduled.decodes:
-            seq = s.seq
+    def verified(self, engine, requests: list[Sequence], num_drafts: list[int], num_accepted: list[int]) -> None:
+        for seq, m, a in zip(requests, num_drafts, num_accepted):
             st = seq.feature_state.get(KEY)
             if not st:
                 continue
-            st.decode_steps += 1
-            self.n["decode_steps"] += 1
-            if not st.drafts:
-                continue
-            if (st.base_len != seq.num_tokens or st.epoch != seq.metrics.num_preemptions
-                    or seq.num_computed_tokens != seq.num_tokens - 1):
-                st.drafts, st.q = [], None
-                continue
-            cap = min(len(st.drafts), len(seq.block_table) * bs - seq.num_tokens)
-            if cap > 0:
-                cands.append((seq, st))
-                caps.append(cap)
-        if not cands:
-            return {}, []
-        budget = engine.cfg.max_num_batched_tokens - scheduled.num_tokens
-        if self.opts["verify_budget"]:
-            budget = min(budget, self.opts["verify_budget"])
-        if self.varlen:
-            fixed = self.live.overhead(len(scheduled.decodes)) + self.live.drafting(len(cands), self.last_depth)
-            lengths = choose_lengths([st.cum[:c] for (_, st), c in zip(cands, caps)], scheduled.num_tokens,
-                                     budget, self.live, fixed)
-            self.n["plans"] += 1
-            if self.n["plans"] % EXPLORE_VERIFY_EVERY == 0 and sum(lengths) < budget:
-                # one draft more than chosen, on the request whose next draft is likeliest: the live
-                # cost model then sees the step time of the next verify size too
-                more = [(st.cum[m], i) for i, ((_, st), c, m) in enumerate(zip(cands, caps, lengths)) if m < c]
-                if more:
-                    lengths[max(more)[1]] += 1
-        else:
-            lengths = fixed_lengths(caps, budget)
-        plan, drafted = {}, []
-        for (seq, st), m in zip(cands, lengths):
-            if m > 0:
-                plan[seq.request_id] = st.drafts[:m]
-                drafted.append((seq, st, m))
-        return plan, drafted
-
-    @staticmethod
-    def _row_map(scheduled: SchedulerOutput, plan: dict) -> dict:
-        """request_id -> (first row in the flat batch, its position), before the step advances them."""
-        out, row = {}, 0
-        for s in scheduled.prefills + scheduled.decodes:
-            out[s.seq.request_id] = (row, s.seq.num_computed_tokens)
-            row += s.num_new_tokens + len(plan.get(s.seq.request_id, ()))
-        return out
-
-    # ---- verification ---------------------------------------------------------------------
-    def _verify(self, engine, batch, logits: torch.Tensor, drafted: list) -> None:
-        dev = logits.device
-        where = {id(s): i for i, s in enumerate(batch.sample_seqs)}
-        rows, row_seqs, starts = [], [], []
-        for seq, _, m in drafted:
-            r0 = batch.sample_rows[where[id(seq)]]
-            starts.append(len(rows))
-            rows.extend(range(r0, r0 + m + 1))
-            row_seqs.extend([seq] * (m + 1))
-        spec = logits[torch.tensor(rows, device=dev)]
-        view = replace(batch, scheduled=[], sample_seqs=row_seqs, sample_rows=list(range(len(rows))))
-        engine.pm.hook.process_logits(engine=engine, batch=view, logits=spec)
-        seqs = [d[0] for d in drafted]
-        greedy = [s.params.temperature <= 0 for s in seqs]
-        draft_tokens = [st.drafts[:m] for _, st, m in drafted]
-        first_pos = [s.num_tokens for s in seqs]
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
-        if all(greedy):
-            probs, q, argmax = None, None, spec.argmax(-1).tolist()
-        else:
-            probs = filtered_probs(spec, SamplingRows.from_params([s.params for s in row_seqs], dev))
-            V = spec.shape[-1]
-            q = torch.cat([st.q[:m] if st.q is not None else spec.new_zeros(m, V) for _, st, m in drafted])
-            argmax = None
-        tokens, accepted = verify(probs, q, draft_tokens, seeds, first_pos, greedy, argmax)
-
-        # logprobs of the emitted tokens under the target rows
-        emit_rows = [starts[i] + j for i, toks in enumerate(tokens) for j in range(len(toks))]
-        emit_toks = [t for toks in tokens for t in toks]
-        er = torch.tensor(emit_rows, device=dev)
-        lse = torch.logsumexp(spec[er], dim=-1)
-        lp_flat = (spec[er, torch.tensor(emit_toks, device=dev)] - lse).tolist()
-        logprobs, tops, k = [], [], 0
-        for i, toks in enumerate(tokens):
-            logprobs.append(lp_flat[k : k + len(toks)])
-            n = seqs[i].params.logprobs
-            if n:
-                vals, idx = spec[er[k : k + len(toks)]].topk(n, dim=-1)
-                vals = vals - lse[k : k + len(toks), None]
-                tops.append([list(zip(a, b)) for a, b in zip(idx.tolist(), vals.tolist())])
-            else:
-                tops.append([None] * len(toks))
-            k += len(toks)
-
-        for (seq, st, m), a in zip(drafted, accepted):
-            seq.num_computed_tokens += 1 + a  # the query token and the accepted drafts have KV now
             if self.source.needs_hidden:
                 st.done = min(st.done, seq.num_computed_tokens)
-            else:
-                st.done = seq.num_tokens + min(a, st.fed)
+            else:  # draft KV is valid up to the last token, plus the accepted drafts it wrote
+                st.done = seq.num_computed_tokens - a + min(a, st.fed)
             st.verified += m
             st.accepted += a
             self.n["verified"] += m
@@ -444,21 +380,12 @@ class DSpark(Feature):
                 n_log = min(a + 1, m)
                 # (hidden, log q, entropy of all verified positions, greedy, confidences and outcomes of
                 #  the positions the target decided, the last token then the draft tokens, P_1..P_m, accepted count)
+                first = seq.num_computed_tokens - a  # index of d_1
                 self.outcome_log.append((h[:m], lq[:m], ent[:m], seq.params.temperature <= 0,
                                          st.conf[:n_log], [1.0] * min(a, n_log) + [0.0] * (n_log - min(a, n_log)),
-                                         seq.token_ids[-1:] + st.drafts[:m], st.cum[:m], a))
+                                         seq.token_ids[first - 1 : first] + st.drafts[:m], st.cum[:m], a))
             st.drafts, st.q, st.feats = [], None, None
-        stops = engine.append_tokens(seqs, tokens, logprobs, tops)
-        for seq, st, _ in drafted:
-            engine.blocks.truncate(seq, seq.num_tokens)  # roll back the rejected drafts' KV
-            engine.blocks.register_full_blocks(seq)
             self._request_metrics(seq, st)
-        # every appended token (a stop ends a request's list), then the stops: the engine's hook order
-        kept = [toks[: len(seq.token_ids) - first] for seq, toks, first in zip(seqs, tokens, first_pos)]
-        flat_seqs = [s for s, toks in zip(seqs, kept) for _ in toks]
-        view = replace(batch, scheduled=[], sample_seqs=flat_seqs, sample_rows=list(range(len(flat_seqs))))
-        engine.pm.hook.tokens_sampled(engine=engine, batch=view, token_ids=[t for toks in kept for t in toks])
-        engine.finish_stopped(stops)
 
     @staticmethod
     def _request_metrics(seq: Sequence, st: _State) -> None:
