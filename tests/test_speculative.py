@@ -161,8 +161,8 @@ def test_stops_inside_accepted_drafts(tiny_v3_path, proposer_package, reference)
 
 
 def test_sampled_requests_penalties_and_n2(tiny_v3_path, proposer_package):
-    """Seeded sampling through rejection (exact in distribution, not token-equal), penalties (no
-    drafts yet: token-equal to plain decoding) and n = 2, together."""
+    """Seeded sampling through rejection (exact in distribution, not token-equal), greedy with
+    penalties (drafted too: token-equal to plain decoding) and n = 2, together."""
     ps = [SamplingParams(temperature=0.8, seq_seed=5 + i, max_tokens=10, ignore_eos=True) if i % 2 else
           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3, n=2)
           for i in range(len(PROMPTS))]
@@ -229,3 +229,70 @@ def test_point_mass_drafts_keep_the_target_distribution():
     pvalue = float(torch.special.gammaincc(torch.tensor((V - 1) / 2.0, dtype=torch.float64),
                                            torch.tensor(stat / 2.0, dtype=torch.float64)))
     assert pvalue > 1e-3 and 0.2 < sum(accepted) / N < 0.99
+
+
+def test_penalties_with_accepted_drafts_are_greedy_exact(tiny_v3_path, proposer_package):
+    """Penalties apply per verified row, counting the drafts before it as output."""
+    import toy_proposers
+
+    ps = [greedy(n=14, repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2) for _ in PROMPTS]
+    ref = run(make(tiny_v3_path), ps)
+    toy_proposers.Oracle.outputs = {tuple(p): t for p, t in zip(PROMPTS, tokens(ref))}
+    llm = make(tiny_v3_path, speculative={"proposer": "oracle", "k": 4})
+    outs = run(llm, ps)
+    assert tokens(outs) == tokens(ref)
+    m = llm.engine.metrics()
+    assert m["spec_accepted"] > m["spec_verified"] // 2 and m["steps"] <= 8
+
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                          "ok": {"type": "boolean"}}, "required": ["id", "ok"]}
+
+
+@pytest.fixture(scope="module")
+def so_reference():
+    llm = LLM(features=["structured_output"], kv_cache_memory=64 << 20)
+    ps = [SamplingParams(temperature=0.0, max_tokens=40, so_args={"schema_type": "json", "schema": SCHEMA}),
+          SamplingParams(temperature=0.0, max_tokens=12, so_args={"schema_type": "regex", "schema": "[0-9]{2,5}"})]
+    prompts = ["record = ", "n = "]
+    outs = llm.generate(prompts, ps, use_tqdm=False)
+    llm.shutdown()
+    return prompts, ps, outs
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "previous_token", "dspark"])
+def test_structured_output_with_drafts_is_valid_and_greedy_exact(proposer_package, so_reference, proposer,
+                                                                  tmp_path, monkeypatch):
+    """Grammar masks on every verified row (drafts the grammar rejects are masked out), the matcher
+    advanced only by kept tokens: schema-valid and identical to decoding without drafts."""
+    import json
+
+    import jsonschema
+    import toy_proposers
+
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    prompts, ps, ref = so_reference
+    kw = dict(features=["structured_output"], kv_cache_memory=64 << 20)
+    if proposer == "dspark":
+        kw["features"] = ["structured_output", "dspark"]
+    else:
+        kw["speculative"] = {"proposer": proposer, "k": 4}
+    llm = LLM(**kw)
+    if proposer == "oracle":
+        ids = [llm.engine.tokenizer.encode(p) for p in prompts]
+        toy_proposers.Oracle.outputs = {tuple(i): o.outputs[0].token_ids for i, o in zip(ids, ref)}
+    if proposer == "dspark":
+        from plugins.dspark.policy import LiveCost, StepCost
+
+        feat = next(f for f in llm.engine.features if f.name == "dspark")
+        feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1e-6, 1e-5]), adapt=False)
+    outs = llm.generate(prompts, ps, use_tqdm=False)
+    for o, r in zip(outs, ref):
+        assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMA)
+    m = llm.engine.metrics()
+    assert m["spec_verified"] > 0
+    if proposer != "previous_token":
+        assert m["spec_accepted"] > 0
+    llm.engine.blocks.check_no_leaks()
+    llm.shutdown()

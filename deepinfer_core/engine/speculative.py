@@ -42,6 +42,16 @@ def load_proposer(section: dict) -> tuple[Proposer, int]:
     return cls(sec), k
 
 
+class _RowView:
+    """A verify row as the sampler's penalties read it: the request with ``extra`` drafts as output."""
+
+    __slots__ = ("params", "prompt_token_ids", "output_token_ids")
+
+    def __init__(self, seq: Sequence, extra: list[int]) -> None:
+        self.params, self.prompt_token_ids = seq.params, seq.prompt_token_ids
+        self.output_token_ids = seq.output_token_ids + extra
+
+
 class SpecDecoder:
     """Runs an engine's steps when a proposer is configured."""
 
@@ -72,8 +82,9 @@ class SpecDecoder:
             self.proposer.request_finished(self.engine, seq)
 
     def eligible(self, seq: Sequence) -> bool:
-        """Whether a request may get drafts (penalties and feature-owned options: not yet)."""
-        return not has_penalty(seq) and seq.params.so_args is None
+        """Whether a request may get drafts: every request (penalties are applied per verified row,
+        feature masks per verified row through ``process_logits``)."""
+        return True
 
     # ---- one step --------------------------------------------------------------------------
     def run(self, out: SchedulerOutput) -> None:
@@ -119,10 +130,11 @@ class SpecDecoder:
         greedy = [s.params.temperature <= 0 for s in seqs]
         first_pos = [s.num_tokens for s in seqs]
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
+        target = self._penalised(spec, seqs, drafts)  # what is sampled; logprobs come from ``spec``
         if all(greedy):
-            probs, q, argmax = None, None, spec.argmax(-1).tolist()
+            probs, q, argmax = None, None, target.argmax(-1).tolist()
         else:
-            probs = filtered_probs(spec, SamplingRows.from_params([s.params for s in row_seqs], dev))
+            probs = filtered_probs(target, SamplingRows.from_params([s.params for s in row_seqs], dev))
             q = torch.cat([self._draft_probs(seq, d, spec.shape[-1], dev) for seq, d in zip(seqs, drafts)])
             argmax = None
         tokens, accepted = verify(probs, q, drafts, seeds, first_pos, greedy, argmax)
@@ -144,6 +156,14 @@ class SpecDecoder:
         eng.pm.hook.tokens_sampled(engine=eng, batch=view, token_ids=[t for toks in kept for t in toks])
         eng.finish_stopped(stops)
         self.proposer.verified(eng, seqs, [len(d) for d in drafts], accepted)
+
+    def _penalised(self, spec: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """The verify rows with each request's penalties, row j counting its drafts d_1..d_j as
+        output (what plain decoding would see had they been sampled); no state to roll back."""
+        if not any(has_penalty(s) for s in seqs):
+            return spec
+        views = [_RowView(s, d[:j]) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        return self.engine.sampler.penalise(spec.clone(), views)
 
     @staticmethod
     def _starts(drafts: list[list[int]]) -> list[int]:

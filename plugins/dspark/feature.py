@@ -26,7 +26,8 @@ their confidences and this platform's measured step-time curve. A draft model's 
 on a lean path (``plugins.dspark.lean``); the curve is corrected by every step's measured times
 (``policy.LiveCost``); ``verified`` takes the engine's accept counts back.
 
-Requests using penalties or feature-owned options (``so_args``) are decoded without drafts.
+Requests with penalties or ``so_args`` get drafts too: the engine applies penalties and grammar masks
+per verified row.
 
 Metrics: per request ``metrics.extra`` ``accept_rate``, ``mean_accepted_len`` (accepted draft
 tokens per decode step), ``verified_per_step`` (draft tokens verified per decode step); overall
@@ -348,11 +349,6 @@ class DSpark(Feature, Proposer):
     def _state(self, seq: Sequence) -> _State | None:
         st = seq.feature_state.get(KEY)
         if st is None:
-            p = seq.params
-            if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                    or p.so_args is not None):
-                seq.feature_state[KEY] = False
-                return None
             st = seq.feature_state[KEY] = _State(seq.metrics.num_preemptions)
         elif st is False:
             return None
