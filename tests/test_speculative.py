@@ -34,6 +34,8 @@ class Oracle(Proposer):
 
     def __init__(self, section):
         self.corrupt = section.pop("corrupt", True)
+        for prompt, output in section.pop("outputs", []):  # a config value reaches dp/ep worker processes
+            Oracle.outputs[tuple(prompt)] = output
         super().__init__(section)
         self.calls = 0
         self.feedback = []
@@ -296,3 +298,26 @@ def test_structured_output_with_drafts_is_valid_and_greedy_exact(proposer_packag
         assert m["spec_accepted"] > 0
     llm.engine.blocks.check_no_leaks()
     llm.shutdown()
+
+
+def test_dp_ep_2_with_speculation_equals_one_rank_without(proposer_package, tmp_path_factory):
+    """Every rank proposes and verifies its own requests (one target forward per rank per step):
+    greedy outputs and logprobs equal dp = ep = 1 without speculation; the ranks' counts are summed."""
+    from parallel_helpers import assert_same, ep_checkpoint, make_llm, workload
+
+    ckpt = ep_checkpoint(tmp_path_factory.getbasetemp())
+    ps = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0) for _ in range(6)]
+    prompts = workload(6)
+    ref_llm = make_llm(ckpt)
+    ref = ref_llm.generate(prompts, ps, use_tqdm=False)
+    ref_llm.shutdown()
+    outputs = [[p["prompt_token_ids"], o.outputs[0].token_ids] for p, o in zip(prompts, ref)]
+    llm = make_llm(ckpt, dp=2, ep=2, speculative={"proposer": "oracle", "k": 3, "outputs": outputs})
+    try:
+        outs = llm.generate(prompts, ps, use_tqdm=False)
+        assert_same(outs, ref)
+        m = llm.metrics()
+        assert m["spec_accepted"] > 0 and all(r["spec_accepted"] > 0 for r in m["ranks"])
+        assert m["spec_accepted"] == sum(r["spec_accepted"] for r in m["ranks"])
+    finally:
+        llm.shutdown()

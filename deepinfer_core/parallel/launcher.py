@@ -618,8 +618,11 @@ class ParallelEngine:
         per_rank = self._roundtrip([("metrics",)] * self.world_size, float(self.cfg.worker_timeout_s))
         out = dict(per_rank[0])
         for key in ("prefill_tokens", "decode_tokens", "preemptions", "kv_blocks_free", "kv_blocks_total",
-                    "dummy_steps"):
-            out[key] = sum(m.get(key, 0) for m in per_rank)
+                    "dummy_steps", "spec_steps", "spec_verified", "spec_accepted", "spec_proposed"):
+            if key in out:
+                out[key] = sum(m.get(key, 0) for m in per_rank)
+        if out.get("spec_verified"):
+            out["spec_accept_rate"] = out["spec_accepted"] / out["spec_verified"]
         out["overhead_share"] = sum(m.get("overhead_share", 0.0) for m in per_rank) / len(per_rank)
         out["steps"] = self.steps
         out["dp"], out["ep"] = self.cfg.dp, self.cfg.ep
