@@ -69,6 +69,14 @@ class Proposer(ABC):
     def start(self, engine: EngineView) -> None:
         """The engine is built (load a draft model here)."""
 
+    def active(self, engine: EngineView) -> bool:
+        """Whether the coming step should be a speculative one (asked before every step, only with
+        async scheduling on; keep it cheap). While False the engine runs plain asynchronous steps
+        and neither proposes nor verifies: a proposer whose drafts do not pay at this load (its
+        measured step-time curve) goes dormant and costs nothing, and says True now and then to
+        look again (that step runs synchronously and gets ``propose``)."""
+        return True
+
     @abstractmethod
     def propose(self, engine: EngineView, requests: list[Sequence], max_drafts: list[int],
                 batch: StepBatch) -> list[Draft | None]:

@@ -55,6 +55,19 @@ class Oracle(Proposer):
         self.feedback.append((num_drafts, num_accepted))
 
 
+class Sometimes(PreviousToken):
+    """Speculates on every third step only; dormant (plain async steps) otherwise."""
+    name = "sometimes"
+
+    def __init__(self, section):
+        super().__init__(section)
+        self.asked = 0
+
+    def active(self, engine):
+        self.asked += 1
+        return self.asked % 3 == 0
+
+
 class TooLong(Proposer):
     name = "too_long"
     core_api_version = "1.0"
@@ -78,6 +91,7 @@ def proposer_package(tmp_path_factory):
         previous_token = toy_proposers:PreviousToken
         oracle = toy_proposers:Oracle
         too_long = toy_proposers:TooLong
+        sometimes = toy_proposers:Sometimes
         """))
     sys.path.insert(0, str(root))
     yield root
@@ -321,3 +335,28 @@ def test_dp_ep_2_with_speculation_equals_one_rank_without(proposer_package, tmp_
         assert m["spec_accepted"] == sum(r["spec_accepted"] for r in m["ranks"])
     finally:
         llm.shutdown()
+
+
+def test_a_dormant_proposer_lets_steps_overlap(tiny_v3_path, proposer_package, reference):
+    """With async scheduling on, steps while the proposer is dormant are plain overlapped steps;
+    speculative steps in between are synchronous; greedy outputs stay identical."""
+    llm = make(tiny_v3_path, async_scheduling=True, speculative={"proposer": "sometimes", "k": 3})
+    outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
+    assert tokens(outs) == tokens(reference)
+    m = llm.engine.metrics()
+    assert m["spec_dormant_steps"] > 0 and m["spec_steps"] > 0 and m["overlapped_steps"] > 0
+
+
+def test_dspark_goes_dormant_when_drafting_does_not_pay(tiny_v3_path, reference, tmp_path, monkeypatch):
+    from plugins.dspark.policy import LiveCost, StepCost
+
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    llm = make(tiny_v3_path, async_scheduling=True, features=["dspark"], dspark={"draft": str(tiny_v3_path), "k": 3})
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    # a draft step costs a second: drafting never pays
+    feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1.0, 1.0]), adapt=False)
+    outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
+    assert tokens(outs) == tokens(reference)
+    m = llm.engine.metrics()
+    assert m["spec_dormant_steps"] > 0 and m["overlapped_steps"] >= m["spec_dormant_steps"] - 2
+    assert m["dspark_verified"] == 0 and m["dspark_steps_without_drafts"] > 0

@@ -218,7 +218,8 @@ class LLMEngine:
         if route is not None:
             self.runner.set_route_hook(route)
         if self.async_scheduling and self.spec is not None:
-            logger.info("async scheduling: speculative steps (proposer %s) run synchronously", self.spec.name)
+            logger.info("async scheduling: speculative steps (proposer %s) run synchronously; plain steps "
+                        "while it is dormant overlap", self.spec.name)
         # after the features: they may hook the model (moe_route_hook) or allocate device memory
         self.runner.setup_graphs(self.platform, cfg, self.max_model_len)
         # The model, caches and plugins live as long as the engine: keep the cyclic GC from rescanning
@@ -344,6 +345,9 @@ class LLMEngine:
                              "(prompt plus at least one generated token)")
         return text, list(ids)
 
+    def unfinished_requests(self) -> list[Sequence]:
+        return [s for s in self._seqs.values() if not s.is_finished]
+
     def get_request(self, request_id: str) -> Sequence | None:
         """The unfinished request with this id, or None."""
         seq = self._seqs.get(request_id)
@@ -426,7 +430,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         pipe = self.pipeline
         self._step_seqs = pipe.inflight_seqs()
-        overlap = self._can_overlap()
+        speculate = self.spec is not None and self.spec.active()
+        overlap = self._can_overlap(speculate)
         if not overlap:
             pipe.drain()
         out = self._schedule()
@@ -443,7 +448,7 @@ class LLMEngine:
                 s.seq.metrics.first_scheduled_time = now
         if overlap:
             pipe.overlap(out)
-        elif self.spec is not None:
+        elif speculate:
             self.spec.run(out)
         else:
             pipe.run_sync(out)
@@ -502,9 +507,9 @@ class LLMEngine:
         return finished
 
     # ---- async scheduling ---------------------------------------------------------------
-    def _can_overlap(self) -> bool:
+    def _can_overlap(self, speculate: bool) -> bool:
         """Whether the coming step may be launched before the one in flight is post-processed."""
-        if not self.async_scheduling or self._sync_requests or self.spec is not None:
+        if not self.async_scheduling or self._sync_requests or speculate:
             return False
         return not any(self.pm.hook.step_needs_sync(engine=self))
 

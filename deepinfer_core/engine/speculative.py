@@ -59,7 +59,25 @@ class SpecDecoder:
         self.engine, self.proposer, self.k = engine, proposer, k
         self.from_feature = from_feature  # a feature's proposer gets request_finished as a hook already
         self.name = type(proposer).__name__
-        self.n = dict(spec_steps=0, spec_verified=0, spec_accepted=0, spec_proposed=0)
+        self.n = dict(spec_steps=0, spec_verified=0, spec_accepted=0, spec_proposed=0, spec_dormant_steps=0)
+        self._active = True
+        self._pending_drafts = False  # the last speculative step proposed drafts
+
+    def active(self) -> bool:
+        """Whether the coming step is speculative (synchronous, verified, proposals after it). With
+        async scheduling on the proposer may go dormant (``Proposer.active``): plain async steps;
+        never while drafts proposed by the last step wait to be verified."""
+        eng = self.engine
+        if not eng.async_scheduling or self._pending_drafts:  # drafts proposed last step are verified now
+            now = True
+        else:
+            now = self.proposer.active(eng)
+        if self._active and not now:  # going dormant: drafts left on requests not in the last step go too
+            for seq in eng.unfinished_requests():
+                seq.spec_tokens, seq.spec_probs = [], None
+        self._active = now
+        self.n["spec_dormant_steps"] += not now
+        return now
 
     @classmethod
     def create(cls, engine) -> SpecDecoder | None:
@@ -111,6 +129,7 @@ class SpecDecoder:
             eng.pipeline.complete(eng.pipeline.submit(batch, logits))
         for s in out.prefills + out.decodes:
             s.seq.spec_tokens, s.seq.spec_probs = [], None
+        self._pending_drafts = False
         self._propose(out, batch)
 
     def _verify(self, batch: StepBatch, logits: torch.Tensor, drafted: list[ScheduledSeq]) -> None:
@@ -237,6 +256,7 @@ class SpecDecoder:
                                    f"expected {(len(d.tokens), V)}")
             seq.spec_tokens, seq.spec_probs = list(d.tokens), d.probs
             self.n["spec_proposed"] += len(d.tokens)
+            self._pending_drafts = True
 
     def metrics(self) -> dict:
         n = self.n

@@ -202,6 +202,18 @@ class DSpark(Drafter, Feature, Proposer):
     def speculative_proposer(self, engine):
         return self if self.source is not None else None
 
+    def active(self, engine) -> bool:
+        """Dormant (plain async steps) while drafting does not pay; a speculative step again after
+        ``explore_every`` skipped steps, where ``_worth_speculating`` decides anew (and explores)."""
+        if self.skipped == 0:
+            return True
+        self.skipped += 1
+        self.n["skipped_steps"] += 1
+        if self.skipped > self.explore_every:
+            return True
+        self._pending = None  # the step-time observations resume with contiguous speculative steps
+        return False
+
     @property
     def needs_hidden(self) -> bool:
         return self.source is not None and self.source.needs_hidden
