@@ -190,6 +190,10 @@ def main(argv=None) -> None:
         }
 
     results["draft"] = feature(engines["fixed"]).source.kind
+    idle = {n: llm.metrics().get("device_idle_share") for n, llm in engines.items()}
+    if any(v is not None for v in idle.values()):  # DEEPINFER_MEASURE_DEVICE_IDLE=1 (a GPU)
+        results["device_idle_share"] = {n: round(v, 4) for n, v in idle.items() if v is not None}
+        print(f"device idle share between steps: {results['device_idle_share']}")
     print(f"DSpark on the embedded model: {len(prompts)} held-out prompts, {args.max_tokens} greedy tokens, "
           f"k={args.k}, {results['threads']} thread(s), draft {args.draft} ({results['draft']})")
     for c in concs:

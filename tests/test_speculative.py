@@ -340,11 +340,13 @@ def test_dp_ep_2_with_speculation_equals_one_rank_without(proposer_package, tmp_
 def test_a_dormant_proposer_lets_steps_overlap(tiny_v3_path, proposer_package, reference):
     """With async scheduling on, steps while the proposer is dormant are plain overlapped steps;
     speculative steps in between are synchronous; greedy outputs stay identical."""
-    llm = make(tiny_v3_path, async_scheduling=True, speculative={"proposer": "sometimes", "k": 3})
+    llm = make(tiny_v3_path, async_scheduling=True, speculative={"proposer": "sometimes", "k": 3},
+               measure_device_idle=True)
     outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
     assert tokens(outs) == tokens(reference)
     m = llm.engine.metrics()
     assert m["spec_dormant_steps"] > 0 and m["spec_steps"] > 0 and m["overlapped_steps"] > 0
+    assert 0.0 <= m["device_idle_share"] < 1.0 and m["device_idle_gaps"] > 0
 
 
 def test_dspark_goes_dormant_when_drafting_does_not_pay(tiny_v3_path, reference, tmp_path, monkeypatch):

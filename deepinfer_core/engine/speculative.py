@@ -110,6 +110,7 @@ class SpecDecoder:
         proposals for the next step."""
         eng = self.engine
         batch = eng.runner.prepare(out, keep_hidden=self.proposer.needs_hidden)
+        idle = eng._idle.start() if eng._idle is not None else None  # measure_device_idle
         tf = time.perf_counter()
         logits = eng.runner.forward(batch)
         eng.platform.synchronize()  # the verify reads the results at once: time the forward alone
@@ -131,6 +132,8 @@ class SpecDecoder:
             s.seq.spec_tokens, s.seq.spec_probs = [], None
         self._pending_drafts = False
         self._propose(out, batch)
+        if eng._idle is not None:  # the device works through verify and drafting: idle is what follows
+            eng._idle.end(idle)
 
     def _verify(self, batch: StepBatch, logits: torch.Tensor, drafted: list[ScheduledSeq]) -> None:
         eng = self.engine
