@@ -50,6 +50,7 @@ class EngineConfig:
     kv_role: str = "both"  # both | prefill (compute prompts, hand their KV off) | decode (engine/handoff.py)
     kv_transfer: dict | None = None  # the hand-off transport: {backend = "shm" | "3fs" | "p2p", ...}
     drain_grace_s: float = 60.0  # start_drain(): seconds before unfinished requests are forwarded with their KV
+    speculative: dict | None = None  # {proposer = "<deepinfer.proposers name>", k = 4, ...} (proposer.py)
     seed: int = 0
     dp: int = 1
     ep: int = 1
@@ -197,7 +198,7 @@ def compose(config: str | dict | None = None, env: dict | None = None, **kwargs:
     table = load_toml(path) if path else dict(config or {})
     source = f"file {path}" if path else "config dict"
     for key, value in table.items():
-        if isinstance(value, dict) and key not in ("kv_store", "kv_transfer"):
+        if isinstance(value, dict) and key not in ("kv_store", "kv_transfer", "speculative"):
             sections[key] = value
         elif key in _FIELDS:
             values[key] = _check_type(key, value, source)

@@ -58,7 +58,10 @@ class KVLayout:
 
 
 class KVStore(ABC):
-    """A store of KV blocks keyed by content hash."""
+    """A store of KV blocks keyed by content hash.
+
+    The abstract methods are required; the others are optional capabilities with working defaults
+    (a store overrides them when it can do better: batched reads, retention classes, a buffer pool)."""
 
     core_api_version: str = ""
 
@@ -86,6 +89,34 @@ class KVStore(ABC):
     @abstractmethod
     def evict(self, key: int) -> bool:
         """Drop ``key``; True when it was held."""
+
+    # ---- optional capabilities (defaults work for any store) ------------------------------
+    def get_many(self, keys: Sequence[int], ttl_class: str | None = None,
+                 out: list[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
+        """Read several blocks (None per miss). ``ttl_class``: the traffic class the read refreshes
+        (stores with retention classes). ``out``: caller-owned buffers (one per key, or None) the
+        store may read into and return instead of new tensors. Default: one ``get`` per key."""
+        return [self.get(key) for key in keys]
+
+    def ttl_seconds(self, traffic_class: str | None) -> float | None:
+        """Retention of a traffic class (0: forever), or None when the store has no classes."""
+        return None
+
+    def allocate(self) -> torch.Tensor | None:
+        """A pooled block buffer to fill and hand back with :meth:`adopt` or :meth:`recycle`; None
+        when the store keeps no pool (the default)."""
+        return None
+
+    def adopt(self, key: int, buf: torch.Tensor) -> None:
+        """Hold ``buf`` (from :meth:`allocate`, now filled) as block ``key``. Default: ``put``."""
+        self.put(key, buf)
+
+    def recycle(self, buf: torch.Tensor) -> None:
+        """Give back an unused buffer from :meth:`allocate`. Default: nothing to do."""
+
+    def prefault(self, nbytes: int) -> int:
+        """Allocate and touch up to ``nbytes`` of pooled buffers now; returns the bytes added (0)."""
+        return 0
 
     def stats(self) -> KVStoreStats:
         return KVStoreStats()

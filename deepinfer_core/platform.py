@@ -9,11 +9,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepinfer_core.kv_cache_spec import KVCacheSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deepinfer_core.communicator import Communicator
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,14 @@ class Platform(ABC):
         When True the engine overlaps ``schedule(N+1)`` with ``forward(N)`` by default (config
         ``async_scheduling`` overrides it; see ``deepinfer_core/engine/engine.py``)."""
         return False
+
+    def communicator(self) -> Communicator:
+        """The :class:`~deepinfer_core.communicator.Communicator` ranks on this platform use, built
+        after ``torch.distributed.init_process_group(self.dist_backend, ...)``. Default: one over the
+        torch.distributed world group; a platform with its own collective library returns its own."""
+        from deepinfer_core.communicator import TorchDistCommunicator
+
+        return TorchDistCommunicator()
 
     def describe(self) -> dict[str, Any]:
         """Facts shown by ``deepinfer plugins`` and logs."""

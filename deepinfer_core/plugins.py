@@ -6,6 +6,7 @@ Groups:
   deepinfer.schedulers Scheduler subclasses (fcfs, ...)
   deepinfer.kv_stores  KVStore subclasses (host, 3fs, ...)
   deepinfer.features   Feature subclasses (eplb, dspark, structured_output, ...)
+  deepinfer.proposers  Proposer subclasses (speculative decoding drafts; third parties)
 
 A plugin that fails to import is "installed but broken", never "not installed": the error names
 the plugin and chains the original exception.
@@ -24,7 +25,7 @@ from deepinfer_core.version import check_api_version
 logger = logging.getLogger("deepinfer.plugins")
 
 GROUPS = ("deepinfer.hardware", "deepinfer.kernels", "deepinfer.schedulers", "deepinfer.kv_stores",
-          "deepinfer.features", "deepinfer.models", "deepinfer.kv_transports")
+          "deepinfer.features", "deepinfer.models", "deepinfer.kv_transports", "deepinfer.proposers")
 
 
 class PluginError(RuntimeError):

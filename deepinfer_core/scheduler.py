@@ -4,13 +4,16 @@ A scheduler decides, every step, which requests run and how many new tokens each
 step's token budget, its time budget and the KV memory the block manager has. Schedulers are
 plugins in the ``deepinfer.schedulers`` group; the engine owns the mechanism (block allocation,
 model execution), the scheduler only the policy.
+
+The engine gives the scheduler an :class:`Admission` (feature hooks the scheduler consults while
+admitting a request); the scheduler reports its queue through ``num_running``/``num_waiting``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from deepinfer_core.engine.cost_model import CostModel
@@ -30,6 +33,9 @@ class SchedulerBudget:
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens whose KV this step computes (a prefill chunk, or 1 for decode)
+    #: speculative decoding: a decode's lookahead tokens (a prefix of ``seq.spec_tokens``), verified
+    #: in this step; their KV slots are reserved with the step's blocks and count in its token budget
+    spec_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -40,21 +46,46 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.prefills) + sum(s.num_new_tokens for s in self.decodes)
+        return (sum(s.num_new_tokens for s in self.prefills)
+                + sum(s.num_new_tokens + len(s.spec_tokens) for s in self.decodes))
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
 
 
+class Admission(Protocol):
+    """What the engine answers while a scheduler admits a waiting request."""
+
+    def is_ready(self, seq: Sequence) -> bool:
+        """May this waiting request be scheduled now (feature hooks: a grammar still compiling, KV
+        blocks still being fetched, a request already failed)?"""
+
+    def admit_prefix(self, seq: Sequence) -> int:
+        """Take the cached blocks of a request being admitted (every KV tier); returns the number of
+        its tokens they cover (a multiple of the block size, 0 without prefix caching)."""
+
+
+class AdmitAll:
+    """The :class:`Admission` of a scheduler used without an engine: every request is ready, no cache."""
+
+    def is_ready(self, seq: Sequence) -> bool:
+        return True
+
+    def admit_prefix(self, seq: Sequence) -> int:
+        return 0
+
+
 class Scheduler(ABC):
-    """Scheduling policy. Constructed by the engine with the budget, the block manager and the
-    (possibly None) prefill cost model."""
+    """Scheduling policy. Constructed by the engine with the budget, the block manager, the
+    (possibly None) prefill cost model and the engine's :class:`Admission`."""
 
     name: str = ""
     core_api_version: str = ""
 
-    def __init__(self, budget: SchedulerBudget, blocks: KVCacheManager, cost_model: CostModel | None) -> None:
+    def __init__(self, budget: SchedulerBudget, blocks: KVCacheManager, cost_model: CostModel | None,
+                 admission: Admission | None = None) -> None:
         self.budget, self.blocks, self.cost_model = budget, blocks, cost_model
+        self.admission: Admission = admission if admission is not None else AdmitAll()
 
     @abstractmethod
     def add(self, seq: Sequence) -> None:
@@ -75,3 +106,11 @@ class Scheduler(ABC):
     @abstractmethod
     def num_running(self) -> int:
         """Requests holding KV blocks now (used by the DP load balancer)."""
+
+    @abstractmethod
+    def num_waiting(self) -> int:
+        """Requests queued and not yet admitted (load gauges, the DP load balancer)."""
+
+    @abstractmethod
+    def remove_waiting(self, seq: Sequence) -> None:
+        """Drop a queued request that will never run (failed before admission); no-op when absent."""

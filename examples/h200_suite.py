@@ -48,7 +48,6 @@ from roofline import decode_roofline, expected_distinct_experts, prefill_rooflin
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.config import EngineConfig  # noqa: E402
 from deepinfer_core.models.config import ModelConfig  # noqa: E402
-from deepinfer_core.models.deepseek import MoE  # noqa: E402
 
 #: --scale tiny: every width shrunk, the architecture (q_lora or not, gate kind, groups) kept.
 TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -79,16 +78,16 @@ class ExpertCounter:
     """Distinct routed experts per MoE layer per step, from the router (a route hook that is a no-op
     unless counting; installed before any step so CUDA graphs, if any, are captured without it)."""
 
-    def __init__(self, model) -> None:
-        self.moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+    def __init__(self, runner) -> None:
+        self.moes = list(runner.model.moe_layers().values())
         self.pos = {m.layer_idx: i for i, m in enumerate(self.moes)}
         self.seen: torch.Tensor | None = None
         self.step = -1
-        for m in self.moes:
-            if m.route_hook is not None:
-                raise RuntimeError(f"layer {m.layer_idx} already has a route hook (a feature is enabled): "
-                                   "the benchmark runs without features")
-            m.route_hook = self._hook
+        if runner.route_hook is not None:
+            raise RuntimeError("the MoE layers already have a route hook (a feature is enabled): "
+                               "the benchmark runs without features")
+        if self.moes:
+            runner.set_route_hook(self._hook)
 
     def _hook(self, layer_idx: int, weights: torch.Tensor, ids: torch.Tensor):
         if self.seen is not None:
@@ -359,7 +358,7 @@ def run(argv: list[str] | None = None) -> dict:
     phases["ceilings"] = time.perf_counter() - t
     print(f"ceilings: read {ceil['read_GBps']:.0f} GB/s, copy {ceil['copy_GBps']:.0f} GB/s (r+w), "
           f"bf16 matmul {ceil['matmul_TFLOPs']:.1f} TFLOP/s", flush=True)
-    counter = ExpertCounter(llm.engine.model)
+    counter = ExpertCounter(llm.engine.runner)
     graphs = graphs_in_use(llm)
     res["cuda_graphs"] = graphs or getattr(llm.engine.runner, "graphs_off_reason", "no graph runner in this build")
 
@@ -401,7 +400,7 @@ def run(argv: list[str] | None = None) -> dict:
             res["gpu_memory_allocated_after_free_GB"] = torch.cuda.memory_allocated() / 1e9
         llm = build_llm(model_dir, opts, eager_points, prefill_lens, args.accelerator, args.seed,
                         enforce_eager=True)
-        counter = ExpertCounter(llm.engine.model)
+        counter = ExpertCounter(llm.engine.runner)
         res["decode_eager"] = decode_sweep(llm, mc, eager_points, opts["context"], opts["warmup"], opts["window"],
                                            ceil, counter, rng)
         graph_rows = {r["batch"]: r["tok_s"] for r in res["decode"]}

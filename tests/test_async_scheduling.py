@@ -28,7 +28,7 @@ def gen(llm: LLM, prompts, params):
     outs = llm.generate(ps, params, use_tqdm=False)
     for o in outs:
         assert o.error is None, o.error
-    assert not llm.engine.has_unfinished() and llm.engine._inflight is None
+    assert not llm.engine.has_unfinished() and llm.engine.pipeline.inflight is None
     llm.engine.blocks.check_no_leaks()
     return outs
 
@@ -174,7 +174,7 @@ def test_abort_mid_run(tiny_v3_path):
     n_at_abort = victim.num_output_tokens
     while eng.has_unfinished():
         eng.step()
-    assert eng._inflight is None
+    assert eng.pipeline.inflight is None
     eng.blocks.check_no_leaks()
     out = to_output(victim, eng.tokenizer)
     assert out.outputs[0].finish_reason == "abort"
@@ -308,15 +308,6 @@ class NeedsSync:
         return True if self.every_step else None
 
 
-class TakesOver:
-    """Implements execute_step (but never takes a step over) and says nothing about sync."""
-
-    @hookimpl
-    def execute_step(self, engine, scheduled):
-        assert engine._inflight is None and all(min(s.seq.token_ids) >= 0 for s in scheduled.decodes)
-        return None
-
-
 def test_feature_hooks_force_synchronous_steps(tiny_v3_path):
     prompts = [rand_ids(7, 600), rand_ids(10, 601)]
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -333,13 +324,6 @@ def test_feature_hooks_force_synchronous_steps(tiny_v3_path):
         assert (llm.metrics()["overlapped_steps"] > before) == overlaps
         for r, o in zip(ref, outs):
             assert r.outputs[0].token_ids == o.outputs[0].token_ids
-
-    # execute_step without step_needs_sync: assumed to take over every step
-    llm = make_llm(tiny_v3_path, True)
-    llm.engine.pm.register(TakesOver())
-    outs = gen(llm, prompts, plain)
-    assert llm.metrics()["overlapped_steps"] == 0
-    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
 
 
 # ---- idle measurement, config --------------------------------------------------------------------

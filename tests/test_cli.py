@@ -107,7 +107,7 @@ def test_plugins_json(capsys):
     assert doc["core_api_version"] == "1.0" and doc["accelerator_setting"] == "auto"
     assert set(doc["groups"]) == {"deepinfer.hardware", "deepinfer.kernels", "deepinfer.schedulers",
                                   "deepinfer.kv_stores", "deepinfer.features", "deepinfer.models",
-                                  "deepinfer.kv_transports"}
+                                  "deepinfer.kv_transports", "deepinfer.proposers"}
     transports = {row["name"]: row["target"] for row in doc["groups"]["deepinfer.kv_transports"]}
     assert transports == {"shm": "plugins.kv_transfer_shm:ShmTransport",
                           "3fs": "plugins.kv_3fs.handoff:ThreeFSTransport",

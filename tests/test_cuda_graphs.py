@@ -132,9 +132,9 @@ def test_why_graphs_are_off():
     assert "does not support" in runner.graphs_unavailable(CpuPlatform(), compose(env={}))
     bf16 = make_llm(False, dtype="bfloat16").engine.runner
     assert bf16.graphs_unavailable(NvidiaPlatform(), compose(env={})) is None
-    moe = next(m for m in bf16.model.modules() if hasattr(m, "route_hook"))
-    moe.route_hook = lambda layer, w, i: (w, i)
-    assert "route_hook" in bf16.graphs_unavailable(NvidiaPlatform(), compose(env={}))
+    bf16.set_route_hook(lambda layer, w, i: (w, i))
+    assert all(m.route_hook is not None for m in bf16.model.moe_layers().values())
+    assert "moe_route_hook" in bf16.graphs_unavailable(NvidiaPlatform(), compose(env={}))
 
 
 def test_default_batch_sizes():

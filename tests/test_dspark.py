@@ -22,9 +22,10 @@ from tiny_models import kv_bytes_per_block, rand_ids, write_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
+from deepinfer_core.engine.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
+from plugins.dspark import drafter as dspark_drafter
 from plugins.dspark import feature as dspark_feature
 from plugins.dspark.policy import LiveCost, StepCost, choose_lengths, fixed_lengths, worth_drafting
-from plugins.dspark.rejection import STREAM_DRAFT, SamplingRows, draw, filtered_probs, stream, verify
 
 BS = 4
 
@@ -152,7 +153,7 @@ def test_no_drafting_when_it_does_not_pay(tiny_v3_path, tiny_draft, reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
     m = llm.metrics()
     assert m["dspark_steps_without_drafts"] > 0 and m["dspark_verified_per_step"] < 0.5
-    assert rows and max(rows) <= dspark_feature.EXPLORE_ROWS < len(PROMPTS)
+    assert rows and max(rows) <= dspark_drafter.EXPLORE_ROWS < len(PROMPTS)
     llm.engine.blocks.check_no_leaks()
 
 
@@ -197,13 +198,13 @@ def tiny_mtp_dir(tiny_v3_path, tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("max_kept", [dspark_feature.MAX_KEPT, 0])
+@pytest.mark.parametrize("max_kept", [dspark_drafter.MAX_KEPT, 0])
 def test_mtp_catches_up_on_steps_without_drafts(tiny_mtp, monkeypatch, max_kept):
     """Steps where a request does not draft still compute the target's hidden states; the MTP keeps
     them and its catch-up writes the draft KV of those positions when the request drafts again, equal
     to the KV of a run that drafted every step. (MAX_KEPT = 0 keeps nothing: the draft KV of the
     skipped positions is never written, as before this was fixed.)"""
-    monkeypatch.setattr(dspark_feature, "MAX_KEPT", max_kept)
+    monkeypatch.setattr(dspark_drafter, "MAX_KEPT", max_kept)
 
     def draft_kv(skip: bool):
         llm = make(tiny_mtp, max_num_seqs=1, dspark={"k": 2})

@@ -42,7 +42,7 @@ def tokens(outs) -> list[list[int]]:
 def assert_clean(llm: LLM) -> None:
     eng = llm.engine
     assert not eng.has_unfinished()
-    assert eng._inflight is None
+    assert eng.pipeline.inflight is None
     eng.blocks.check_no_leaks()
 
 
@@ -114,14 +114,14 @@ def test_fault_in_one_requests_sampling_fails_it_alone(tiny_v3_path, reference, 
 def test_fault_in_one_requests_prompt_logprobs_fails_it_alone(tiny_v3_path, reference, monkeypatch, async_on):
     llm = make(tiny_v3_path, async_scheduling=async_on)
     eng = llm.engine
-    real = eng._prompt_logprob_tensors
+    real = eng.pipeline.prompt_logprob_tensors
 
     def poisoned(seq, first, count, logits):
         if seq.num_prompt_tokens == len(PROMPTS[3]):
             raise IndexError("injected prompt-logprob fault")
         return real(seq, first, count, logits)
 
-    monkeypatch.setattr(eng, "_prompt_logprob_tensors", poisoned)
+    monkeypatch.setattr(eng.pipeline, "prompt_logprob_tensors", poisoned)
     ps = [params(i, prompt_logprobs=1) for i in range(len(PROMPTS))]
     outs = gen(llm, ps=ps)
     assert outs[3].outputs[0].finish_reason == "error" and "injected prompt-logprob fault" in str(outs[3].error)
@@ -138,7 +138,7 @@ def test_unattributable_step_failure_fails_the_step_and_recovers(tiny_v3_path, r
     llm = make(tiny_v3_path, async_scheduling=async_on)
     eng = llm.engine
     obj, name = {"forward": (eng.runner, "forward"), "schedule": (eng.scheduler, "schedule"),
-                 "complete": (eng, "_complete")}[where]
+                 "complete": (eng.pipeline, "complete")}[where]
     real, calls = getattr(obj, name), []
 
     def once(*a, **kw):
@@ -164,15 +164,16 @@ def test_unattributable_step_failure_fails_the_step_and_recovers(tiny_v3_path, r
 
 
 def test_dspark_step_fault_recovers(tiny_v3_path, reference, monkeypatch, tmp_path):
-    """The ``execute_step`` path (speculative decoding runs the step itself)."""
+    """The speculative path (engine/speculative.py with the DSpark proposer)."""
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     greedy = [params(i, temperature=0.0, logprobs=None) for i in range(len(PROMPTS))]
     want = tokens(gen(make(tiny_v3_path), ps=greedy))
     llm = make(tiny_v3_path, features=["dspark"], dspark={"draft": str(tiny_v3_path), "k": 2})
     feat = next(f for f in llm.engine.features if f.name == "dspark")
     feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1e-6, 1e-5]), adapt=False)  # always draft
-    _poison_sampling(monkeypatch, len(PROMPTS[4]))  # through engine._postprocess
-    real, calls = feat._verify, []
+    _poison_sampling(monkeypatch, len(PROMPTS[4]))  # rows without drafts: the normal sampler
+    spec = llm.engine.spec
+    real, calls = spec._verify, []
 
     def verify(*a, **kw):
         calls.append(1)
@@ -180,7 +181,7 @@ def test_dspark_step_fault_recovers(tiny_v3_path, reference, monkeypatch, tmp_pa
             raise RuntimeError("injected verify fault")
         return real(*a, **kw)
 
-    monkeypatch.setattr(feat, "_verify", verify)
+    monkeypatch.setattr(spec, "_verify", verify)
     outs = gen(llm, ps=greedy)
     assert "injected sampling fault" in str(outs[4].error)
     assert calls, "no drafts were verified"

@@ -21,7 +21,7 @@ def time_prefill(engine, q: int, c: int, repeats: int = 3) -> float:
     """Median seconds of one forward computing q new tokens over c cached ones."""
     seq = engine.add_request({"prompt_token_ids": [2 + i % 97 for i in range(q + c + 1)]},
                              SamplingParams(max_tokens=1), request_id=f"calibrate-{q}-{c}")
-    engine.scheduler.waiting.remove(seq)
+    engine.scheduler.remove_waiting(seq)
     engine.blocks.allocate(seq, q + c)
     times = []
     for _ in range(repeats):

@@ -8,6 +8,8 @@ schedule(N+1), launches forward(N+1), and only then post-processes N:
 
     step N+1:  schedule(N+1) -> prepare(N+1) -> launch forward+sample(N+1) -> complete(N)
 
+(launch and complete live in ``engine/pipeline.py``; ``step()`` below only sequences them.)
+
 * Placeholders. Launching a step advances the requests' scheduling state at once: their
   ``num_computed_tokens``, and for each request that samples, a placeholder id ``-(i + 1)`` (``i``: its
   row in the step's sampled-token tensor) appended to ``token_ids``. schedule(N+1) thus sees the right
@@ -24,15 +26,14 @@ schedule(N+1), launches forward(N+1), and only then post-processes N:
 * Synchronous steps. A request whose next step needs its previous token on the host (penalties count
   output tokens; the ``request_needs_sync`` hook, e.g. a grammar mask) makes every step run
   synchronously while it is unfinished, and so does any step for which a feature's ``step_needs_sync``
-  hook says so, or a feature that implements ``execute_step`` without ``step_needs_sync`` (assumed to
-  take over every step). Such a step first completes the step in flight, so every token is on the
-  host before it is scheduled. ``_postprocess`` and ``append_tokens`` keep their synchronous meaning
-  for features that run steps themselves.
+  hook says so, and every speculative step (``engine/speculative.py``: the verify decides the next
+  step's input). Such a step first completes the step in flight, so every token is on the host
+  before it is scheduled.
 
 Failures never poison the engine. An exception while sampling a request or scoring its prompt
-logprobs fails that request alone (``_sample``: rows are independent, so a failing batch is retried
+logprobs fails that request alone (``StepPipeline._sample``: rows are independent, so a failing batch is retried
 row by row to find the culprit); any other exception in a step (scheduling, input preparation, the
-forward, post-processing, a feature's ``execute_step``) fails the requests the step involved, frees
+forward, post-processing, a proposer) fails the requests the step involved, frees
 their blocks and drops the step in flight (``_fail_step``); the engine keeps serving the rest.
 """
 
@@ -44,21 +45,23 @@ import logging
 import math
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer_core import plugins
 from deepinfer_core.config import ConfigError, EngineConfig, check_number
+from deepinfer_core.engine.admission import EngineAdmission
 from deepinfer_core.engine.cost_model import CostModel, default_path
 from deepinfer_core.engine.detokenizer import stop_string_hit
 from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.kv_cache_manager import KVCacheManager, allocate_caches, size_pools
-from deepinfer_core.engine.model_runner import ModelRunner, StepBatch
-from deepinfer_core.engine.sampler import DeviceSample, Sampler, has_penalty
+from deepinfer_core.engine.model_runner import ModelRunner
+from deepinfer_core.engine.pipeline import StepPipeline
+from deepinfer_core.engine.sampler import Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
+from deepinfer_core.engine.speculative import SpecDecoder
 from deepinfer_core.engine.tokenizer import HFTokenizer
-from deepinfer_core.engine.transfer import HostCopy, to_device
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
 from deepinfer_core.kv_cache_spec import CacheLayout
@@ -103,20 +106,6 @@ class EngineStats:
         return 0.0 if self.step_time == 0 else 1.0 - self.forward_time / self.step_time
 
 
-@dataclass
-class InflightStep:
-    """A launched step whose results are not yet post-processed."""
-
-    batch: StepBatch
-    sample: DeviceSample | None
-    copy: HostCopy  # the sampled tokens, logprobs and prompt logprobs on their way to the host
-    computed: list[int]  # per batch.scheduled: its num_computed_tokens after this step
-    prompt_lp: list[tuple[Sequence, int]]  # (request, first position) per prompt-logprob block
-
-    def seqs(self) -> list[Sequence]:
-        return [s.seq for s in self.batch.scheduled]
-
-
 def model_fingerprint(model_dir, dtype: torch.dtype, load_format: str = "auto", seed: int = 0) -> str:
     """Stable id of the weights the engine computes with: config.json (quantisation included), the
     dtype, and for ``load_format="random"`` the seed; else each shard's name, size, header and 64 KiB
@@ -147,6 +136,10 @@ class LLMEngine:
     #: A step that raises fails its requests and the engine keeps serving (``_fail_step``). A rank of
     #: an expert-parallel job sets False: its peers may wait in a collective, so the driver fails the job.
     recover_from_step_errors: bool = True
+    #: dp/ep > 1 only (``parallel.worker.RankEngine``): the rank's communicator, expert dispatcher, nodes
+    comm = None
+    expert_parallel = None
+    num_nodes: int = 1
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -186,9 +179,7 @@ class LLMEngine:
         budget = SchedulerBudget(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.compute_quota_limit,
                                  self.max_model_len)
         scheduler_cls = plugins.load("deepinfer.schedulers", cfg.scheduler, what="scheduler")
-        self.scheduler = scheduler_cls(budget, self.blocks, self.cost_model)
-        self.scheduler.is_ready = self._is_ready
-        self.scheduler.admit_prefix = self._admit_prefix
+        self.scheduler = scheduler_cls(budget, self.blocks, self.cost_model, EngineAdmission(self))
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, self.device,
                                   batch_invariant=cfg.batch_invariant, layout=self.cache_layout,
                                   pool_of=self.blocks.pool_of)
@@ -197,7 +188,7 @@ class LLMEngine:
         self.sampler = Sampler(self.kernels, mc.vocab_size, self.device, pin_memory=self._pin)
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.platform.supports_async_overlap())
-        self._inflight: InflightStep | None = None
+        self.pipeline = StepPipeline(self)
         self._step_seqs: list[Sequence] | None = []  # requests the current step involves (_fail_step)
         self._sync_requests: set[str] = set()  # unfinished requests whose steps must run synchronously
         self._idle = DeviceIdleMeter(self.platform) if cfg.measure_device_idle else None
@@ -222,10 +213,14 @@ class LLMEngine:
             self.handoff = KVHandoff(self, cfg.kv_role, load_transport(cfg.kv_transfer))
             self.pm.register(self.handoff, name="kv_handoff")
         self.pm.hook.engine_started(engine=self)
-        if self.async_scheduling and self._takeover_features():
-            logger.info("async scheduling: feature(s) %s run steps themselves (execute_step); steps run "
-                        "synchronously", [type(p).__name__ for p in self._takeover_features()])
-        # after the features: they may hook the model (route_hook) or allocate device memory
+        self.spec = SpecDecoder.create(self)
+        route = self.pm.hook.moe_route_hook(engine=self)
+        if route is not None:
+            self.runner.set_route_hook(route)
+        if self.async_scheduling and self.spec is not None:
+            logger.info("async scheduling: speculative steps (proposer %s) run synchronously; plain steps "
+                        "while it is dormant overlap", self.spec.name)
+        # after the features: they may hook the model (moe_route_hook) or allocate device memory
         self.runner.setup_graphs(self.platform, cfg, self.max_model_len)
         # The model, caches and plugins live as long as the engine: keep the cyclic GC from rescanning
         # them. Otherwise the first full collection (~0.2 s for a freshly loaded engine) stalls every
@@ -350,6 +345,14 @@ class LLMEngine:
                              "(prompt plus at least one generated token)")
         return text, list(ids)
 
+    def unfinished_requests(self) -> list[Sequence]:
+        return [s for s in self._seqs.values() if not s.is_finished]
+
+    def get_request(self, request_id: str) -> Sequence | None:
+        """The unfinished request with this id, or None."""
+        seq = self._seqs.get(request_id)
+        return seq if seq is not None and not seq.is_finished else None
+
     def abort(self, request_id: str, reason: str = "abort", error: BaseException | None = None) -> None:
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.is_finished:
@@ -387,7 +390,7 @@ class LLMEngine:
     def _forward_unfinished(self) -> list[Sequence]:
         """Hand every unfinished request off (its tokens and the KV of its computed positions)."""
         t0 = time.perf_counter()
-        self._drain()  # every token on the host, no step in flight
+        self.pipeline.drain()  # every token on the host, no step in flight
         for seq in list(self._seqs.values()):
             if not seq.is_finished:
                 seq.kv_transfer_out = self.handoff.export(self, seq)
@@ -400,57 +403,12 @@ class LLMEngine:
 
     def load_stats(self) -> dict:
         """Cheap gauges for a serving front end: running and waiting requests, KV-cache usage (0..1)."""
-        return {"running": self.scheduler.num_running(), "waiting": len(getattr(self.scheduler, "waiting", ())),
+        return {"running": self.scheduler.num_running(), "waiting": self.scheduler.num_waiting(),
                 "kv_usage": 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)}
 
     def has_unfinished(self) -> bool:
         """Requests wait or run, or a launched step is still to be post-processed."""
-        return self.scheduler.has_work() or self._inflight is not None
-
-    # ---- hooks the scheduler calls ------------------------------------------------------
-    def _is_ready(self, seq: Sequence) -> bool:
-        if seq.is_finished:  # failed by a feature (e.g. in _fail_stuck) and not yet dropped: never schedule it
-            return False
-        if seq.last_token_pending:  # preempted while its last token is sampled: it finishes when that lands
-            return False
-        try:
-            ready = self.pm.hook.request_ready(engine=self, request=seq)
-        except Exception as exc:  # a feature failed this request alone
-            self._finish(seq, "error", error=exc, remove_from_scheduler=False)
-            return False
-        return ready is not False
-
-    def _admit_prefix(self, seq: Sequence) -> int:
-        loaded = self.pm.hook.load_request_state(engine=self, request=seq)
-        if loaded is not None:
-            return loaded
-        if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return 0
-        hashes = self.blocks.prefix_hashes(seq)
-        tiers = seq.metrics.num_cached_tokens_by_tier
-        tiers.clear()  # re-admitted after a preemption: count this admission only
-        n_dev = self.blocks.acquire_cached(seq, hashes)
-        n_total = n_dev
-        ext = None
-        if self.blocks.external_hits:  # lower tiers hold record-pool blocks only
-            ext = self.pm.hook.match_external_prefix(engine=self, request=seq, block_hashes=hashes,
-                                                     num_device_blocks=n_dev)
-        if ext and ext > n_dev and self.blocks.can_allocate(seq, ext * self.block_size):
-            self.blocks.allocate(seq, ext * self.block_size)
-            new_ids = self.blocks.tables(seq)[self.blocks.record_pool.name][n_dev:ext]
-            self.pm.hook.load_external_blocks(engine=self, request=seq, block_ids=new_ids,
-                                              block_hashes=hashes[n_dev:ext])
-            seq.block_hashes = []  # re-registered below, now that the blocks hold the data
-            seq.num_computed_tokens = ext * self.block_size
-            self.blocks.register_full_blocks(seq)
-            n_total = ext
-            if not tiers:  # load_external_blocks may have split them by tier (host, persistent)
-                tiers["external"] = (ext - n_dev) * self.block_size
-        cached = n_total * self.block_size
-        if n_dev:
-            seq.metrics.num_cached_tokens_by_tier["device"] = n_dev * self.block_size
-        seq.metrics.num_cached_tokens = cached
-        return cached
+        return self.scheduler.has_work() or self.pipeline.inflight is not None
 
     def _on_evict(self, hashes: list[int], block_ids: list[int]) -> None:
         self.pm.hook.blocks_evicted(engine=self, block_hashes=hashes, block_ids=block_ids)
@@ -470,35 +428,30 @@ class LLMEngine:
         if self._forward_at is not None and time.monotonic() >= self._forward_at:
             return self._forward_unfinished()
         t0 = time.perf_counter()
-        self._step_seqs = self._inflight.seqs() if self._inflight is not None else []
-        overlap = self._can_overlap()
+        pipe = self.pipeline
+        self._step_seqs = pipe.inflight_seqs()
+        speculate = self.spec is not None and self.spec.active()
+        overlap = self._can_overlap(speculate)
         if not overlap:
-            self._drain()
+            pipe.drain()
         out = self._schedule()
-        if not out and self._inflight is not None:  # nothing new to launch: finish the step in flight
-            self._drain()
+        if not out and pipe.inflight is not None:  # nothing new to launch: finish the step in flight
+            pipe.drain()
             out = self._schedule()
         finished = [s for s in self._seqs.values() if s.is_finished]
         if not out:
-            self._drop(finished)
-            if self.scheduler.has_work() and not finished:
-                self._fail_stuck()
-            if self._idle is not None:
-                self._idle.break_chain()
-            return finished
+            return self._idle_step(finished)
         now = time.perf_counter()
         for s in out.prefills:
             self.stats.prefill_tokens += s.num_new_tokens
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
         if overlap:
-            prev = self._inflight
-            self._inflight = self._launch(out, prev)
-            if prev is not None:
-                self.stats.overlapped_steps += 1
-                self._complete(prev)
-        elif not self.pm.hook.execute_step(engine=self, scheduled=out):
-            self._complete(self._launch(out))
+            pipe.overlap(out)
+        elif speculate:
+            self.spec.run(out)
+        else:
+            pipe.run_sync(out)
         finished += [s for s in self._seqs.values() if s.is_finished and s not in finished]
         self._drop(finished)
         self.stats.steps += 1
@@ -506,6 +459,15 @@ class LLMEngine:
         if self._idle is not None and not self.has_unfinished():
             self._idle.break_chain()
         self.pm.hook.step_finished(engine=self, step_stats=self.stats)
+        return finished
+
+    def _idle_step(self, finished: list[Sequence]) -> list[Sequence]:
+        """Nothing could be scheduled: drop the finished requests, fail one that can never fit."""
+        self._drop(finished)
+        if self.scheduler.has_work() and not finished:
+            self._fail_stuck()
+        if self._idle is not None:
+            self._idle.break_chain()
         return finished
 
     def _schedule(self) -> SchedulerOutput:
@@ -532,9 +494,7 @@ class LLMEngine:
         as its state is then unknown), free their blocks and forget the step in flight. The other
         requests keep running and the engine stays usable. Returns the requests now finished."""
         involved = self._step_seqs if self._step_seqs is not None else list(self._seqs.values())
-        if self._inflight is not None:
-            involved = involved + self._inflight.seqs()
-            self._inflight = None
+        involved = involved + self.pipeline.drop()
         logger.error("engine step failed (%s: %s); failing its %d request(s)", type(exc).__name__, exc,
                      len({id(s) for s in involved}), exc_info=exc)
         err = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
@@ -547,155 +507,19 @@ class LLMEngine:
         return finished
 
     # ---- async scheduling ---------------------------------------------------------------
-    def _takeover_features(self) -> list:
-        """Features that run steps themselves (execute_step) and do not say when (step_needs_sync)."""
-        aware = {id(h.plugin) for h in self.pm.hook.step_needs_sync.get_hookimpls()}
-        return [h.plugin for h in self.pm.hook.execute_step.get_hookimpls() if id(h.plugin) not in aware]
-
-    def _can_overlap(self) -> bool:
+    def _can_overlap(self, speculate: bool) -> bool:
         """Whether the coming step may be launched before the one in flight is post-processed."""
-        if not self.async_scheduling or self._sync_requests or self._takeover_features():
+        if not self.async_scheduling or self._sync_requests or speculate:
             return False
         return not any(self.pm.hook.step_needs_sync(engine=self))
 
-    def _drain(self) -> None:
-        """Post-process the step in flight, if any: afterwards every token is on the host."""
-        if self._inflight is not None:
-            step, self._inflight = self._inflight, None
-            self._complete(step)
-
-    def _launch(self, out: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
-        """prepare + forward + sampling of a scheduled step, queued without waiting for the device.
-        ``prev``: the step still in flight, whose sampled tokens fill this step's placeholders."""
-        prev_tokens = prev.sample.tokens if prev is not None and prev.sample is not None else None
-        batch = self.runner.prepare(out, prev_tokens=prev_tokens)
-        start = self._idle.start() if self._idle is not None else None
-        tf = time.perf_counter()
-        logits = self.runner.forward(batch)
-        self.stats.forward_time += time.perf_counter() - tf
-        step = self._submit(batch, logits)
-        if self._idle is not None:
-            self._idle.end(start)
-        return step
-
-    def _submit(self, batch: StepBatch, logits: torch.Tensor) -> InflightStep:
-        """Queue a step's device work after its forward (prompt logprobs, ``process_logits``, sampling,
-        the copy of the results to the host) and advance its requests' scheduling state: computed
-        tokens, and a placeholder for each token being sampled."""
-        tensors: list[torch.Tensor | None] = []
-        prompt_lp = []
-        for seq, first, count, start in batch.prompt_lp:
-            try:
-                lp = self._prompt_logprob_tensors(seq, first, count, logits[start : start + count])
-            except Exception as exc:
-                self._fail_request(seq, "prompt logprobs", exc)
-                continue
-            prompt_lp.append((seq, first))
-            tensors += lp
-        sample = None
-        if batch.sample_seqs:
-            batch, sample = self._sample(batch, logits)
-        if sample is not None:
-            tensors = sample.tensors() + tensors
-        copy = HostCopy(tensors, self.platform, self._pin)
-        computed = []
-        for s in batch.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                seq.metrics.num_computed_prompt_tokens += s.num_new_tokens
-            computed.append(seq.num_computed_tokens)
-        for i, seq in enumerate(batch.sample_seqs):
-            seq.token_ids.append(-(i + 1))
-            seq.num_pending_tokens += 1
-            max_tokens = seq.params.max_tokens
-            if ((max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens)
-                    or seq.num_tokens >= self.max_model_len):
-                seq.last_token_pending = True
-        self.stats.launched_steps += 1
-        return InflightStep(batch, sample, copy, computed, prompt_lp)
-
-    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> tuple[StepBatch, DeviceSample | None]:
-        """``process_logits`` and sampling of the batch's sampling rows. Rows are independent (a draw
-        depends only on the request's seed and position), so when the batch raises each row is tried
-        alone: a request whose row raises fails alone, the others are sampled together again. Returns
-        the batch without the failed requests, and its sample (None when none is left)."""
-        try:
-            return batch, self._sample_rows(batch, logits)
-        except Exception:
-            rows = list(zip(batch.sample_seqs, batch.sample_rows))
-            bad = []
-            for seq, row in rows:
-                try:
-                    self._sample_rows(replace(batch, sample_seqs=[seq], sample_rows=[row]), logits)
-                except Exception as row_exc:
-                    bad.append((seq, row_exc))
-            if not bad:
-                raise  # only the batch as a whole fails: not attributable (the step's requests fail)
-            for seq, row_exc in bad:
-                self._fail_request(seq, "sampling", row_exc)
-            keep = [(seq, row) for seq, row in rows if not seq.is_finished]
-            batch = replace(batch, sample_seqs=[s for s, _ in keep], sample_rows=[r for _, r in keep])
-            return batch, self._sample_rows(batch, logits) if keep else None
-
-    def _sample_rows(self, batch: StepBatch, logits: torch.Tensor) -> DeviceSample:
-        if batch.sample_rows == list(range(logits.shape[0])):
-            sample_logits = logits
-        else:
-            sample_logits = logits[to_device(batch.sample_rows, torch.long, self.device, self._pin)]
-        self.pm.hook.process_logits(engine=self, batch=batch, logits=sample_logits)
-        return self.sampler.sample(sample_logits, batch.sample_seqs, [s.num_tokens for s in batch.sample_seqs])
-
-    def _complete(self, step: InflightStep) -> None:
-        """Wait for a launched step's results on the host and post-process them: prompt logprobs,
-        prefix-cache blocks, the sampled tokens over their placeholders, stop checks, hooks. Requests
-        that finished since the step was launched (stopped one step earlier, aborted) are skipped:
-        their tokens are discarded."""
-        tw = time.perf_counter()
-        host = step.copy.wait()
-        self.stats.forward_time += time.perf_counter() - tw
-        base = DeviceSample.NUM_TENSORS if step.sample is not None else 0
-        for j, (seq, first) in enumerate(step.prompt_lp):
-            if not seq.is_finished:
-                self._add_prompt_logprobs(seq, first, *host[base + 3 * j : base + 3 * j + 3])
-        for s, computed in zip(step.batch.scheduled, step.computed):
-            if not s.seq.is_finished:
-                self.blocks.register_full_blocks(s.seq, computed)
-        if step.sample is not None:
-            self._complete_tokens(step, host)
-        self.stats.completed_steps += 1
-
-    def _complete_tokens(self, step: InflightStep, host: list[torch.Tensor | None]) -> None:
-        res = Sampler.to_result(step.sample.want, host[:DeviceSample.NUM_TENSORS])
-        now = time.perf_counter()
-        kept: list[int] = []
-        for i, seq in enumerate(step.batch.sample_seqs):
-            if seq.is_finished:
-                self.stats.discarded_tokens += 1
-                continue
-            if seq.num_pending_tokens <= 0:
-                raise RuntimeError(f"request {seq.request_id}: a sampled token has no placeholder")
-            seq.token_ids[seq.num_known_tokens] = res.tokens[i]
-            seq.num_pending_tokens -= 1
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            self._accept_token(seq, res.tokens[i], res.logprobs[i], res.top[i], res.ranks[i])
-            kept.append(i)
-        batch = step.batch
-        if len(kept) < len(batch.sample_seqs):
-            batch = replace(batch, sample_seqs=[batch.sample_seqs[i] for i in kept],
-                            sample_rows=[batch.sample_rows[i] for i in kept])
-        self.pm.hook.tokens_sampled(engine=self, batch=batch, token_ids=[res.tokens[i] for i in kept])
-
-    def _postprocess(self, batch: StepBatch, out: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Sample and post-process a step whose forward has run, synchronously (for features that
-        run steps themselves; the pipeline is drained on such steps)."""
-        self._complete(self._submit(batch, logits))
-
     def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]],
-                      tops: list[list] | None = None) -> None:
-        """Append accepted tokens to requests and finish those that stop (also used by speculation)."""
+                      tops: list[list] | None = None) -> list[tuple[Sequence, tuple]]:
+        """Append accepted tokens to requests (speculation: several per request), up to the first
+        that stops each. Returns the stops, ``(request, (reason, stop_reason))``: call
+        ``tokens_sampled`` for the appended tokens, then ``finish_stopped`` with them."""
         now = time.perf_counter()
+        stops = []
         for i, seq in enumerate(seqs):
             if seq.num_pending_tokens:
                 raise RuntimeError(f"append_tokens: request {seq.request_id} has tokens still being sampled "
@@ -704,13 +528,24 @@ class LLMEngine:
                 seq.metrics.first_token_time = now
             for j, tok in enumerate(tokens[i]):
                 seq.token_ids.append(tok)
-                if self._accept_token(seq, tok, logprobs[i][j], tops[i][j] if tops else None):
+                reason = self._accept_token(seq, tok, logprobs[i][j], tops[i][j] if tops else None)
+                if reason is not None:
+                    stops.append((seq, reason))
                     break
+        return stops
+
+    def finish_stopped(self, stops: list[tuple[Sequence, tuple]]) -> None:
+        """Finish the requests that stopped on tokens just placed (after their ``tokens_sampled``);
+        one a hook finished meanwhile (e.g. aborted by a grammar) is left as it is."""
+        for seq, reason in stops:
+            if not seq.is_finished:
+                self._finish(seq, *reason)
 
     def _accept_token(self, seq: Sequence, tok: int, logprob: float, top: list | None,
-                      rank: int | None = None) -> bool:
-        """Account for a real token just placed in ``seq.token_ids``; finish the request if it stops
-        there (True). ``rank``: the token's rank in the full distribution, where known."""
+                      rank: int | None = None) -> tuple | None:
+        """Account for a real token just placed in ``seq.token_ids``; returns ``(reason, stop_reason)``
+        if the request stops there (the caller finishes it after ``tokens_sampled``). ``rank``: the
+        token's rank in the full distribution, where known."""
         seq.sum_logprob += logprob
         self.stats.decode_tokens += 1
         if seq.params.logprobs is not None:
@@ -718,11 +553,7 @@ class LLMEngine:
             for r, (t, lp) in enumerate(top or [], start=1):
                 entry.setdefault(t, Logprob(lp)).rank = r  # the sampled token too
             seq.output_logprobs.append(entry)
-        reason = self._stop_reason(seq, tok)
-        if reason is not None:
-            self._finish(seq, *reason)
-            return True
-        return False
+        return self._stop_reason(seq, tok)
 
     def _stop_reason(self, seq: Sequence, tok: int):
         p = seq.params
@@ -756,19 +587,20 @@ class LLMEngine:
         else:
             self.blocks.release(seq)
         self.pm.hook.request_finished(engine=self, request=seq)
+        if self.spec is not None:
+            self.spec.request_finished(seq)
 
     def _drop(self, finished: list[Sequence]) -> None:
         for seq in finished:
             self._seqs.pop(seq.request_id, None)
-            if seq in getattr(self.scheduler, "waiting", ()):
-                self.scheduler.waiting.remove(seq)
+            self.scheduler.remove_waiting(seq)
 
     def _fail_stuck(self) -> None:
         """Nothing could be scheduled although requests wait: a request that can never fit fails
         alone instead of hanging the engine. It must be found so in two idle steps in a row: an
         asynchronous request_ready (a KV fetch finishing) may have only just let it go."""
         waiting = [s for s in self._seqs.values() if not s.is_finished and s.status == Status.WAITING]
-        ready = [s for s in waiting if self._is_ready(s)]
+        ready = [s for s in waiting if self.scheduler.admission.is_ready(s)]
         if ready and self.scheduler.num_running() == 0:
             seq = ready[0]
             if getattr(self, "_stuck", None) != (seq.request_id, self.stats.steps):
@@ -779,33 +611,6 @@ class LLMEngine:
             self._finish(seq, "error", error=RuntimeError(
                 f"request {seq.request_id} needs {need} KV blocks but the cache has "
                 f"{sizes if len(sizes) > 1 else self.blocks.num_blocks}; raise kv_cache_memory"))
-
-    def _prompt_logprob_tensors(self, seq: Sequence, first: int, count: int,
-                                logits: torch.Tensor) -> list[torch.Tensor | None]:
-        """On the device: logprob of prompt tokens first+1 .. first+count, and their top-N."""
-        targets = to_device(seq.token_ids[first + 1 : first + 1 + count], torch.long, self.device, self._pin)
-        lse = self.kernels.logsumexp(logits)
-        own = logits.gather(1, targets[:, None])[:, 0] - lse
-        n = min(seq.params.prompt_logprobs or 0, logits.shape[-1])  # clamped to the vocabulary, like logprobs
-        if not n:
-            return [own, None, None]
-        vals, idx = logits.topk(n, dim=-1)
-        return [own, idx, vals - lse[:, None]]
-
-    def _add_prompt_logprobs(self, seq: Sequence, first: int, own: torch.Tensor, top_ids: torch.Tensor | None,
-                             top_lps: torch.Tensor | None) -> None:
-        """Record prompt logprobs from the host copies. Positions already recorded are skipped (a
-        request preempted and re-admitted while its earlier chunk was in flight scores them twice)."""
-        lps = own.tolist()
-        tops = (top_ids.tolist(), top_lps.tolist()) if top_ids is not None else None
-        for j, tok in enumerate(seq.token_ids[first + 1 : first + 1 + len(lps)]):
-            if first + j < len(seq.prompt_logprobs) - 1:
-                continue
-            entry = {tok: Logprob(lps[j])}
-            if tops:
-                for rank, (t, lp) in enumerate(zip(tops[0][j], tops[1][j]), start=1):
-                    entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
-            seq.prompt_logprobs.append(entry)
 
     # ---- metrics and shutdown -----------------------------------------------------------
     def metrics(self) -> dict:
@@ -820,11 +625,13 @@ class LLMEngine:
         if self._idle is not None:
             out.update(self._idle.metrics())
         out.update(self.stats.extra)
+        if self.spec is not None:
+            out.update(self.spec.metrics())
         for extra in self.pm.hook.collect_metrics(engine=self):
             out.update(extra or {})
         return out
 
     def shutdown(self) -> None:
-        self._drain()
+        self.pipeline.drain()
         self.pm.hook.engine_shutdown(engine=self)
         gc.unfreeze()

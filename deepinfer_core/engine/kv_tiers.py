@@ -156,18 +156,12 @@ class TieredKVCache:
         except TypeError as exc:
             raise ConfigError(f"[kv_store] backend {backend!r} rejected its settings: {exc}") from exc
         self.backend = backend
-        get_many = getattr(self.store, "get_many", None)
-        params = inspect.signature(get_many).parameters if get_many is not None else {}
-        self._get_many, self._get_many_ttl, self._get_many_out = get_many, "ttl_class" in params, "out" in params
         # Fetches read straight into the host tier's pooled buffers (no staging copy). Part of the
         # pool is allocated and faulted in now: filling fresh pages during a fetch costs more than
         # the read itself.
         block_bytes = math.prod(self.layout.block_shape) * self.layout.dtype.itemsize
         self._chunk = max(1, min(256, fetch_buffer // fetch_threads // block_bytes))
-        self._allocate = getattr(self.host, "allocate", None) if self._get_many_out else None
-        if self._allocate is not None and hasattr(self.host, "prefault"):
-            self.host.prefault(min(fetch_buffer, block_bytes * min(engine.blocks.num_blocks, 1 << 14)))
-        self._ttl_of = getattr(self.store, "ttl_seconds", None)
+        self.host.prefault(min(fetch_buffer, block_bytes * min(engine.blocks.num_blocks, 1 << 14)))
 
         self._lock = threading.Lock()
         self._inflight: dict[int, Future] = {}
@@ -210,8 +204,7 @@ class TieredKVCache:
         """Remember the traffic class of blocks (the longest-lived class wins) for later offloads."""
         for h in hashes:
             prev = self._class_of.get(h, False)
-            if prev is False or (self._ttl_of is not None and prev != cls and _longer(self._ttl_of(cls),
-                                                                                       self._ttl_of(prev))):
+            if prev is False or (prev != cls and _longer(self.store.ttl_seconds(cls), self.store.ttl_seconds(prev))):
                 self._class_of[h] = cls
             self._class_of.move_to_end(h)
         while len(self._class_of) > self._class_limit:
@@ -230,8 +223,7 @@ class TieredKVCache:
         st = self._state(request)
         if st.jobs:
             if not all(f.done() for f in st.jobs):
-                running = getattr(engine.scheduler, "num_running", None)
-                if running is not None and running() == 0:  # the step loop is idle: let the fetch run
+                if engine.load_stats()["running"] == 0:  # the step loop is idle: let the fetch run
                     wait_futures(st.jobs, timeout=0.005)
                 if not all(f.done() for f in st.jobs):
                     return False
@@ -302,18 +294,12 @@ class TieredKVCache:
         """Read ``part`` into host memory (into the host tier's own buffers where it has a pool);
         False when the chain broke in it."""
         bufs: list[torch.Tensor] = []
-        if self._allocate is not None:
-            while len(bufs) < len(part) and (buf := self._allocate()) is not None:
-                bufs.append(buf)  # where the host tier has no room left, the store allocates
+        while len(bufs) < len(part) and (buf := self.host.allocate()) is not None:
+            bufs.append(buf)  # where the host tier has no room left, the store allocates
         t1 = time.perf_counter()
         try:
-            if self._get_many is None:
-                blocks = [self.store.get(k) for k in part]
-            else:
-                kw = {"ttl_class": cls} if self._get_many_ttl else {}
-                if bufs:
-                    kw["out"] = bufs + [None] * (len(part) - len(bufs))
-                blocks = self._get_many(part, **kw)
+            out = bufs + [None] * (len(part) - len(bufs)) if bufs else None
+            blocks = self.store.get_many(part, ttl_class=cls, out=out)
             self.counters.store_read_seconds += time.perf_counter() - t1
             for i, (k, block) in enumerate(zip(part, blocks)):
                 if not self._valid(block):
@@ -572,8 +558,10 @@ def _copies_by_layer(blocks) -> list[tuple[int, list[tuple[torch.Tensor, object]
     return sorted(by_layer.items())
 
 
-def _longer(a: float, b: float) -> bool:
-    """Whether TTL ``a`` outlives ``b`` (0 means no expiry)."""
+def _longer(a: float | None, b: float | None) -> bool:
+    """Whether TTL ``a`` outlives ``b`` (0 means no expiry; None: the store has no classes)."""
+    if a is None or b is None:
+        return False
     return a != b and (a == 0 or (b != 0 and a > b))
 
 

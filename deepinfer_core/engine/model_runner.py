@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from deepinfer_core.engine.graph_runner import DecodeGraphs, default_batch_sizes
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.engine.transfer import to_device
 from deepinfer_core.kv_cache_spec import CacheLayout
+from deepinfer_core.models.interface import RouteHook
 from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, GroupMeta, PrefillMeta
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -44,6 +46,11 @@ class StepBatch:
     keep_hidden: bool = False  # forward() keeps every row's final hidden state in ``hidden`` (MTP drafts)
     hidden: torch.Tensor | None = None
     logit_index: torch.Tensor | None = None  # ``logit_rows`` on the device (set by prepare)
+    num_prefills: int = 0  # ``scheduled`` holds the step's prefill chunks first, then its decodes
+    row_starts: list[int] = field(default_factory=list)  # per scheduled request: its first token row
+    computed_before: list[int] = field(default_factory=list)  # per scheduled request: computed tokens before
+    started: float = 0.0  # perf_counter() when the step was prepared
+    forward_s: float = 0.0  # seconds of its forward (set where measured: speculative steps)
 
 
 def _block_table_tensor(seqs: list[Sequence], device, pin: bool = False) -> torch.Tensor:
@@ -108,6 +115,20 @@ class ModelRunner:
         self.graphs_off_reason = "setup_graphs() was not called"
         #: Per layer, events of KV swap-ins the next prepared step must wait for (see swap_in_events).
         self.layer_ready: list[list] | None = None
+        #: The route hook installed on every MoE layer (``set_route_hook``), or None.
+        self.route_hook: RouteHook | None = None
+
+    def set_route_hook(self, hook: RouteHook) -> None:
+        """Install ``hook`` on every routed-expert layer the model declares (``CausalLM.moe_layers``):
+        it rewrites each layer's (weights, expert ids) before the experts run. The engine installs a
+        feature's hook before setting up graphs, so steps then run eagerly (a hook may keep host-side
+        state); one installed later (a benchmark's counter) runs in eager steps only."""
+        layers = self.model.moe_layers()
+        if not layers:
+            raise ValueError(f"{type(self.model).__name__} declares no MoE layers (moe_layers()); nothing to route")
+        for moe in layers.values():
+            moe.route_hook = hook
+        self.route_hook = hook
 
     def swap_in_events(self, events: list) -> None:
         """KV blocks are being copied into the cache on a side stream, ``events[i]`` recorded after
@@ -130,11 +151,10 @@ class ModelRunner:
                     f"{[str(d) for d in platform.graph_capture_dtypes()]} only, not {dtype}")
         if self.batch_invariant:
             return "batch_invariant kernels read sequence lengths on the host"
-        for m in self.model.modules():
-            if getattr(m, "expert_parallel", None) is not None:
-                return "expert-parallel MoE layers exchange host-sized all-to-alls"
-            if getattr(m, "route_hook", None) is not None:
-                return "a feature hooks MoE routing (route_hook)"
+        if any(m.expert_parallel is not None for m in self.model.moe_layers().values()):
+            return "expert-parallel MoE layers exchange host-sized all-to-alls"
+        if self.route_hook is not None:
+            return "a feature hooks MoE routing (moe_route_hook)"
         return None
 
     def setup_graphs(self, platform: Platform, cfg: EngineConfig, max_model_len: int, *,
@@ -168,7 +188,7 @@ class ModelRunner:
         A placeholder id ``-(i + 1)`` in a request's tokens is resolved to ``prev_tokens[i]`` here,
         on the device. No host copy in here waits for queued device work."""
         bs, dev, pin = self.block_size, self.device, self.pin_memory
-        drafts = draft_tokens or {}
+        drafts = draft_tokens or {s.seq.request_id: s.spec_tokens for s in out.decodes if s.spec_tokens}
         ids: list[int] = []
         pos: list[int] = []
         slots: dict[tuple[str, int], list[int]] = {key: [] for key in self._slot_keys}
@@ -180,10 +200,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         prompt_lp = []
         placeholders = False
+        started = time.perf_counter()
+        row_starts: list[int] = []
+        computed_before: list[int] = []
         for i, s in enumerate(out.prefills + out.decodes):
             seq, n = s.seq, s.num_new_tokens
             c = seq.num_computed_tokens
             row0 = len(ids)
+            row_starts.append(row0)
+            computed_before.append(c)
             placeholders = placeholders or (seq.num_pending_tokens > 0 and c + n > seq.num_known_tokens)
             ids.extend(seq.token_ids[c : c + n])
             extra = drafts.get(seq.request_id, ()) if drafts and i >= len(out.prefills) else ()
@@ -246,7 +271,9 @@ class ModelRunner:
             input_ids = torch.where(input_ids < 0, prev_tokens[(-input_ids - 1).clamp(min=0)], input_ids)
         return StepBatch(input_ids, to_device(pos, torch.long, dev, pin), meta, out.prefills + out.decodes,
                          logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden,
-                         logit_index=to_device(logit_rows, torch.long, dev, pin) if logit_rows else None)
+                         logit_index=to_device(logit_rows, torch.long, dev, pin) if logit_rows else None,
+                         num_prefills=len(out.prefills), row_starts=row_starts, computed_before=computed_before,
+                         started=started)
 
     def _group_meta(self, meta: AttentionMetadata, scheduled: list[ScheduledSeq],
                     slots: dict[tuple[str, int], list[int]], q_all: list[int]) -> None:

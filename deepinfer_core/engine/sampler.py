@@ -61,7 +61,7 @@ class Sampler:
         params = [s.params for s in seqs]
         raw = logits
         if any(has_penalty(s) for s in seqs):
-            logits = self._penalise(logits.clone(), seqs)
+            logits = self.penalise(logits.clone(), seqs)
 
         def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, self.device, self.pin)
@@ -110,7 +110,9 @@ class Sampler:
                 rank[i] = rk[j]
         return SampleResult(tokens.tolist(), chosen.tolist(), top, rank)
 
-    def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def penalise(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        """Apply each row's repetition/presence/frequency penalties in place, from its request's
+        ``prompt_token_ids``, ``output_token_ids`` and ``params`` (any object with those three)."""
         rows = [i for i, s in enumerate(seqs) if has_penalty(s)]
         R, dev = len(rows), logits.device
         prompt_mask = torch.zeros(R, self.V, dtype=torch.bool, device=dev)

@@ -10,7 +10,6 @@ are released and it is recomputed later (its prefix may still hit the cache).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -22,15 +21,11 @@ class FcfsScheduler(Scheduler):
     name = "fcfs"
     core_api_version = "1.0"
 
-    def __init__(self, budget, blocks, cost_model) -> None:
-        super().__init__(budget, blocks, cost_model)
+    def __init__(self, budget, blocks, cost_model, admission=None) -> None:
+        super().__init__(budget, blocks, cost_model, admission)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = 0
-        #: Set by the engine: may this waiting request start? (feature hooks)
-        self.is_ready: Callable[[Sequence], bool] = lambda seq: True
-        #: Set by the engine: take cached blocks for a request being admitted; returns cached tokens.
-        self.admit_prefix: Callable[[Sequence], int] = lambda seq: 0
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_index = self._arrivals
@@ -42,6 +37,13 @@ class FcfsScheduler(Scheduler):
 
     def num_running(self) -> int:
         return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def remove_waiting(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -64,10 +66,11 @@ class FcfsScheduler(Scheduler):
             if tokens_left <= 0:
                 break
             n = seq.num_tokens - seq.num_computed_tokens
-            if not self._reserve(seq, seq.num_tokens, out):
+            spec = self._lookahead(seq, n, tokens_left)
+            if not spec and not self._reserve(seq, seq.num_tokens, out):
                 continue  # seq itself was preempted
-            out.decodes.append(ScheduledSeq(seq, n))
-            tokens_left -= n
+            out.decodes.append(ScheduledSeq(seq, n, spec))
+            tokens_left -= n + len(spec)
 
         # 2. running requests still in prefill (chunked), oldest first
         for seq in self.running:
@@ -85,11 +88,11 @@ class FcfsScheduler(Scheduler):
         skipped: list[Sequence] = []
         while self.waiting and tokens_left > 0 and len(self.running) < self.budget.max_num_seqs:
             seq = self.waiting.popleft()
-            if not self.is_ready(seq):
+            if not self.admission.is_ready(seq):
                 skipped.append(seq)
                 continue
             if seq.num_computed_tokens == 0 and not seq.block_table:
-                cached = self.admit_prefix(seq)
+                cached = self.admission.admit_prefix(seq)
                 seq.num_computed_tokens = cached
             n = self._chunk(seq, tokens_left, quota, first=not out.prefills)
             if n == 0 or not self._reserve(seq, seq.num_computed_tokens + n, out, preempt=False):
@@ -105,6 +108,20 @@ class FcfsScheduler(Scheduler):
                 quota -= self.cost_model.cost(n, seq.num_computed_tokens)
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _lookahead(self, seq: Sequence, n: int, tokens_left: int) -> list[int]:
+        """The proposed tokens this decode verifies, with their KV slots reserved: as many as the
+        token budget leaves, only when their blocks are free without preempting anyone and leave a
+        block per running request (drafts never displace work)."""
+        spec = seq.spec_tokens[: max(0, tokens_left - n)] if n == 1 else []
+        while spec:
+            total = seq.num_tokens + len(spec)
+            extra = self.blocks.blocks_needed(seq, total)
+            if self.blocks.can_allocate(seq, total) and self.blocks.num_free - extra >= len(self.running):
+                self.blocks.allocate(seq, total)
+                return spec
+            spec = spec[:-1]
+        return []
 
     def _chunk(self, seq: Sequence, tokens_left: int, quota: float | None, first: bool) -> int:
         n = min(seq.num_tokens - seq.num_computed_tokens, tokens_left)

@@ -57,6 +57,10 @@ class Sequence:
         self.num_pending_tokens = 0  # trailing placeholders in token_ids (sampled, not yet on the host)
         self.last_token_pending = False  # a placeholder is its last token (max_tokens/max_model_len): not scheduled
         self.kv_transfer_out: dict | None = None  # where its KV was handed off (engine/handoff.py)
+        #: speculative decoding: tokens proposed to follow ``token_ids`` (verified in its next decode
+        #: step), and their draft distributions [len, vocab] (None: point masses)
+        self.spec_tokens: list[int] = []
+        self.spec_probs = None
 
     @property
     def block_table(self) -> list[int]:

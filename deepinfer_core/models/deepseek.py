@@ -9,15 +9,13 @@ speeds the model up without touching this file.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from deepinfer_core.kernels import Kernels
 from deepinfer_core.kv_cache_spec import CacheLayout, KVCacheSpec
 from deepinfer_core.models.config import ModelConfig
-from deepinfer_core.models.interface import CausalLM, KVCaches
+from deepinfer_core.models.interface import CausalLM, KVCaches, RouteHook
 from deepinfer_core.models.metadata import AttentionMetadata
 from deepinfer_core.models.rope import rope_cache
 
@@ -123,9 +121,6 @@ class MLP(nn.Module):
         return self.k.linear(self.k.silu_and_mul(self.k.linear(x, self.w13)), self.w2)
 
 
-RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
 class MoE(nn.Module):
     """Routed experts (this rank holds experts [expert_start, expert_start + E)) plus shared experts."""
 
@@ -148,7 +143,7 @@ class MoE(nn.Module):
         grouped = cfg.topk_method in ("group_limited_greedy", "noaux_tc")
         self.n_group = cfg.n_group if grouped else 1
         self.group_score = "top2sum" if v3 else "max"
-        # Set by features: EPLB maps logical experts to replicas and counts loads; EP dispatches.
+        # Set by the engine (ModelRunner.set_route_hook: EPLB's replica map), and EP's dispatcher.
         self.route_hook: RouteHook | None = None
         self.expert_parallel = None
 
@@ -238,6 +233,9 @@ class DeepseekForCausalLM(CausalLM):
         # parts: the latent and the rope key, which a platform may store as two planes (FIA's MLA mode)
         return CacheLayout((KVCacheSpec(self.CACHE_GROUP, tuple(range(cfg.num_hidden_layers)), cfg.kv_entry_dim,
                                         parts=(cfg.kv_lora_rank, cfg.qk_rope_head_dim)),))
+
+    def moe_layers(self) -> dict[int, nn.Module]:
+        return {layer.mlp.layer_idx: layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)}
 
     def post_load(self) -> None:
         for layer in self.layers:

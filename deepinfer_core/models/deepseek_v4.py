@@ -234,7 +234,7 @@ class MoE(nn.Module):
         self.w13 = _param(E, 2 * I, C)  # [w1 (gate); w3 (up)]
         self.w2 = _param(E, C, I)
         self.shared_w13, self.shared_w2 = _param(2 * I, C), _param(C, I)
-        self.route_hook = None  # set by features, as on the V2/V3 MoE (deepseek.RouteHook)
+        self.route_hook = None  # set by the engine (ModelRunner.set_route_hook), as on the V2/V3 MoE
         self.expert_parallel = None  # set by the expert-parallel worker (parallel.ExpertParallel)
 
     def local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -359,6 +359,9 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def cache_layout(self) -> CacheLayout:
         return cache_layout(self.cfg)
+
+    def moe_layers(self) -> dict[int, nn.Module]:
+        return {layer.ffn.layer_idx: layer.ffn for layer in self.layers}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:

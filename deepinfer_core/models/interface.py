@@ -8,6 +8,7 @@ exactly as a third party's would. The class is a :class:`CausalLM`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -73,3 +74,13 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, C] -> [R, vocab] float32."""
+
+    def moe_layers(self) -> dict[int, nn.Module]:
+        """The routed-expert layers by layer index (none for a dense model). Each has ``layer_idx``,
+        ``route_hook`` (a :data:`RouteHook` or None: rewrites its routing, e.g. EPLB's replica map)
+        and ``expert_parallel`` (the EP dispatcher or None); the engine sets those two, never a feature."""
+        return {}
+
+
+#: (layer_idx, weights [T, k], expert ids [T, k]) -> (weights, ids): rewrites a MoE layer's routing
+RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

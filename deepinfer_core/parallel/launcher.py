@@ -53,8 +53,15 @@ from deepinfer_core.selection import select_platform
 logger = logging.getLogger("deepinfer.parallel")
 STARTUP_TIMEOUT_MIN_S = 300.0  # model loading may take longer than a step
 PROBE_TIMEOUT_S = 1.0  # a live rank's probe thread answers well within this
-TAKEOVER_HOOKS = ("execute_step", "execute_decode")  # hooks that run a step's forwards themselves
 
+
+def merge_feature_metrics(pm, per_rank: list[dict]) -> dict:
+    """The features' own merge of their metrics over the ranks (``merge_metrics`` hook); keys no
+    feature merges keep rank 0's value."""
+    out: dict = {}
+    for merged in pm.hook.merge_metrics(per_rank=per_rank):
+        out.update(merged or {})
+    return out
 
 class WorkerFailure(RuntimeError):
     """A rank died, hung or failed; ``ranks`` names the culprits."""
@@ -232,14 +239,8 @@ class ParallelEngine:
         self.world_size = cfg.ep
         local_world = tr["local_world_size"] if tr else self.world_size
         check_parallel_config(cfg, mc, self.platform, local_world, tr["world_size"] if tr else None)
-        pm = make_plugin_manager()
+        self.pm = pm = make_plugin_manager()
         load_features(cfg, pm)  # unknown features and bad sections fail here, before any process starts
-        hooks = [h for h in (getattr(pm.hook, n, None) for n in TAKEOVER_HOOKS) if h is not None]
-        takeover = sorted({pm.get_name(impl.plugin) for h in hooks for impl in h.get_hookimpls()})
-        if takeover:
-            raise ConfigError(f"feature(s) {takeover} run the model step themselves (speculative decoding); "
-                              "with dp/ep > 1 every rank must run exactly one forward per step, which they "
-                              "do not guarantee yet")
         self.claimed_options = {o for opts in pm.hook.request_options() for o in (opts or [])}
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
@@ -617,8 +618,11 @@ class ParallelEngine:
         per_rank = self._roundtrip([("metrics",)] * self.world_size, float(self.cfg.worker_timeout_s))
         out = dict(per_rank[0])
         for key in ("prefill_tokens", "decode_tokens", "preemptions", "kv_blocks_free", "kv_blocks_total",
-                    "dummy_steps"):
-            out[key] = sum(m.get(key, 0) for m in per_rank)
+                    "dummy_steps", "spec_steps", "spec_verified", "spec_accepted", "spec_proposed"):
+            if key in out:
+                out[key] = sum(m.get(key, 0) for m in per_rank)
+        if out.get("spec_verified"):
+            out["spec_accept_rate"] = out["spec_accepted"] / out["spec_verified"]
         out["overhead_share"] = sum(m.get("overhead_share", 0.0) for m in per_rank) / len(per_rank)
         out["steps"] = self.steps
         out["dp"], out["ep"] = self.cfg.dp, self.cfg.ep
@@ -627,6 +631,7 @@ class ParallelEngine:
         pairs = out.pop("ep_rank_pairs", {})
         if "moe_lb" not in out and pairs:  # no feature measured it (EPLB does, since its last rebalance)
             out["moe_lb"], out["moe_lb_per_layer"] = moe_lb_from_pairs(pairs)
+        out.update(merge_feature_metrics(self.pm, per_rank))
         out["ranks"] = [{k: v for k, v in m.items() if k != "ep_rank_pairs"} for m in per_rank]
         return out
 

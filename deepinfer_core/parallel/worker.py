@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepinfer_core.communicator import TorchDistCommunicator
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import LLMEngine
 from deepinfer_core.engine.model_runner import empty_metadata
@@ -70,11 +69,10 @@ class RankEngine(LLMEngine):
                              "has no n_routed_experts")
         per = E // self.world_size
         model = super().build_model((self.rank * per, (self.rank + 1) * per))
-        # every routed-expert layer: a module exposing the ``expert_parallel`` slot (models.deepseek.MoE)
-        moes = [m for m in model.modules() if hasattr(m, "expert_parallel") and hasattr(m, "layer_idx")]
+        moes = list(model.moe_layers().values())  # the routed-expert layers the model declares
         if not moes:
-            raise ValueError(f"{self.model_config.architecture} has no expert-parallel MoE layers (modules with "
-                             "`expert_parallel` and `layer_idx`, as models.deepseek.MoE); dp/ep > 1 cannot run it")
+            raise ValueError(f"{self.model_config.architecture} declares no MoE layers (CausalLM.moe_layers); "
+                             "dp/ep > 1 cannot run it")
         self.expert_parallel = ExpertParallel(self.comm, E, moes, self.device)
         return model
 
@@ -187,7 +185,7 @@ class RankWorker:
             dist.init_process_group(platform.dist_backend, init_method=p["init_method"], rank=self.rank,
                                     world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=p["timeout_s"]))
-        comm = TorchDistCommunicator()
+        comm = platform.communicator()
         self.engine = RankEngine(cfg, comm, self.local_rank, self.num_nodes)
         return {"pid": os.getpid(), "kv_blocks": self.engine.blocks.num_blocks,
                 "slots_per_rank": {i: self.engine.expert_parallel.slots_per_rank(i)
@@ -214,7 +212,7 @@ class RankWorker:
                             "error": portable(exc)}
         sched = eng.scheduler
         return {"updates": updates, "num_running": sched.num_running(),
-                "num_waiting": len(getattr(sched, "waiting", ())),
+                "num_waiting": sched.num_waiting(),
                 "kv_usage": 1.0 - eng.blocks.num_free / max(1, eng.blocks.num_blocks)}
 
     def _updates(self, finished: list[Sequence]) -> dict[str, dict]:

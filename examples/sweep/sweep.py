@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         llm = build_llm(model_dir, opts, batches, [16], args.accelerator, args.seed, **extra)
         ceil = measure_ceilings(str(llm.engine.device))
         rows = decode_sweep(llm, mc, batches, opts["context"], opts["warmup"], opts["window"], ceil,
-                            ExpertCounter(llm.engine.model), random.Random(args.seed))
+                            ExpertCounter(llm.engine.runner), random.Random(args.seed))
         llm.shutdown()
     res = {"shape": args.shape, "scale": args.scale, "options": opts, "ceilings": ceil, "decode": rows,
            "enforce_eager": args.enforce_eager, "seconds": time.perf_counter() - t0}

@@ -80,7 +80,7 @@ class EPLB(Feature):
     # ---- start-up ------------------------------------------------------------------------
     @hookimpl
     def engine_started(self, engine) -> None:
-        ep = getattr(engine, "expert_parallel", None)
+        ep = engine.expert_parallel
         if ep is None or engine.cfg.ep <= 1:
             raise ConfigError(f"feature 'eplb' balances experts over expert-parallel ranks and needs ep > 1 "
                               f"(got ep={engine.cfg.ep}); set ep=N (with dp=N) or remove 'eplb' from "
@@ -95,7 +95,7 @@ class EPLB(Feature):
         self.num_slots = self.slots_per_rank * self.world_size
         grouped = mc.topk_method in ("group_limited_greedy", "noaux_tc")
         self.num_groups = mc.n_group if grouped and mc.n_group else 1
-        self.num_nodes = self.opts["num_nodes"] or getattr(engine, "num_nodes", 1)
+        self.num_nodes = self.opts["num_nodes"] or engine.num_nodes
         if self.opts["policy"] == "global":
             self.num_nodes = 1
         elif self.opts["policy"] == "hierarchical" and not use_hierarchical(E, self.num_groups, self.num_nodes,
@@ -124,8 +124,11 @@ class EPLB(Feature):
             self._place(placement=initial_placement(E, self.world_size, self.opts["redundant_experts_per_rank"],
                                                     len(self.layers)))
         self._mark()
-        for layer in self.layers:
-            ep.moes[layer].route_hook = self._route
+
+    @hookimpl
+    def moe_route_hook(self, engine):
+        """Every MoE layer maps logical experts to replicas and counts its loads (``_route``)."""
+        return self._route if self.engine is not None else None
 
     # ---- per step ------------------------------------------------------------------------
     def _route(self, layer: int, weights: torch.Tensor, ids: torch.Tensor):

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import xgrammar as xgr
 
 from deepinfer_core.config import ConfigError, check_number
 from deepinfer_core.features import Feature
@@ -135,7 +136,7 @@ class StructuredOutput(Feature):
             return None
         fut, timeout = pending.future, self.cfg["compile_timeout_s"]
         left = timeout - (time.perf_counter() - pending.submitted)
-        if not fut.done() and left > 0 and engine.scheduler.num_running() == 0:
+        if not fut.done() and left > 0 and engine.load_stats()["running"] == 0:
             try:  # nothing else to run: block briefly rather than spin the step loop
                 fut.result(timeout=min(left, IDLE_WAIT_S))
             except Exception:
@@ -175,15 +176,22 @@ class StructuredOutput(Feature):
     def process_logits(self, engine, batch, logits: torch.Tensor) -> None:
         rows: list[int] = []
         states: list[GrammarState] = []
-        seen: set[int] = set()
-        for i, seq in enumerate(batch.sample_seqs):
+        drafted: list[tuple[int, GrammarState, list[int]]] = []
+        seqs = batch.sample_seqs
+        i = 0
+        while i < len(seqs):
+            seq, n = seqs[i], 1
+            while i + n < len(seqs) and seqs[i + n] is seq:  # speculative verification: one row per draft
+                n += 1
             st = self.state(seq)
-            # a request's later rows (speculative verification) need masks after its draft tokens:
-            # the speculating feature fills those with GrammarState.fill_draft_bitmasks
-            if st is not None and st.active and id(st) not in seen:
-                seen.add(id(st))
+            if st is not None and n > 1:
+                drafted.append((i, st, seq.spec_tokens[: n - 1]))
+            elif st is not None and st.active:
                 rows.append(i)
                 states.append(st)
+            i += n
+        if drafted:
+            self._mask_drafts(logits, drafted)
         if not rows:
             return
         t0 = time.perf_counter()
@@ -199,6 +207,19 @@ class StructuredOutput(Feature):
         self.stats["mask_wait_s"] += t1 - t0
         self.stats["apply_s"] += time.perf_counter() - t1
         self.stats["masked_rows"] += len(rows)
+
+    def _mask_drafts(self, logits: torch.Tensor, drafted: list) -> None:
+        """Masks of a request's verify rows: row j allows what the grammar allows after its drafts
+        d_1..d_j (``fill_draft_bitmasks``: advanced and rolled back, the state is unchanged). Rows
+        after a draft the grammar rejects stay unmasked: that draft's own row masks it out, so the
+        verification never keeps it or anything after it."""
+        t0 = time.perf_counter()
+        for first, st, toks in drafted:
+            bitmask = xgr.allocate_token_bitmask(len(toks) + 1, self.vocab_size)
+            filled = st.fill_draft_bitmasks(toks, bitmask)
+            apply_bitmask(logits, bitmask[:filled], list(range(first, first + filled)))
+            self.stats["masked_rows"] += filled
+        self.stats["apply_s"] += time.perf_counter() - t0
 
     @hookimpl
     def tokens_sampled(self, engine, batch, token_ids: list[int]) -> None:
@@ -216,8 +237,15 @@ class StructuredOutput(Feature):
                 continue
             if st.active and st not in refill:
                 refill.append(st)
+        refill = [st for st in refill if st.active]  # a later token of the same request may end its span
         if self._mask_pool is not None:  # next step's masks, while its forward runs
             schedule_fills(self._mask_pool, refill)
+
+    @hookimpl
+    def merge_metrics(self, per_rank: list[dict]) -> dict | None:
+        """Every ``so_*`` metric is a count or a sum of seconds: summed over the ranks."""
+        keys = {k for m in per_rank for k in m if k.startswith("so_")}
+        return {k: sum(m.get(k, 0) for m in per_rank) for k in keys} or None
 
     @hookimpl
     def collect_metrics(self, engine) -> dict:

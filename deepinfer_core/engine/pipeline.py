@@ -1,0 +1,248 @@
+"""The step pipeline: launch a scheduled step on the device, and complete it on the host.
+
+    launch(N):   prepare -> forward -> prompt logprobs, process_logits, sample -> copy to host
+    complete(N): wait for the copy -> prompt logprobs, prefix-cache blocks, tokens, stops, hooks
+
+With async scheduling the engine launches step N+1 before it completes step N (``overlap``); else
+each step is launched and completed at once (``run_sync``). See ``engine.py`` for the protocol
+(placeholders, stops found one step late, synchronous steps).
+
+Launching advances the requests' scheduling state at once: ``num_computed_tokens`` and, for each
+request that samples, a placeholder id ``-(i + 1)`` (``i``: its row in the step's sampled-token
+tensor) appended to ``token_ids``; completing writes the real tokens over the placeholders. Hook
+order on completion: ``tokens_sampled`` for every placed token, then ``request_finished`` for the
+requests that stopped on them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer_core.engine.model_runner import StepBatch
+from deepinfer_core.engine.sampler import DeviceSample, Sampler
+from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.engine.transfer import HostCopy, to_device
+from deepinfer_core.outputs import Logprob
+from deepinfer_core.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deepinfer_core.engine.engine import LLMEngine
+
+
+@dataclass
+class InflightStep:
+    """A launched step whose results are not yet post-processed."""
+
+    batch: StepBatch
+    sample: DeviceSample | None
+    copy: HostCopy  # the sampled tokens, logprobs and prompt logprobs on their way to the host
+    computed: list[int]  # per batch.scheduled: its num_computed_tokens after this step
+    prompt_lp: list[tuple[Sequence, int]]  # (request, first position) per prompt-logprob block
+
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.batch.scheduled]
+
+
+class StepPipeline:
+    """Launches and completes an engine's steps; holds the one step in flight."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.inflight: InflightStep | None = None
+
+    # ---- the two ways to run a step -------------------------------------------------------
+    def run_sync(self, out: SchedulerOutput) -> None:
+        """Launch a step and complete it at once (nothing is in flight)."""
+        self.complete(self.launch(out))
+
+    def overlap(self, out: SchedulerOutput) -> None:
+        """Launch a step, then complete the one that was in flight while this one runs."""
+        prev = self.inflight
+        self.inflight = self.launch(out, prev)
+        if prev is not None:
+            self.engine.stats.overlapped_steps += 1
+            self.complete(prev)
+
+    def drain(self) -> None:
+        """Complete the step in flight, if any: afterwards every token is on the host."""
+        if self.inflight is not None:
+            step, self.inflight = self.inflight, None
+            self.complete(step)
+
+    def inflight_seqs(self) -> list[Sequence]:
+        return self.inflight.seqs() if self.inflight is not None else []
+
+    def drop(self) -> list[Sequence]:
+        """Forget the step in flight (a failed step); returns its requests."""
+        seqs, self.inflight = self.inflight_seqs(), None
+        return seqs
+
+    # ---- launch ---------------------------------------------------------------------------
+    def launch(self, out: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
+        """prepare + forward + sampling of a scheduled step, queued without waiting for the device.
+        ``prev``: the step still in flight, whose sampled tokens fill this step's placeholders."""
+        eng = self.engine
+        prev_tokens = prev.sample.tokens if prev is not None and prev.sample is not None else None
+        batch = eng.runner.prepare(out, prev_tokens=prev_tokens)
+        start = eng._idle.start() if eng._idle is not None else None
+        tf = time.perf_counter()
+        logits = eng.runner.forward(batch)
+        eng.stats.forward_time += time.perf_counter() - tf
+        step = self.submit(batch, logits)
+        if eng._idle is not None:
+            eng._idle.end(start)
+        return step
+
+    def submit(self, batch: StepBatch, logits: torch.Tensor) -> InflightStep:
+        """Queue a step's device work after its forward (prompt logprobs, ``process_logits``, sampling,
+        the copy of the results to the host) and advance its requests' scheduling state."""
+        eng = self.engine
+        tensors: list[torch.Tensor | None] = []
+        prompt_lp = []
+        for seq, first, count, start in batch.prompt_lp:
+            try:
+                lp = self.prompt_logprob_tensors(seq, first, count, logits[start : start + count])
+            except Exception as exc:
+                eng._fail_request(seq, "prompt logprobs", exc)
+                continue
+            prompt_lp.append((seq, first))
+            tensors += lp
+        sample = None
+        if batch.sample_seqs:
+            batch, sample = self._sample(batch, logits)
+        if sample is not None:
+            tensors = sample.tensors() + tensors
+        copy = HostCopy(tensors, eng.platform, eng._pin)
+        computed = []
+        for s in batch.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                seq.metrics.num_computed_prompt_tokens += s.num_new_tokens
+            computed.append(seq.num_computed_tokens)
+        for i, seq in enumerate(batch.sample_seqs):
+            seq.token_ids.append(-(i + 1))
+            seq.num_pending_tokens += 1
+            max_tokens = seq.params.max_tokens
+            if ((max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens)
+                    or seq.num_tokens >= eng.max_model_len):
+                seq.last_token_pending = True
+        eng.stats.launched_steps += 1
+        return InflightStep(batch, sample, copy, computed, prompt_lp)
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> tuple[StepBatch, DeviceSample | None]:
+        """``process_logits`` and sampling of the batch's sampling rows. Rows are independent (a draw
+        depends only on the request's seed and position), so when the batch raises each row is tried
+        alone: a request whose row raises fails alone, the others are sampled together again. Returns
+        the batch without the failed requests, and its sample (None when none is left)."""
+        try:
+            return batch, self._sample_rows(batch, logits)
+        except Exception:
+            rows = list(zip(batch.sample_seqs, batch.sample_rows))
+            bad = []
+            for seq, row in rows:
+                try:
+                    self._sample_rows(replace(batch, sample_seqs=[seq], sample_rows=[row]), logits)
+                except Exception as row_exc:
+                    bad.append((seq, row_exc))
+            if not bad:
+                raise  # only the batch as a whole fails: not attributable (the step's requests fail)
+            for seq, row_exc in bad:
+                self.engine._fail_request(seq, "sampling", row_exc)
+            keep = [(seq, row) for seq, row in rows if not seq.is_finished]
+            batch = replace(batch, sample_seqs=[s for s, _ in keep], sample_rows=[r for _, r in keep])
+            return batch, self._sample_rows(batch, logits) if keep else None
+
+    @torch.inference_mode()
+    def _sample_rows(self, batch: StepBatch, logits: torch.Tensor) -> DeviceSample:
+        """Sampling rows gathered into a tensor of their own (row i: ``batch.sample_seqs[i]``), which
+        ``process_logits`` may edit in place (inference mode: the forward made inference tensors)."""
+        eng = self.engine
+        if batch.sample_rows == list(range(logits.shape[0])):
+            sample_logits = logits  # prompt logprobs were taken already: the step's own tensor is free
+        else:
+            sample_logits = logits[to_device(batch.sample_rows, torch.long, eng.device, eng._pin)]
+        eng.pm.hook.process_logits(engine=eng, batch=batch, logits=sample_logits)
+        return eng.sampler.sample(sample_logits, batch.sample_seqs, [s.num_tokens for s in batch.sample_seqs])
+
+    # ---- complete -------------------------------------------------------------------------
+    def complete(self, step: InflightStep) -> None:
+        """Wait for a launched step's results on the host and post-process them: prompt logprobs,
+        prefix-cache blocks, the sampled tokens over their placeholders, stop checks, hooks. Requests
+        that finished since the step was launched (stopped one step earlier, aborted) are skipped:
+        their tokens are discarded."""
+        eng = self.engine
+        tw = time.perf_counter()
+        host = step.copy.wait()
+        eng.stats.forward_time += time.perf_counter() - tw
+        base = DeviceSample.NUM_TENSORS if step.sample is not None else 0
+        for j, (seq, first) in enumerate(step.prompt_lp):
+            if not seq.is_finished:
+                self._add_prompt_logprobs(seq, first, *host[base + 3 * j : base + 3 * j + 3])
+        for s, computed in zip(step.batch.scheduled, step.computed):
+            if not s.seq.is_finished:
+                eng.blocks.register_full_blocks(s.seq, computed)
+        if step.sample is not None:
+            self._complete_tokens(step, host)
+        eng.stats.completed_steps += 1
+
+    def _complete_tokens(self, step: InflightStep, host: list[torch.Tensor | None]) -> None:
+        eng = self.engine
+        res = Sampler.to_result(step.sample.want, host[:DeviceSample.NUM_TENSORS])
+        now = time.perf_counter()
+        kept: list[int] = []
+        stops = []
+        for i, seq in enumerate(step.batch.sample_seqs):
+            if seq.is_finished:
+                eng.stats.discarded_tokens += 1
+                continue
+            if seq.num_pending_tokens <= 0:
+                raise RuntimeError(f"request {seq.request_id}: a sampled token has no placeholder")
+            seq.token_ids[seq.num_known_tokens] = res.tokens[i]
+            seq.num_pending_tokens -= 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            reason = eng._accept_token(seq, res.tokens[i], res.logprobs[i], res.top[i], res.ranks[i])
+            if reason is not None:
+                stops.append((seq, reason))
+            kept.append(i)
+        batch = step.batch
+        if len(kept) < len(batch.sample_seqs):
+            batch = replace(batch, sample_seqs=[batch.sample_seqs[i] for i in kept],
+                            sample_rows=[batch.sample_rows[i] for i in kept])
+        eng.pm.hook.tokens_sampled(engine=eng, batch=batch, token_ids=[res.tokens[i] for i in kept])
+        eng.finish_stopped(stops)
+
+    # ---- prompt logprobs ------------------------------------------------------------------
+    def prompt_logprob_tensors(self, seq: Sequence, first: int, count: int,
+                               logits: torch.Tensor) -> list[torch.Tensor | None]:
+        """On the device: logprob of prompt tokens first+1 .. first+count, and their top-N."""
+        eng = self.engine
+        targets = to_device(seq.token_ids[first + 1 : first + 1 + count], torch.long, eng.device, eng._pin)
+        lse = eng.kernels.logsumexp(logits)
+        own = logits.gather(1, targets[:, None])[:, 0] - lse
+        n = min(seq.params.prompt_logprobs or 0, logits.shape[-1])  # clamped to the vocabulary, like logprobs
+        if not n:
+            return [own, None, None]
+        vals, idx = logits.topk(n, dim=-1)
+        return [own, idx, vals - lse[:, None]]
+
+    @staticmethod
+    def _add_prompt_logprobs(seq: Sequence, first: int, own: torch.Tensor, top_ids: torch.Tensor | None,
+                             top_lps: torch.Tensor | None) -> None:
+        """Record prompt logprobs from the host copies. Positions already recorded are skipped (a
+        request preempted and re-admitted while its earlier chunk was in flight scores them twice)."""
+        lps = own.tolist()
+        tops = (top_ids.tolist(), top_lps.tolist()) if top_ids is not None else None
+        for j, tok in enumerate(seq.token_ids[first + 1 : first + 1 + len(lps)]):
+            if first + j < len(seq.prompt_logprobs) - 1:
+                continue
+            entry = {tok: Logprob(lps[j])}
+            if tops:
+                for rank, (t, lp) in enumerate(zip(tops[0][j], tops[1][j]), start=1):
+                    entry.setdefault(t, Logprob(lp)).rank = rank  # the sampled token too
+            seq.prompt_logprobs.append(entry)

@@ -1,0 +1,268 @@
+"""Speculative decoding in the engine: proposals become scheduled lookahead tokens.
+
+    after a step:  proposer.propose(decode-ready requests) -> seq.spec_tokens
+    schedule:      the scheduler reserves each decode's lookahead slots (``ScheduledSeq.spec_tokens``)
+    step:          one forward over [last token, d_1..d_m] per decode; rows without drafts are
+                   sampled and post-processed as usual; drafted rows go through ``process_logits``,
+                   rejection sampling (``engine.rejection``), ``append_tokens`` and a roll-back of
+                   the rejected tokens (KV slots past the kept tokens, block registration)
+
+Steps run synchronously while speculation is on: the verify result decides the next step's input.
+Hook order is the engine's: ``tokens_sampled`` for every kept token, then ``request_finished``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from deepinfer_core import plugins
+from deepinfer_core.config import ConfigError
+from deepinfer_core.engine.model_runner import StepBatch
+from deepinfer_core.engine.rejection import SamplingRows, filtered_probs, verify
+from deepinfer_core.engine.sampler import has_penalty
+from deepinfer_core.engine.sequence import Sequence, Status
+from deepinfer_core.proposer import GROUP, MAX_K, Draft, Proposer
+from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
+
+
+def load_proposer(section: dict) -> tuple[Proposer, int]:
+    """The ``[speculative]`` table -> (proposer instance, k)."""
+    sec = dict(section)
+    name = sec.pop("proposer", None)
+    k = sec.pop("k", 4)
+    if not isinstance(name, str) or not name:
+        names = ", ".join(plugins.installed_names(GROUP)) or "none"
+        raise ConfigError(f"[speculative] needs proposer = '<name>' (installed proposers: {names}), got {name!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ConfigError(f"[speculative] k must be an int in 1..{MAX_K}, got {k!r}")
+    cls = plugins.load(GROUP, name, what="proposer")
+    return cls(sec), k
+
+
+class _RowView:
+    """A verify row as the sampler's penalties read it: the request with ``extra`` drafts as output."""
+
+    __slots__ = ("params", "prompt_token_ids", "output_token_ids")
+
+    def __init__(self, seq: Sequence, extra: list[int]) -> None:
+        self.params, self.prompt_token_ids = seq.params, seq.prompt_token_ids
+        self.output_token_ids = seq.output_token_ids + extra
+
+
+class SpecDecoder:
+    """Runs an engine's steps when a proposer is configured."""
+
+    def __init__(self, engine, proposer: Proposer, k: int, from_feature: bool) -> None:
+        self.engine, self.proposer, self.k = engine, proposer, k
+        self.from_feature = from_feature  # a feature's proposer gets request_finished as a hook already
+        self.name = type(proposer).__name__
+        self.n = dict(spec_steps=0, spec_verified=0, spec_accepted=0, spec_proposed=0, spec_dormant_steps=0)
+        self._active = True
+        self._pending_drafts = False  # the last speculative step proposed drafts
+
+    def active(self) -> bool:
+        """Whether the coming step is speculative (synchronous, verified, proposals after it). With
+        async scheduling on the proposer may go dormant (``Proposer.active``): plain async steps;
+        never while drafts proposed by the last step wait to be verified."""
+        eng = self.engine
+        if not eng.async_scheduling or self._pending_drafts:  # drafts proposed last step are verified now
+            now = True
+        else:
+            now = self.proposer.active(eng)
+        if self._active and not now:  # going dormant: drafts left on requests not in the last step go too
+            for seq in eng.unfinished_requests():
+                seq.spec_tokens, seq.spec_probs = [], None
+        self._active = now
+        self.n["spec_dormant_steps"] += not now
+        return now
+
+    @classmethod
+    def create(cls, engine) -> SpecDecoder | None:
+        """The engine's speculative decoder: from the ``[speculative]`` table (an entry-point
+        proposer) or a feature's ``speculative_proposer`` hook; None when neither."""
+        hooked = engine.pm.hook.speculative_proposer(engine=engine)
+        if engine.cfg.speculative and hooked is not None:
+            raise ConfigError(f"[speculative] is set but feature proposer {type(hooked).__name__} is enabled "
+                              "too; use one")
+        if hooked is not None:
+            return cls(engine, hooked, hooked.k, from_feature=True)
+        if not engine.cfg.speculative:
+            return None
+        proposer, k = load_proposer(engine.cfg.speculative)
+        proposer.start(engine)
+        return cls(engine, proposer, k, from_feature=False)
+
+    def request_finished(self, seq: Sequence) -> None:
+        if not self.from_feature:
+            self.proposer.request_finished(self.engine, seq)
+
+    def eligible(self, seq: Sequence) -> bool:
+        """Whether a request may get drafts: every request (penalties are applied per verified row,
+        feature masks per verified row through ``process_logits``)."""
+        return True
+
+    # ---- one step --------------------------------------------------------------------------
+    def run(self, out: SchedulerOutput) -> None:
+        """prepare + forward + post-processing of a scheduled step, drafts verified; then the
+        proposals for the next step."""
+        eng = self.engine
+        batch = eng.runner.prepare(out, keep_hidden=self.proposer.needs_hidden)
+        idle = eng._idle.start() if eng._idle is not None else None  # measure_device_idle
+        tf = time.perf_counter()
+        logits = eng.runner.forward(batch)
+        eng.platform.synchronize()  # the verify reads the results at once: time the forward alone
+        batch.forward_s = time.perf_counter() - tf
+        eng.stats.forward_time += batch.forward_s
+        drafted = [s for s in out.decodes if s.spec_tokens]
+        if drafted:
+            ids = {id(s.seq) for s in drafted}
+            keep = [i for i, s in enumerate(batch.sample_seqs) if id(s) not in ids]
+            normal = replace(batch, scheduled=[s for s in batch.scheduled if id(s.seq) not in ids],
+                             sample_seqs=[batch.sample_seqs[i] for i in keep],
+                             sample_rows=[batch.sample_rows[i] for i in keep])
+            eng.pipeline.complete(eng.pipeline.submit(normal, logits))
+            with torch.inference_mode():
+                self._verify(batch, logits, drafted)
+        else:
+            eng.pipeline.complete(eng.pipeline.submit(batch, logits))
+        for s in out.prefills + out.decodes:
+            s.seq.spec_tokens, s.seq.spec_probs = [], None
+        self._pending_drafts = False
+        self._propose(out, batch)
+        if eng._idle is not None:  # the device works through verify and drafting: idle is what follows
+            eng._idle.end(idle)
+
+    def _verify(self, batch: StepBatch, logits: torch.Tensor, drafted: list[ScheduledSeq]) -> None:
+        eng = self.engine
+        dev = logits.device
+        where = {id(s): i for i, s in enumerate(batch.sample_seqs)}
+        seqs = [s.seq for s in drafted]
+        drafts = [s.spec_tokens for s in drafted]
+        rows, row_seqs = [], []
+        for seq, d in zip(seqs, drafts):
+            r0 = batch.sample_rows[where[id(seq)]]
+            rows.extend(range(r0, r0 + len(d) + 1))
+            row_seqs.extend([seq] * (len(d) + 1))
+        spec = logits[torch.tensor(rows, device=dev)]
+        view = replace(batch, scheduled=[], sample_seqs=row_seqs, sample_rows=list(range(len(rows))))
+        eng.pm.hook.process_logits(engine=eng, batch=view, logits=spec)
+        greedy = [s.params.temperature <= 0 for s in seqs]
+        first_pos = [s.num_tokens for s in seqs]
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
+        target = self._penalised(spec, seqs, drafts)  # what is sampled; logprobs come from ``spec``
+        if all(greedy):
+            probs, q, argmax = None, None, target.argmax(-1).tolist()
+        else:
+            probs = filtered_probs(target, SamplingRows.from_params([s.params for s in row_seqs], dev))
+            q = torch.cat([self._draft_probs(seq, d, spec.shape[-1], dev) for seq, d in zip(seqs, drafts)])
+            argmax = None
+        tokens, accepted = verify(probs, q, drafts, seeds, first_pos, greedy, argmax)
+        logprobs, tops = self._logprobs(spec, seqs, tokens, self._starts(drafts))
+        computed = [s.num_computed_tokens + 1 + a for s, a in zip(seqs, accepted)]
+        stops = eng.append_tokens(seqs, tokens, logprobs, tops)
+        kept = []
+        for seq, toks, first, c in zip(seqs, tokens, first_pos, computed):
+            seq.num_computed_tokens = min(c, seq.num_tokens - 1)  # a stop may end the kept tokens early
+            eng.blocks.truncate(seq, seq.num_tokens)  # roll back the rejected tokens' KV slots
+            eng.blocks.register_full_blocks(seq)
+            kept.append(toks[: seq.num_tokens - first])
+        n = self.n
+        n["spec_steps"] += 1
+        n["spec_verified"] += sum(len(d) for d in drafts)
+        n["spec_accepted"] += sum(accepted)
+        flat = [s for s, toks in zip(seqs, kept) for _ in toks]
+        view = replace(batch, scheduled=[], sample_seqs=flat, sample_rows=list(range(len(flat))))
+        eng.pm.hook.tokens_sampled(engine=eng, batch=view, token_ids=[t for toks in kept for t in toks])
+        eng.finish_stopped(stops)
+        self.proposer.verified(eng, seqs, [len(d) for d in drafts], accepted)
+
+    def _penalised(self, spec: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """The verify rows with each request's penalties, row j counting its drafts d_1..d_j as
+        output (what plain decoding would see had they been sampled); no state to roll back."""
+        if not any(has_penalty(s) for s in seqs):
+            return spec
+        views = [_RowView(s, d[:j]) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        return self.engine.sampler.penalise(spec.clone(), views)
+
+    @staticmethod
+    def _starts(drafts: list[list[int]]) -> list[int]:
+        out, r = [], 0
+        for d in drafts:
+            out.append(r)
+            r += len(d) + 1
+        return out
+
+    @staticmethod
+    def _draft_probs(seq: Sequence, draft: list[int], vocab: int, dev) -> torch.Tensor:
+        """q rows of a request's drafts: the proposer's distributions, else point masses."""
+        if seq.spec_probs is not None:
+            return seq.spec_probs[: len(draft)].to(dev, torch.float32)
+        q = torch.zeros(len(draft), vocab, device=dev)
+        q[torch.arange(len(draft), device=dev), torch.tensor(draft, device=dev)] = 1.0
+        return q
+
+    @staticmethod
+    def _logprobs(spec: torch.Tensor, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]):
+        """Logprob (and requested top-N) of each emitted token under its target row."""
+        dev = spec.device
+        rows = [starts[i] + j for i, toks in enumerate(tokens) for j in range(len(toks))]
+        er = torch.tensor(rows, device=dev)
+        lse = torch.logsumexp(spec[er], dim=-1)
+        flat = (spec[er, torch.tensor([t for toks in tokens for t in toks], device=dev)] - lse).tolist()
+        logprobs, tops, k = [], [], 0
+        for seq, toks in zip(seqs, tokens):
+            logprobs.append(flat[k : k + len(toks)])
+            n = min(seq.params.logprobs or 0, spec.shape[-1])
+            if n:
+                vals, idx = spec[er[k : k + len(toks)]].topk(n, dim=-1)
+                vals = vals - lse[k : k + len(toks), None]
+                tops.append([list(zip(a, b)) for a, b in zip(idx.tolist(), vals.tolist())])
+            else:
+                tops.append([None] * len(toks))
+            k += len(toks)
+        return logprobs, tops
+
+    # ---- proposals -------------------------------------------------------------------------
+    def _propose(self, out: SchedulerOutput, batch: StepBatch) -> None:
+        eng = self.engine
+        ready, room = [], []
+        for s in out.prefills + out.decodes:
+            seq = s.seq
+            if (seq.is_finished or seq.status != Status.RUNNING or seq.num_pending_tokens
+                    or seq.num_computed_tokens != seq.num_tokens - 1 or not self.eligible(seq)):
+                continue
+            m = min(self.k, eng.max_model_len - seq.num_tokens - 1)
+            if seq.params.max_tokens is not None:
+                m = min(m, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if m > 0:
+                ready.append(seq)
+                room.append(m)
+        if not ready:
+            return
+        drafts = self.proposer.propose(eng, ready, room, batch)
+        if not isinstance(drafts, list) or len(drafts) != len(ready):
+            raise RuntimeError(f"proposer {self.name}: propose() must return a list of {len(ready)} drafts "
+                               f"(one Draft or None per request), got {type(drafts).__name__}")
+        V = eng.model_config.vocab_size
+        for seq, m, d in zip(ready, room, drafts):
+            if d is None or not d.tokens:
+                continue
+            if not isinstance(d, Draft) or len(d.tokens) > m or not all(
+                    isinstance(t, int) and 0 <= t < V for t in d.tokens):
+                raise RuntimeError(f"proposer {self.name}: request {seq.request_id} got an invalid draft "
+                                   f"{d!r}; expected a Draft of at most {m} token ids in [0, {V})")
+            if d.probs is not None and tuple(d.probs.shape) != (len(d.tokens), V):
+                raise RuntimeError(f"proposer {self.name}: draft probs of shape {tuple(d.probs.shape)}, "
+                                   f"expected {(len(d.tokens), V)}")
+            seq.spec_tokens, seq.spec_probs = list(d.tokens), d.probs
+            self.n["spec_proposed"] += len(d.tokens)
+            self._pending_drafts = True
+
+    def metrics(self) -> dict:
+        n = self.n
+        return {**n, "spec_proposer": self.proposer.name or self.name, "spec_k": self.k,
+                "spec_accept_rate": n["spec_accepted"] / n["spec_verified"] if n["spec_verified"] else 0.0,
+                "spec_accepted_per_step": n["spec_accepted"] / n["spec_steps"] if n["spec_steps"] else 0.0}

@@ -1,0 +1,98 @@
+"""The draft proposer interface: speculative decoding as scheduled tokens.
+
+A proposer guesses the next tokens of running requests; the engine schedules them as lookahead
+tokens after each request's last token, verifies them in the step's normal forward, keeps the
+longest prefix the target agrees with (rejection sampling: outputs follow the target's
+distribution exactly; greedy outputs equal plain decoding) and rolls back the rest (KV slots, block
+registration). Proposers are plugins in the ``deepinfer.proposers`` entry-point group, enabled by
+the engine config's ``speculative`` table:
+
+    [speculative]
+    proposer = "ngram"     # the entry-point name
+    k = 4                  # most drafts per request and step (1..16)
+    ...                    # any other key goes to the proposer's constructor
+
+Contract (checked by the engine; a violation fails the step's requests with the proposer named):
+``propose`` returns one :class:`Draft` (or None) per request, at most ``max_drafts[i]`` tokens,
+each in the vocabulary. Requests using penalties or feature-owned options (``so_args``) are not
+offered to the proposer yet; they decode one token per step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deepinfer_core.engine.model_runner import StepBatch
+    from deepinfer_core.engine.sequence import Sequence
+    from deepinfer_core.engine_view import EngineView
+
+GROUP = "deepinfer.proposers"
+MAX_K = 16
+
+
+@dataclass
+class Draft:
+    """Proposed next tokens of one request.
+
+    ``probs``: the draft distributions the tokens were drawn from, ``[len(tokens), vocab]``, for
+    requests that sample (temperature > 0); None for a deterministic guess (a point mass on each
+    token: still exact, the target's residual is drawn on rejection). ``confidences``: optional
+    per-position estimates of P(token j accepted | tokens before it accepted), for length policies."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    confidences: list[float] | None = None
+
+
+class Proposer(ABC):
+    """A draft proposer (see the module docstring)."""
+
+    name: str = ""
+    core_api_version: str = ""
+    #: True: the engine keeps every row's final hidden state of each step in ``batch.hidden``
+    #: (a draft head reading the target's hidden states, e.g. MTP)
+    needs_hidden: bool = False
+
+    def __init__(self, section: dict) -> None:
+        """``section``: the ``[speculative]`` keys other than ``proposer`` and ``k``; raise
+        ``ConfigError`` on bad ones."""
+        if section:
+            from deepinfer_core.config import ConfigError
+
+            raise ConfigError(f"proposer {self.name!r} takes no settings, got keys {sorted(section)}")
+
+    def start(self, engine: EngineView) -> None:
+        """The engine is built (load a draft model here)."""
+
+    def active(self, engine: EngineView) -> bool:
+        """Whether the coming step should be a speculative one (asked before every step, only with
+        async scheduling on; keep it cheap). While False the engine runs plain asynchronous steps
+        and neither proposes nor verifies: a proposer whose drafts do not pay at this load (its
+        measured step-time curve) goes dormant and costs nothing, and says True now and then to
+        look again (that step runs synchronously and gets ``propose``)."""
+        return True
+
+    @abstractmethod
+    def propose(self, engine: EngineView, requests: list[Sequence], max_drafts: list[int],
+                batch: StepBatch) -> list[Draft | None]:
+        """Drafts for requests whose next step is a decode, after a completed step.
+
+        :param engine: the engine.
+        :param requests: requests ready to decode (every token known, all but the last computed).
+        :param max_drafts: the most tokens each may get (>= 1: within ``k``, ``max_tokens`` and the
+            model's length).
+        :param batch: the step just completed (``batch.hidden`` when ``needs_hidden``).
+        :return: one Draft or None per request.
+        """
+
+    def verified(self, engine: EngineView, requests: list[Sequence], num_drafts: list[int],
+                 num_accepted: list[int]) -> None:
+        """Feedback after verification: how many of each request's drafts were checked and kept."""
+
+    def request_finished(self, engine: EngineView, request: Sequence) -> None:
+        """Drop per-request state."""

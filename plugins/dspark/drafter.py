@@ -1,0 +1,327 @@
+"""DSpark's drafting: the catch-up forward over what the target computed, the autoregressive draft
+loop with a confidence per draft, and whether drafting pays at all (a mixin of the feature)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deepinfer_core.engine.rejection import STREAM_DRAFT, draw, filtered_probs, stream
+from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, PrefillMeta
+from deepinfer_core.proposer import MAX_K
+from deepinfer_core.scheduler import SchedulerOutput
+from plugins.dspark import confidence as conf_mod
+from plugins.dspark.lean import context_slot_table
+from plugins.dspark.policy import worth_drafting
+from plugins.dspark.state import KEY, _Rows, _State
+
+DECODE_SPAN = MAX_K + 1  # catch-up spans up to this long use the decode (absorbed) attention path
+EXPLORE_ROWS = 4  # requests drafting in an exploratory step while drafting does not pay
+MAX_KEPT = 512  # most positions of target hidden states an MTP request keeps while not drafting
+# A request's last first-draft confidence predicts its next one only weakly (lag-1 autocorrelation 0.16
+# on held-out prompts), so whether to draft at all is forecast this far from the running mean towards it.
+SKIP_FORECAST_BLEND = 0.5
+
+
+class Drafter:
+    """The drafting half of :class:`plugins.dspark.feature.DSpark` (its state lives there)."""
+
+    def _propose(self, engine, scheduled: SchedulerOutput, batch, rowmap: dict | None) -> None:
+        """Catch the draft up on what the target computed this step and propose the next drafts."""
+        bs, src = engine.block_size, self.source
+        mtp = src.needs_hidden
+        items = []  # (seq, st, lo, hi, cap)
+        n_live = sum(1 for s in scheduled.prefills + scheduled.decodes if not s.seq.is_finished)
+        allowed = self._worth_speculating(scheduled, n_live) if self.varlen else True
+        kept = {}  # request_id -> kept hidden states of positions lo..c0-1 (MTP)
+        for s in scheduled.prefills + scheduled.decodes:
+            seq = s.seq
+            if seq.is_finished:
+                continue
+            if allowed is False or (allowed is not True and seq.request_id not in allowed):
+                if mtp and (st := self._state(seq)) is not None:
+                    self._defer(st, seq.num_computed_tokens, *rowmap[seq.request_id], batch.hidden)
+                continue  # the draft catches up when this request drafts again
+            st = self._state(seq)
+            if st is None:
+                continue
+            C, L = seq.num_computed_tokens, seq.num_tokens
+            ready = C == L - 1
+            if mtp:
+                row0, c0 = rowmap[seq.request_id]
+                if st.kept_rows and st.done + st.kept_rows == c0:
+                    lo, kept[seq.request_id] = st.done, torch.cat(st.kept_hidden)
+                else:
+                    lo = max(st.done, c0)
+                st.kept_hidden, st.kept_rows = [], 0
+                hi = C
+            else:
+                lo, hi = st.done, (L if ready else C)
+            cap = 0
+            if ready:
+                cap = min(self.k, engine.max_model_len - L, src.max_positions - L)
+                if seq.params.max_tokens is not None:
+                    cap = min(cap, seq.params.max_tokens - seq.num_output_tokens - 1)
+                cap = self._reserve(engine, seq, L, max(cap, 0), n_live)
+                if cap < 0:  # not even the last token's slot: sync what fits, no drafts
+                    hi = min(hi, len(seq.block_table) * bs)
+                    cap = 0
+            if hi > lo or cap > 0:
+                items.append((seq, st, lo, hi, cap))
+            else:
+                st.drafts = []
+        if not items:
+            return
+        # 1. one forward over every catch-up span; the last row of each drafting request proposes d_1
+        pre = [it for it in items if it[2] == 0 or it[3] - it[2] > DECODE_SPAN]
+        dec = [it for it in items if not (it[2] == 0 or it[3] - it[2] > DECODE_SPAN)]
+        ids, pos, slots, hid_parts, last_rows = [], [], [], [], []
+        for seq, _, lo, hi, cap in pre + dec:
+            bt = seq.block_table
+            if mtp:
+                ids.extend(seq.token_ids[lo + 1 : hi + 1])
+                row0, c0 = rowmap[seq.request_id]
+                if seq.request_id in kept:
+                    hid_parts.append(kept[seq.request_id])
+                hid_parts.append(batch.hidden[row0 + max(lo, c0) - c0 : row0 + hi - c0])
+            else:
+                ids.extend(seq.token_ids[lo:hi])
+            pos.extend(range(lo, hi))
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(lo, hi))
+            if cap > 0:
+                last_rows.append(len(pos) - 1)
+        dev = engine.device
+        self._caught = len(ids)
+        ids_t, pos_t = torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev)
+        if not pre and ids and hasattr(src, "decode"):  # lean path: short catch-up spans only
+            table = context_slot_table(self._meta_tables(dec, dev), bs)
+            which = torch.tensor([i for i, it in enumerate(dec) for _ in range(it[3] - it[2])], device=dev)
+            S = max(it[3] for it in dec)
+            args = (ids_t, pos_t, torch.tensor(slots, dtype=torch.long, device=dev), table[which, :S])
+            if mtp:
+                carry, normed = src.decode(*args, masked=len(ids) > 1, prev_hidden=torch.cat(hid_parts))
+            else:
+                carry = normed = src.decode(*args, masked=len(ids) > 1)
+        else:
+            meta = self._meta(pre, dec, slots, dev)
+            prev = torch.cat(hid_parts) if mtp else None
+            carry, normed = src.forward(ids_t, pos_t, meta, prev)
+        for _, st, _, hi, _ in items:
+            st.done = hi
+            st.drafts, st.q, st.feats = [], None, None
+        drafting = [it for it in pre + dec if it[4] > 0]
+        if not drafting:
+            return
+        lr = torch.tensor(last_rows, device=dev)
+        self._draft_loop(_Rows([it[0] for it in drafting], [it[4] for it in drafting], bs, dev),
+                         [it[1] for it in drafting], carry[lr], normed[lr], n_live)
+
+    @staticmethod
+    def _defer(st: _State, computed: int, row0: int, c0: int, hidden: torch.Tensor) -> None:
+        """An MTP request that does not draft this step keeps the target's hidden states of the
+        positions computed now (c0..computed-1), so that its catch-up can write their draft KV when it
+        drafts again. After a gap, or past ``MAX_KEPT`` rows, the older positions are given up (their
+        draft KV stays stale: fewer drafts are accepted, outputs stay exact)."""
+        rows = computed - c0
+        if rows <= 0:
+            return
+        if st.done + st.kept_rows != c0 or st.kept_rows + rows > MAX_KEPT:
+            st.kept_hidden, st.kept_rows, st.done = [], 0, max(st.done, c0)
+            if st.done != c0 or rows > MAX_KEPT:
+                return
+        st.kept_hidden.append(hidden[row0 : row0 + rows].clone())
+        st.kept_rows += rows
+
+    def _worth_speculating(self, scheduled: SchedulerOutput, n_live: int) -> bool | set[str]:
+        """Whether drafting for the next step can pay at this batch size at all, given the drafts'
+        running mean confidence and each request's latest first-draft confidence. After 64 skipped
+        steps it drafts once anyway to refresh them, waiting twice as long after each such try that
+        does not make drafting pay. Such a try drafts for the ``EXPLORE_ROWS`` requests with the
+        least draft catch-up (their ids are returned): a sample refreshes the estimates, and the
+        draft does not have to catch up on every request's skipped tokens."""
+        ready = [s.seq for s in scheduled.prefills + scheduled.decodes
+                 if not s.seq.is_finished and s.seq.num_computed_tokens == s.seq.num_tokens - 1
+                 and s.seq.feature_state.get(KEY) is not False]
+        if not ready:
+            return False
+        R = len(ready)
+        states = [seq.feature_state.get(KEY) for seq in ready]
+        mean = self.mean_conf
+        conf = [mean + SKIP_FORECAST_BLEND * (st.recent_conf - mean) if st and st.recent_conf is not None else mean
+                for st in states]
+        worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live, self.live.overhead(n_live), self.k,
+                               start_s=self.live.catchup(R) - self.live.draft(R))
+        if worth:
+            self.skipped, self.exploring, self.explore_every = 0, False, 64
+            return True
+        if self.exploring:  # the last exploratory draft did not make drafting pay: wait longer
+            self.exploring, self.explore_every = False, min(self.explore_every * 2, 4096)
+        if self.skipped >= self.explore_every:
+            self.skipped, self.exploring = 0, True
+            order = sorted(range(R), key=lambda i: ready[i].num_tokens - (states[i].done if states[i] else 0))
+            chosen = {ready[i].request_id for i in order[:EXPLORE_ROWS]}
+            for seq, st in zip(ready, states):
+                if st and seq.request_id not in chosen:
+                    st.drafts, st.q, st.feats = [], None, None
+            return chosen
+        self.skipped += 1
+        for st in states:
+            if st:
+                st.drafts, st.q, st.feats = [], None, None
+                if st.recent_conf is not None:  # drift back to the mean while not drafting
+                    st.recent_conf = 0.8 * st.recent_conf + 0.2 * self.mean_conf
+        self.n["skipped_steps"] += 1
+        return False
+
+    def _reserve(self, engine, seq: Sequence, L: int, cap: int, n_live: int) -> int:
+        """Allocate blocks for the last token and ``cap`` drafts (fewer when memory is short, keeping
+        a block of headroom per live request); -1 when even the last token's slot cannot be had."""
+        blocks = engine.blocks
+        if not blocks.can_allocate(seq, L):
+            return -1
+        blocks.allocate(seq, L)
+        while cap > 0:
+            extra = blocks.blocks_needed(seq, L + cap)
+            if extra == 0 or (blocks.can_allocate(seq, L + cap) and blocks.num_free - extra >= n_live):
+                blocks.allocate(seq, L + cap)
+                break
+            cap -= 1
+        return cap
+
+    @staticmethod
+    def _meta_tables(its: list, dev) -> torch.Tensor:
+        width = max(len(it[0].block_table) for it in its)
+        return torch.tensor([it[0].block_table + [0] * (width - len(it[0].block_table)) for it in its],
+                            dtype=torch.int32, device=dev)
+
+    @classmethod
+    def _meta(cls, pre: list, dec: list, slots: list[int], dev) -> AttentionMetadata:
+        def cumsum(lens):
+            out = [0]
+            for n in lens:
+                out.append(out[-1] + n)
+            return torch.tensor(out, dtype=torch.long, device=dev)
+
+        def tables(its):
+            return cls._meta_tables(its, dev)
+
+        prefill = decode = None
+        if pre:
+            q = [hi - lo for _, _, lo, hi, _ in pre]
+            kl = [hi for _, _, _, hi, _ in pre]
+            prefill = PrefillMeta(cu_q_lens=cumsum(q), cu_k_lens=cumsum(kl),
+                                  seq_lens=torch.tensor(kl, dtype=torch.long, device=dev), block_tables=tables(pre),
+                                  has_prefix=any(lo > 0 for _, _, lo, _, _ in pre))
+        if dec:
+            q = [hi - lo for _, _, lo, hi, _ in dec]
+            decode = DecodeMeta(cu_q_lens=cumsum(q),
+                                seq_lens=torch.tensor([hi for _, _, _, hi, _ in dec], dtype=torch.long, device=dev),
+                                block_tables=tables(dec), max_q_len=max(q))
+        num_pre = sum(hi - lo for _, _, lo, hi, _ in pre)
+        return AttentionMetadata(num_pre, torch.tensor(slots, dtype=torch.long, device=dev), prefill, decode)
+
+    def _pick(self, rows: _Rows, logits: torch.Tensor, normed: torch.Tensor, depth: int):
+        """Draft token, draft distribution (sampled rows), confidence and features at one depth."""
+        if rows.head_rows is None:
+            rows.head_rows = (self.head.per_row(rows.greedy),)
+        greedy_tok = logits.argmax(-1)
+        if rows.all_greedy:  # log q(d) and entropy from one log-softmax
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            logq = logp.gather(1, greedy_tok[:, None])[:, 0]
+            ent = -(logp.exp() * logp).sum(-1)
+            return greedy_tok, None, self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0]), (logq, ent)
+        q = filtered_probs(logits, rows.params)
+        sampled = draw(q, stream(rows.seeds, STREAM_DRAFT), rows.base + (depth - 1))
+        tok = torch.where(rows.greedy, greedy_tok, sampled)
+        logq, ent = conf_mod.ConfidenceHead.features(logits, tok)
+        c = self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0])
+        return tok, q, c, (logq, ent)
+
+    def _ar_step(self, rows: _Rows, prev_tok: torch.Tensor, prev_carry: torch.Tensor | None, depth: int):
+        """Feed d_{depth-1}; returns (carry, normed) of the rows."""
+        bs = rows.block_size
+        if hasattr(self.source, "decode"):  # lean path: one query token per row
+            ctx = rows.ctx
+            off = 1 if self.source.needs_hidden else 0  # an MTP layer sits one position before the token
+            S = min(rows.base_max + depth - 1 - off, ctx.shape[1], self.source.max_positions)
+            pos = (rows.base + (depth - 2 - off)).clamp(max=S - 1)
+            slot = torch.where(rows.cap_t >= depth, ctx.gather(1, pos[:, None])[:, 0], torch.full_like(pos, -1))
+            if self.source.needs_hidden:
+                return self.source.decode(prev_tok, pos, slot, ctx[:, :S], masked=len(rows.seqs) > 1,
+                                          prev_hidden=prev_carry)
+            normed = self.source.decode(prev_tok, pos, slot, ctx[:, :S], masked=len(rows.seqs) > 1)
+            return normed, normed
+        tok_index = rows.base + (depth - 2)  # token index of d_{depth-1}
+        pos = tok_index - 1 if self.source.needs_hidden else tok_index
+        pos = pos.clamp(max=self.source.max_positions - 1)
+        blk = rows.bt_long.gather(1, (pos // bs).clamp(max=rows.bt_long.shape[1] - 1)[:, None])[:, 0]
+        slot = torch.where(rows.cap_t >= depth, blk * bs + pos % bs, torch.full_like(pos, -1))
+        meta = AttentionMetadata(0, slot, None, DecodeMeta(cu_q_lens=rows.cu, seq_lens=pos + 1,
+                                                           block_tables=rows.block_tables, max_q_len=1))
+        return self.source.forward(prev_tok, pos, meta, prev_carry)
+
+    def _draft_loop(self, rows: _Rows, states: list[_State], carry: torch.Tensor, normed: torch.Tensor,
+                    n_live: int) -> None:
+        src, cost = self.source, self.live
+        R = len(states)
+        K = max(rows.caps)
+        logits = src.logits(normed)
+        tok, q, c, feats = self._pick(rows, logits, normed, 1)
+        toks, qs, confs, hs, lqs, ents = [tok], [q], [c], [normed], [feats[0]], [feats[1]]
+        cum = c.tolist()
+        cum_hist = [cum]
+        expected = R + sum(cum)
+        depth = 1
+        t_loop = time.perf_counter()
+        while depth < K:
+            if self.varlen:
+                live = [i for i in range(R) if rows.caps[i] > depth]
+                c_last = confs[-1].tolist()
+                fixed = cost.overhead(n_live) + cost.drafting(R, depth)
+                if not worth_drafting([cum[i] for i in live], [c_last[i] for i in live], R,
+                                      n_live + depth * R, expected, cost, fixed, K - depth):
+                    break
+            depth += 1
+            carry, normed = self._ar_step(rows, tok, carry if src.needs_hidden else None, depth)
+            logits = src.logits(normed)
+            tok, q, c, feats = self._pick(rows, logits, normed, depth)
+            toks.append(tok)
+            qs.append(q)
+            confs.append(c)
+            if self.outcome_log is not None:
+                hs.append(normed)
+                lqs.append(feats[0])
+                ents.append(feats[1])
+            c_list = c.tolist()
+            cum = [a * b if depth <= rows.caps[i] else 0.0 for i, (a, b) in enumerate(zip(cum, c_list))]
+            cum_hist.append(cum)
+            expected += sum(cum)
+        self.last_depth = depth
+        self.engine.platform.synchronize()
+        self._drafted = (R, depth - 1, time.perf_counter() - t_loop)
+        self.n["proposals"] += 1
+        self.n["depth"] += depth
+        tok_m = torch.stack(toks, dim=1).tolist()
+        conf_m = torch.stack(confs, dim=1).tolist()
+        produced = [v for i, row in enumerate(conf_m) for v in row[: min(depth, rows.caps[i])]]
+        if produced:
+            self.mean_conf = 0.9 * self.mean_conf + 0.1 * (sum(produced) / len(produced))
+        q_m = None if rows.all_greedy else torch.stack(qs, dim=1)  # [R, depth, V]
+        log = self.outcome_log is not None
+        if log:
+            h_m, lq_m, ent_m = torch.stack(hs, 1), torch.stack(lqs, 1), torch.stack(ents, 1)
+        for i, (seq, st) in enumerate(zip(rows.seqs, states)):
+            n = min(depth, rows.caps[i])
+            st.drafts = tok_m[i][:n]
+            st.conf = conf_m[i][:n]
+            st.cum = [cum_hist[j][i] for j in range(n)]
+            st.q = None if rows.greedy_list[i] or q_m is None else q_m[i, :n]
+            st.base_len = seq.num_tokens
+            st.fed = n - 1
+            st.recent_conf = conf_m[i][0]
+            if log:
+                st.feats = (h_m[i, :n].float().cpu(), lq_m[i, :n].cpu(), ent_m[i, :n].cpu())
+            if n < rows.caps[i]:
+                self.engine.blocks.truncate(seq, seq.num_tokens + n)  # blocks for drafts not made

@@ -1,0 +1,67 @@
+"""DSpark's per-request draft state and the tensors of the requests drafting in a step."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.engine.rejection import SamplingRows
+from deepinfer_core.engine.sequence import Sequence
+from plugins.dspark.lean import context_slot_table
+
+KEY = "dspark"  # seq.feature_state key
+
+
+class _State:
+    """Per-request draft state (``seq.feature_state['dspark']``)."""
+
+    __slots__ = ("epoch", "done", "drafts", "cum", "conf", "q", "base_len", "fed", "feats",
+                 "verified", "accepted", "decode_steps", "recent_conf", "kept_hidden", "kept_rows")
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.done = 0  # positions whose draft KV is valid
+        self.drafts: list[int] = []  # proposed tokens for token indices base_len, base_len + 1, ...
+        self.cum: list[float] = []  # P(d_1..d_j all accepted)
+        self.conf: list[float] = []
+        self.q: torch.Tensor | None = None  # draft distributions [n, V] (sampled requests)
+        self.base_len = -1
+        self.fed = 0  # drafts whose draft KV was written (valid when accepted)
+        self.feats = None  # (hidden, logq, entropy) when outcomes are logged
+        self.verified = self.accepted = self.decode_steps = 0
+        self.recent_conf: float | None = None  # its last first-draft confidence (is its text predictable now?)
+        # MTP: the target's hidden states of positions done, done + 1, ... computed in steps without
+        # drafting, kept for the catch-up when drafting resumes
+        self.kept_hidden: list[torch.Tensor] = []
+        self.kept_rows = 0
+
+
+class _Rows:
+    """The requests drafting this step, as tensors for the autoregressive draft loop."""
+
+    def __init__(self, seqs: list[Sequence], caps: list[int], block_size: int, device) -> None:
+        self.seqs, self.caps = seqs, caps
+        R = len(seqs)
+        width = max(len(s.block_table) for s in seqs)
+        self.block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                         dtype=torch.int32, device=device)
+        self.bt_long = self.block_tables.long()
+        self.base = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=device)
+        self.cap_t = torch.tensor(caps, dtype=torch.long, device=device)
+        self.cu = torch.arange(R + 1, dtype=torch.long, device=device)
+        self.greedy_list = [s.params.temperature <= 0 for s in seqs]
+        self.all_greedy = all(self.greedy_list)
+        self.greedy = torch.tensor(self.greedy_list, dtype=torch.bool, device=device)
+        self.seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=device)
+        self.params = None if self.all_greedy else SamplingRows.from_params([s.params for s in seqs], device)
+        self.block_size = block_size
+        self.row_idx = torch.arange(R, device=device)
+        self.base_max = max(s.num_tokens for s in seqs)
+        self.head_rows: tuple | None = None  # the confidence head's per-row coefficients, once computed
+        self._ctx: torch.Tensor | None = None
+
+    @property
+    def ctx(self) -> torch.Tensor:
+        """[R, W * block_size] cache slot of every position of each row (the lean draft path)."""
+        if self._ctx is None:
+            self._ctx = context_slot_table(self.block_tables, self.block_size)
+        return self._ctx

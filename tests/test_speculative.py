@@ -1,0 +1,364 @@
+"""Speculative decoding as scheduled tokens (engine/speculative.py, proposer.py): proposers found
+through the ``deepinfer.proposers`` entry point alone, greedy outputs identical to plain decoding,
+no KV block leaked after roll-backs, preemption mid-speculation, and contract violations named."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+from tiny_models import kv_bytes_per_block, rand_ids
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.config import ConfigError
+
+BS = 4
+PROPOSERS = '''
+from deepinfer_core.proposer import Draft, Proposer
+
+class PreviousToken(Proposer):
+    """Proposes the request's last token, repeated."""
+    name = "previous_token"
+    core_api_version = "1.0"
+
+    def propose(self, engine, requests, max_drafts, batch):
+        return [Draft([r.token_ids[-1]] * m) for r, m in zip(requests, max_drafts)]
+
+
+class Oracle(Proposer):
+    """Proposes a known continuation (a plain run's outputs), its last draft wrong every 2nd call."""
+    name = "oracle"
+    core_api_version = "1.0"
+    outputs = {}  # prompt tuple -> output tokens (set by the test)
+
+    def __init__(self, section):
+        self.corrupt = section.pop("corrupt", True)
+        for prompt, output in section.pop("outputs", []):  # a config value reaches dp/ep worker processes
+            Oracle.outputs[tuple(prompt)] = output
+        super().__init__(section)
+        self.calls = 0
+        self.feedback = []
+
+    def propose(self, engine, requests, max_drafts, batch):
+        self.calls += 1
+        out = []
+        for r, m in zip(requests, max_drafts):
+            want = self.outputs.get(tuple(r.prompt_token_ids), [])
+            toks = want[r.num_output_tokens : r.num_output_tokens + m]
+            if self.corrupt and toks and self.calls % 2 == 0:
+                toks = toks[:-1] + [(toks[-1] + 1) % 64 + 4]
+            out.append(Draft(toks) if toks else None)
+        return out
+
+    def verified(self, engine, requests, num_drafts, num_accepted):
+        self.feedback.append((num_drafts, num_accepted))
+
+
+class Sometimes(PreviousToken):
+    """Speculates on every third step only; dormant (plain async steps) otherwise."""
+    name = "sometimes"
+
+    def __init__(self, section):
+        super().__init__(section)
+        self.asked = 0
+
+    def active(self, engine):
+        self.asked += 1
+        return self.asked % 3 == 0
+
+
+class TooLong(Proposer):
+    name = "too_long"
+    core_api_version = "1.0"
+
+    def propose(self, engine, requests, max_drafts, batch):
+        return [Draft([5] * (m + 1)) for m in max_drafts]
+'''
+
+
+@pytest.fixture(scope="module")
+def proposer_package(tmp_path_factory):
+    """A third-party package installed only as files on sys.path: its module and a dist-info whose
+    entry_points.txt registers three proposers (what pip would write)."""
+    root = tmp_path_factory.mktemp("toy_proposers")
+    (root / "toy_proposers.py").write_text(PROPOSERS)
+    info = root / "toy_proposers-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-proposers\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent("""\
+        [deepinfer.proposers]
+        previous_token = toy_proposers:PreviousToken
+        oracle = toy_proposers:Oracle
+        too_long = toy_proposers:TooLong
+        sometimes = toy_proposers:Sometimes
+        """))
+    sys.path.insert(0, str(root))
+    yield root
+    sys.path.remove(str(root))
+    sys.modules.pop("toy_proposers", None)
+
+
+def make(path, **kw) -> LLM:
+    opts = dict(dtype="float32", block_size=BS, max_num_seqs=8, kv_cache_memory=2 << 20)
+    opts.update(kw)
+    return LLM(str(path), **opts)
+
+
+PROMPTS = [rand_ids(6 + 5 * i, seed=70 + i) for i in range(5)]
+
+
+def greedy(n=12, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def run(llm: LLM, params) -> list:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert not llm.engine.has_unfinished()
+    llm.engine.blocks.check_no_leaks()  # every rolled-back slot and draft block came back
+    return outs
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_v3_path):
+    return make(tiny_v3_path)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    ps = [greedy(logprobs=2) for _ in PROMPTS]
+    return run(plain, ps)
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_third_party_proposer_through_the_entry_point_is_greedy_exact(tiny_v3_path, proposer_package,
+                                                                     reference, async_on):
+    llm = make(tiny_v3_path, async_scheduling=async_on, speculative={"proposer": "previous_token", "k": 3})
+    outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
+    assert tokens(outs) == tokens(reference)
+    for o, r in zip(outs, reference):  # logprobs from the verify rows equal plain decoding's
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    m = llm.engine.metrics()
+    assert m["spec_proposer"] == "previous_token" and m["spec_verified"] > 0 and m["spec_steps"] > 0
+
+
+def test_accepted_drafts_emit_several_tokens_per_step(tiny_v3_path, proposer_package, reference):
+    import toy_proposers
+
+    toy_proposers.Oracle.outputs = {tuple(p): t for p, t in zip(PROMPTS, tokens(reference))}
+    llm = make(tiny_v3_path, speculative={"proposer": "oracle", "k": 4})
+    outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
+    assert tokens(outs) == tokens(reference)
+    m = llm.engine.metrics()
+    assert m["spec_accepted"] > m["spec_verified"] // 2 and m["spec_accepted"] < m["spec_verified"]  # some rejected
+    assert m["steps"] <= 6  # 12 tokens each: 1 prefill + 11 decode steps without speculation
+    assert m["decode_tokens"] == sum(len(t) for t in tokens(reference))
+    prop = llm.engine.spec.proposer
+    assert prop.feedback and all(0 <= a <= d for nd, na in prop.feedback for d, a in zip(nd, na))
+
+
+def test_stops_inside_accepted_drafts(tiny_v3_path, proposer_package, reference):
+    import toy_proposers
+
+    toy_proposers.Oracle.outputs = {tuple(p): t for p, t in zip(PROMPTS, tokens(reference))}
+    stop_ps = [greedy(stop_token_ids=[t[5]]) for t in tokens(reference)]
+    want = [t[: t.index(t[5]) + 1] for t in tokens(reference)]
+    llm = make(tiny_v3_path, speculative={"proposer": "oracle", "k": 4, "corrupt": False})
+    outs = run(llm, stop_ps)
+    assert tokens(outs) == want and all(o.outputs[0].finish_reason == "stop" for o in outs)
+    assert llm.engine.metrics()["spec_accepted"] > 0
+
+
+def test_sampled_requests_penalties_and_n2(tiny_v3_path, proposer_package):
+    """Seeded sampling through rejection (exact in distribution, not token-equal), greedy with
+    penalties (drafted too: token-equal to plain decoding) and n = 2, together."""
+    ps = [SamplingParams(temperature=0.8, seq_seed=5 + i, max_tokens=10, ignore_eos=True) if i % 2 else
+          SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3, n=2)
+          for i in range(len(PROMPTS))]
+    llm = make(tiny_v3_path, speculative={"proposer": "previous_token", "k": 2})
+    outs = run(llm, ps)
+    ref = run(make(tiny_v3_path), ps)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert all(len(c.token_ids) == 10 for c in o.outputs)
+        if i % 2 == 0:
+            assert len(o.outputs) == 2 and [c.token_ids for c in o.outputs] == [c.token_ids for c in r.outputs]
+
+
+def test_preemption_mid_speculation_is_exact_and_leak_free(tiny_v3_path, proposer_package, reference):
+    import toy_proposers
+
+    toy_proposers.Oracle.outputs = {tuple(p): t for p, t in zip(PROMPTS, tokens(reference))}
+    small = dict(kv_cache_memory=14 * kv_bytes_per_block(tiny_v3_path, BS), max_num_seqs=5)
+    llm = make(tiny_v3_path, speculative={"proposer": "oracle", "k": 4}, **small)
+    outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
+    assert tokens(outs) == tokens(reference)
+    m = llm.engine.metrics()
+    assert m["preemptions"] > 0 and m["spec_accepted"] > 0
+
+
+def test_a_proposer_breaking_its_contract_is_named(tiny_v3_path, proposer_package):
+    llm = make(tiny_v3_path, speculative={"proposer": "too_long", "k": 2})
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(), use_tqdm=False)
+    assert outs[0].error is not None and "proposer TooLong" in str(outs[0].error)
+    assert "at most 2 token ids" in str(outs[0].error)
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_bad_speculative_config_is_named(tiny_v3_path, proposer_package):
+    with pytest.raises(ConfigError, match="k must be an int in 1..16"):
+        make(tiny_v3_path, speculative={"proposer": "previous_token", "k": 0})
+    with pytest.raises(ConfigError, match="needs proposer"):
+        make(tiny_v3_path, speculative={"k": 2})
+    with pytest.raises(Exception, match="nope"):
+        make(tiny_v3_path, speculative={"proposer": "nope"})
+    with pytest.raises(ConfigError, match="takes no settings"):
+        make(tiny_v3_path, speculative={"proposer": "previous_token", "depth": 3})
+
+
+def test_point_mass_drafts_keep_the_target_distribution():
+    """A deterministic proposer's drafts (no probs) verified against sampled rows: the first emitted
+    token still follows the target's filtered distribution (chi-square)."""
+    import torch
+
+    from deepinfer_core.engine.rejection import SamplingRows, filtered_probs, verify
+    from deepinfer_core.engine.speculative import SpecDecoder
+
+    V, N = 8, 20000
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5)) * 1.5
+    p = filtered_probs(logits, SamplingRows.from_params([SamplingParams(temperature=0.9)] * 2, "cpu"))
+    seq = type("S", (), {"spec_probs": None})()
+    draft = [int(p[0].argmax())]  # the likeliest token: accepted often, rejected sometimes
+    q = SpecDecoder._draft_probs(seq, draft, V, "cpu")
+    assert q.sum() == 1 and q[0, draft[0]] == 1
+    seeds = torch.arange(N, dtype=torch.long) * 7919 + 3
+    tokens, accepted = verify(p.repeat(N, 1), q.repeat(N, 1), [draft] * N, seeds, [50] * N, [False] * N)
+    counts = torch.bincount(torch.tensor([t[0] for t in tokens]), minlength=V).float()
+    exp = p[0] * N
+    stat = float(((counts - exp) ** 2 / exp).sum())
+    pvalue = float(torch.special.gammaincc(torch.tensor((V - 1) / 2.0, dtype=torch.float64),
+                                           torch.tensor(stat / 2.0, dtype=torch.float64)))
+    assert pvalue > 1e-3 and 0.2 < sum(accepted) / N < 0.99
+
+
+def test_penalties_with_accepted_drafts_are_greedy_exact(tiny_v3_path, proposer_package):
+    """Penalties apply per verified row, counting the drafts before it as output."""
+    import toy_proposers
+
+    ps = [greedy(n=14, repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2) for _ in PROMPTS]
+    ref = run(make(tiny_v3_path), ps)
+    toy_proposers.Oracle.outputs = {tuple(p): t for p, t in zip(PROMPTS, tokens(ref))}
+    llm = make(tiny_v3_path, speculative={"proposer": "oracle", "k": 4})
+    outs = run(llm, ps)
+    assert tokens(outs) == tokens(ref)
+    m = llm.engine.metrics()
+    assert m["spec_accepted"] > m["spec_verified"] // 2 and m["steps"] <= 8
+
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                          "ok": {"type": "boolean"}}, "required": ["id", "ok"]}
+
+
+@pytest.fixture(scope="module")
+def so_reference():
+    llm = LLM(features=["structured_output"], kv_cache_memory=64 << 20)
+    ps = [SamplingParams(temperature=0.0, max_tokens=40, so_args={"schema_type": "json", "schema": SCHEMA}),
+          SamplingParams(temperature=0.0, max_tokens=12, so_args={"schema_type": "regex", "schema": "[0-9]{2,5}"})]
+    prompts = ["record = ", "n = "]
+    outs = llm.generate(prompts, ps, use_tqdm=False)
+    llm.shutdown()
+    return prompts, ps, outs
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "previous_token", "dspark"])
+def test_structured_output_with_drafts_is_valid_and_greedy_exact(proposer_package, so_reference, proposer,
+                                                                  tmp_path, monkeypatch):
+    """Grammar masks on every verified row (drafts the grammar rejects are masked out), the matcher
+    advanced only by kept tokens: schema-valid and identical to decoding without drafts."""
+    import json
+
+    import jsonschema
+    import toy_proposers
+
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    prompts, ps, ref = so_reference
+    kw = dict(features=["structured_output"], kv_cache_memory=64 << 20)
+    if proposer == "dspark":
+        kw["features"] = ["structured_output", "dspark"]
+    else:
+        kw["speculative"] = {"proposer": proposer, "k": 4}
+    llm = LLM(**kw)
+    if proposer == "oracle":
+        ids = [llm.engine.tokenizer.encode(p) for p in prompts]
+        toy_proposers.Oracle.outputs = {tuple(i): o.outputs[0].token_ids for i, o in zip(ids, ref)}
+    if proposer == "dspark":
+        from plugins.dspark.policy import LiveCost, StepCost
+
+        feat = next(f for f in llm.engine.features if f.name == "dspark")
+        feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1e-6, 1e-5]), adapt=False)
+    outs = llm.generate(prompts, ps, use_tqdm=False)
+    for o, r in zip(outs, ref):
+        assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMA)
+    m = llm.engine.metrics()
+    assert m["spec_verified"] > 0
+    if proposer != "previous_token":
+        assert m["spec_accepted"] > 0
+    llm.engine.blocks.check_no_leaks()
+    llm.shutdown()
+
+
+def test_dp_ep_2_with_speculation_equals_one_rank_without(proposer_package, tmp_path_factory):
+    """Every rank proposes and verifies its own requests (one target forward per rank per step):
+    greedy outputs and logprobs equal dp = ep = 1 without speculation; the ranks' counts are summed."""
+    from parallel_helpers import assert_same, ep_checkpoint, make_llm, workload
+
+    ckpt = ep_checkpoint(tmp_path_factory.getbasetemp())
+    ps = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0) for _ in range(6)]
+    prompts = workload(6)
+    ref_llm = make_llm(ckpt)
+    ref = ref_llm.generate(prompts, ps, use_tqdm=False)
+    ref_llm.shutdown()
+    outputs = [[p["prompt_token_ids"], o.outputs[0].token_ids] for p, o in zip(prompts, ref)]
+    llm = make_llm(ckpt, dp=2, ep=2, speculative={"proposer": "oracle", "k": 3, "outputs": outputs})
+    try:
+        outs = llm.generate(prompts, ps, use_tqdm=False)
+        assert_same(outs, ref)
+        m = llm.metrics()
+        assert m["spec_accepted"] > 0 and all(r["spec_accepted"] > 0 for r in m["ranks"])
+        assert m["spec_accepted"] == sum(r["spec_accepted"] for r in m["ranks"])
+    finally:
+        llm.shutdown()
+
+
+def test_a_dormant_proposer_lets_steps_overlap(tiny_v3_path, proposer_package, reference):
+    """With async scheduling on, steps while the proposer is dormant are plain overlapped steps;
+    speculative steps in between are synchronous; greedy outputs stay identical."""
+    llm = make(tiny_v3_path, async_scheduling=True, speculative={"proposer": "sometimes", "k": 3},
+               measure_device_idle=True)
+    outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
+    assert tokens(outs) == tokens(reference)
+    m = llm.engine.metrics()
+    assert m["spec_dormant_steps"] > 0 and m["spec_steps"] > 0 and m["overlapped_steps"] > 0
+    assert 0.0 <= m["device_idle_share"] < 1.0 and m["device_idle_gaps"] > 0
+
+
+def test_dspark_goes_dormant_when_drafting_does_not_pay(tiny_v3_path, reference, tmp_path, monkeypatch):
+    from plugins.dspark.policy import LiveCost, StepCost
+
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    llm = make(tiny_v3_path, async_scheduling=True, features=["dspark"], dspark={"draft": str(tiny_v3_path), "k": 3})
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    # a draft step costs a second: drafting never pays
+    feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1.0, 1.0]), adapt=False)
+    outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
+    assert tokens(outs) == tokens(reference)
+    m = llm.engine.metrics()
+    assert m["spec_dormant_steps"] > 0 and m["overlapped_steps"] >= m["spec_dormant_steps"] - 2
+    assert m["dspark_verified"] == 0 and m["dspark_steps_without_drafts"] > 0
