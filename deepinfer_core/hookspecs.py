@@ -150,3 +150,10 @@ def request_finished(engine, request) -> None:
 @hookspec
 def collect_metrics(engine) -> dict | None:
     """Return metrics to merge into ``engine.metrics()``."""
+
+
+@hookspec(firstresult=True)
+def max_draft_tokens(engine) -> int | None:
+    """The most draft tokens this feature appends to a request in one step (speculative decoding), or
+    None. Prefix hits on window models keep ``window + max_draft_tokens + 1`` tokens out of the hit
+    (``spec_lookback``) unless the config sets ``spec_lookback``."""

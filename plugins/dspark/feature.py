@@ -181,6 +181,10 @@ class DSpark(Feature):
 
     # ---- start-up -------------------------------------------------------------------------
     @hookimpl
+    def max_draft_tokens(self, engine) -> int:
+        return self.k
+
+    @hookimpl
     def engine_started(self, engine) -> None:
         if engine.cfg.ep > 1:
             raise ConfigError("[dspark] speculative decoding does not support expert parallelism (ep > 1) yet")
