@@ -109,7 +109,8 @@ def v4_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_tables: to
                         comp_ids: torch.Tensor | None, seq_idx: torch.Tensor, positions: torch.Tensor,
                         window: int, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """Shared K=V attention of q[T, H, D] over the window keys p-window+1..p (>= 0) of the token's
-    sequence (a key whose block-table entry is -1 is absent: bounded replay clips the window so) plus the compressed entries comp_ids[t] >= 0 (cache rows' first D channels), with a
+    sequence (a key whose block-table entry is -1 is absent: bounded replay clips the window so) plus
+    the compressed entries comp_ids[t] >= 0 (cache rows' first D channels), with a
     per-head sink logit in the softmax (its probability is dropped)."""
     T, H, D = q.shape
     if T > TOKEN_CHUNK:

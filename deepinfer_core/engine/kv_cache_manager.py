@@ -182,6 +182,9 @@ class KVCacheManager(KVStore):
         self.window_pools = [self.pools[p.name] for p in self.specs if p.window is not None and p.required]
         self._full_required = [self.pools[p.name] for p in self.specs if p.window is None and p.required]
         self._stats = KVStoreStats()
+        #: called with a request before its window blocks may be freed (allocation, release): window
+        #: KV snapshots (engine/window_cache.py) copy what they need then
+        self.before_window_free = None
 
     # ---- sizes --------------------------------------------------------------------------
     @property
@@ -252,6 +255,8 @@ class KVCacheManager(KVStore):
         if not self.can_allocate(seq, num_tokens):
             short = {name: p.num_free for name, p in self._pool_items}
             raise NoFreeBlocks(f"request {seq.request_id}: {num_tokens} tokens do not fit; free blocks {short}")
+        if self.before_window_free is not None:
+            self.before_window_free(seq)
         for pool in self._windows:
             pool.free_outside_window(tables[pool.name], seq.num_computed_tokens)
         for name, pool in self._pool_items:
@@ -259,6 +264,8 @@ class KVCacheManager(KVStore):
                 pool.allocate(tables[name], num_tokens)
 
     def release(self, seq: Sequence) -> None:
+        if self.before_window_free is not None and seq.block_tables:
+            self.before_window_free(seq)
         for name, table in seq.block_tables.items():
             self.pools[name].release(table)
         seq.block_hashes = []

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from deepinfer_core.config import SWA_PREFIX_POLICIES as POLICIES
 
 
-
 @dataclass(frozen=True)
 class PrefixPlan:
     """How a request with window groups starts. ``blocks``: compressed (full) blocks taken from the
