@@ -48,7 +48,10 @@ class EngineConfig:
     #: window clipped at its start: constant cost, approximate), "recompute" (layers x window tokens, exact)
     swa_prefix_policy: str = "retain"
     spec_lookback: int | None = None  # tokens kept out of a hit past the window; None: draft length + 1
-    #: host memory for window KV snapshots (MXFP8) when no [kv_store] host tier is configured; 0: none
+    #: window KV snapshots (engine/window_cache.py): MXFP8 copies in host memory that feed "retain" hits
+    #: after the device blocks are gone (approximate: MXFP8 rounding); they share the [kv_store] host
+    #: tier when there is one, else use window_snapshot_memory bytes
+    window_snapshots: bool = False
     window_snapshot_memory: int = 256 << 20
     compute_quota_limit: float | None = None  # seconds of prefill compute per step (cost model)
     cost_model: str | None = None  # path of a fitted cost model (default: per platform and model)

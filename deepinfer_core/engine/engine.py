@@ -286,7 +286,9 @@ class LLMEngine:
         from deepinfer_core.engine.window_cache import WindowCache
 
         tiers = self.pm.get_plugin("kv_tiers")
-        if tiers is not None:
+        if not self.cfg.window_snapshots:
+            store = None
+        elif tiers is not None:
             store = tiers.host  # capacity and LRU shared with the host tier's blocks
         elif self.cfg.window_snapshot_memory > 0:
             from deepinfer_core.engine.host_store import HostMemoryStore

@@ -50,19 +50,42 @@ class WindowCounters:
     snapshots_skipped: int = 0  # rows already freed or replayed, or the store refused them
 
 
+def hit_groups(layout) -> list:
+    """The window groups whose state a prefix hit needs (prefix-cacheable, ``HitRule.REQUIRED``)."""
+    return [g for g in layout.groups if g.window is not None and g.prefix_cacheable and g.hit_rule == HitRule.REQUIRED]
+
+
+def snapshot_parts(layout, block_size: int, model_dtype: torch.dtype) -> list[tuple]:
+    """(group, rows, bytes per row, MXFP8?) of one window snapshot of ``layout``: ``min(window, unit)``
+    rows per layer; rows of a width divisible by 32 MXFP8-packed (``entry_dim + entry_dim / 32``
+    bytes), others raw. V4-Flash: swa 128 rows x 43 layers x 528 B, csa_state 8 x 21 x 2640 B."""
+    groups = hit_groups(layout)
+    unit = window_unit(max(g.window for g in groups), block_size)
+    out = []
+    for g in groups:
+        mx = g.entry_dim % 32 == 0
+        width = g.entry_dim + g.entry_dim // 32 if mx else g.entry_dim * (g.dtype or model_dtype).itemsize
+        out.append((g, min(g.window, unit), width, mx))
+    return out
+
+
 class WindowCache:
     def __init__(self, engine, store) -> None:
         self.engine, self.store = engine, store
         cfg, blocks = engine.cfg, engine.blocks
         self.policy, self.bs = cfg.swa_prefix_policy, engine.block_size
-        self.groups = [g for g in engine.cache_layout.groups
-                       if g.window is not None and g.prefix_cacheable and g.hit_rule == HitRule.REQUIRED]
+        self.groups = hit_groups(engine.cache_layout)
         self.window = max(g.window for g in self.groups)
         self.unit = window_unit(self.window, self.bs)
         drafts = engine.pm.hook.max_draft_tokens(engine=engine)
         self.spec_lookback = cfg.spec_lookback if cfg.spec_lookback is not None else (drafts or 0) + 1
         self.num_layers = engine.model_config.num_hidden_layers
-        self.rows = {g.name: min(g.window, self.unit) for g in self.groups}
+        # rows are stored MXFP8, V4's float32 compressor-overlap inputs too: storing those exactly (4.6x
+        # their bytes) left the drift of a snapshot hit unchanged on the tiny V4
+        parts = snapshot_parts(engine.cache_layout, self.bs, engine.dtype)
+        self.rows = {g.name: rows for g, rows, _, _ in parts}
+        self._row_bytes = {g.name: width for g, _, width, _ in parts}
+        self.mxfp8 = {g.name: mx for g, _, _, mx in parts}
         self.counters = WindowCounters()
         full_pools = [p for p in blocks.specs if p.window is None]
         if self.policy != "retain" and blocks.record_pool is not None and len(full_pools) == 1:
@@ -159,8 +182,8 @@ class WindowCache:
         return blob if isinstance(blob, torch.Tensor) and blob.numel() == self.snapshot_bytes() else None
 
     def snapshot_bytes(self) -> int:
-        """Bytes of one snapshot: per group, layer and row ``entry_dim + entry_dim / 32``."""
-        return sum(len(g.layers) * self.rows[g.name] * (g.entry_dim + g.entry_dim // 32) for g in self.groups)
+        """Bytes of one snapshot (:func:`snapshot_parts`)."""
+        return sum(len(g.layers) * self.rows[g.name] * self._row_bytes[g.name] for g in self.groups)
 
     def _slots(self, seq: Sequence, group, end: int) -> list[int] | None:
         table, bs = self.engine.blocks.table(seq, group.name), self.bs
@@ -188,7 +211,9 @@ class WindowCache:
         for g in self.groups:
             idx = torch.tensor(slots[g.name], dtype=torch.long, device=self.engine.device)
             for t in self.engine.kv_caches[g.name]:
-                parts.append(k.mxfp8_quant(t.view(-1, g.entry_dim)[idx]).reshape(-1))
+                rows = t.view(-1, g.entry_dim)[idx]
+                parts.append((k.mxfp8_quant(rows) if self.mxfp8[g.name] else rows.contiguous().view(torch.uint8))
+                             .reshape(-1))
         blob = torch.cat(parts).cpu()
         if self.store.put(self._key(h), blob):
             self.counters.snapshots += 1
@@ -209,10 +234,14 @@ class WindowCache:
         blob, at = blob.to(self.engine.device), 0
         for g in self.groups:
             idx = torch.tensor(self._slots(seq, g, end), dtype=torch.long, device=self.engine.device)
-            width = g.entry_dim + g.entry_dim // 32
+            width = self._row_bytes[g.name]
             for t in self.engine.kv_caches[g.name]:
                 n = len(idx) * width
-                rows = self.engine.kernels.mxfp8_dequant(blob[at: at + n].view(len(idx), width), t.dtype)
+                part = blob[at: at + n].view(len(idx), width)
+                if self.mxfp8[g.name]:
+                    rows = self.engine.kernels.mxfp8_dequant(part, t.dtype)
+                else:
+                    rows = part.view(t.dtype)
                 t.view(-1, g.entry_dim)[idx] = rows
                 at += n
         return True
