@@ -5,8 +5,8 @@ For each context length L: a first request computes L tokens of Python source (t
 enter the prefix cache), the window pools' cached blocks are then evicted (what concurrent traffic
 does), and a second request (the same L tokens plus ``--suffix`` new ones) is timed to its first token
 under ``bounded_replay`` (recompute one window: constant cost), ``recompute`` (layers x (window - 1)
-tokens: exact) and with no prefix cache. Median of ``--repeats`` second requests, each on a fresh
-engine state (the window KV evicted again).
+tokens: exact) and with no prefix cache. Median of ``--repeats`` second requests, each with its own
+suffix (the window KV evicted again before each).
 
 The embedded tiny V4 was trained at 1024 positions; longer contexts run its weights with
 ``max_position_embeddings`` raised (a copy of its config; rope needs no new weights), which is fine
@@ -78,25 +78,27 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     need = max(args.contexts) + args.suffix + 8
     model = long_model(max(1024, need))
-    tokens = code_tokens(model, need + args.suffix)
+    tokens = code_tokens(model, need + args.suffix * args.repeats)
     opts = dict(model=str(model), dtype="float32", max_num_seqs=2, kv_cache_memory=256 << 20)
     print(f"tiny V4 (4 layers, window 64, block 32), float32, {torch.get_num_threads()} threads; "
           f"second request = context + {args.suffix} new tokens; TTFT median of {args.repeats}")
     print(f"{'context':>8} {'policy':>15} {'TTFT ms':>9} {'computed':>9} {'replay':>7} {'hit':>6}")
     for L in args.contexts:
         first = tokens[:L]
-        second = tokens[:L] + tokens[need: need + args.suffix]
+        # a new suffix per repeat: no repeat hits an earlier repeat's blocks
+        seconds = [tokens[:L] + tokens[need + r * args.suffix: need + (r + 1) * args.suffix]
+                   for r in range(args.repeats)]
         for policy in ("bounded_replay", "recompute", "no cache"):
             llm = LLM(**opts, **({"enable_prefix_caching": False} if policy == "no cache" else
                                  {"swa_prefix_policy": policy}))
             ttft(llm, first)
             times, info = [], {}
-            for _ in range(args.repeats):
+            for second in seconds:
                 forget_window_kv(llm)
                 t, info = ttft(llm, second)
                 times.append(t)
             hit = info.get("compressed_hit_tokens", 0)
-            computed = len(second) - hit + info.get("replay_tokens", 0)
+            computed = L + args.suffix - hit + info.get("replay_tokens", 0)
             print(f"{L:>8} {policy:>15} {statistics.median(times) * 1e3:>9.1f} {computed:>9} "
                   f"{info.get('replay_tokens', 0):>7} {hit:>6}", flush=True)
             llm.engine.blocks.check_no_leaks()

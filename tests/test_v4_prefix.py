@@ -221,8 +221,9 @@ def test_recompute_is_exact_and_bounded_replay_is_cheap(reference):
     assert agree >= len(cases) * 3 // 4 and drift < 0.05
 
 
-def test_snapshots_follow_the_unit_rules_and_feed_retain_hits(reference):
-    llm = _llm(swa_prefix_policy="retain", window_snapshots=True)
+@pytest.mark.parametrize("async_on", [False, True])
+def test_snapshots_follow_the_unit_rules_and_feed_retain_hits(reference, async_on):
+    llm = _llm(swa_prefix_policy="retain", window_snapshots=True, async_scheduling=async_on)
     e = llm.engine
     wc = e.window_cache
     assert wc.unit == 64
@@ -255,6 +256,13 @@ def test_snapshots_share_the_host_tier_and_its_lru(tmp_path):
     e = llm.engine
     wc, tiers = e.window_cache, e.pm.get_plugin("kv_tiers")
     assert wc.store is tiers.host and wc.snapshot_bytes() == 23232  # one fits in 30000 bytes, two do not
+    # the persistent tier stores the compressed groups only; its fingerprint covers their layout
+    assert [g.name for g in e.blocks.record_groups] == ["csa", "hca"] and e.blocks.external_hits is False
+    other = _llm(kv_store={"backend": "3fs", "path": str(tmp_path / "kv2")}, swa_prefix_policy="bounded_replay",
+                 block_size=64)
+    assert other.engine.blocks.external_hits is True
+    assert other.engine.pm.get_plugin("kv_tiers").layout.model_fingerprint != tiers.layout.model_fingerprint
+    other.shutdown()
     prompts = [_code_prompt(m, 300) for m in MODULES[2:4]]
     _gen(llm, prompts[0], 1)
     first = e.blocks.prefix_hashes(e.new_sequence({"prompt_token_ids": prompts[0]}, None, "p"))[7]
@@ -295,8 +303,9 @@ def test_random_v4_config_retain_and_recompute_are_exact(tmp_path):
     kw = dict(model=str(path), dtype="float32", block_size=16, max_num_seqs=2, kv_cache_memory=8 << 20)
     ref = LLM(enable_prefix_caching=False, **kw)
     _, ref_toks, ref_lps = _gen(ref, second, 8)
-    for policy, evict in (("retain", False), ("recompute", True), ("bounded_replay", True)):
-        llm = LLM(swa_prefix_policy=policy, **kw)
+    for policy, evict, async_on in (("retain", False, True), ("recompute", True, True), ("bounded_replay", True, False),
+                                    ("recompute", True, False)):
+        llm = LLM(swa_prefix_policy=policy, async_scheduling=async_on, **kw)
         _gen(llm, first, 1)
         if evict:
             _forget_window_kv(llm.engine)
