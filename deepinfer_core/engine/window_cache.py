@@ -31,7 +31,7 @@ import torch
 from deepinfer_core.engine.hashing import block_hash, chain
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.engine.window_prefix import hit_cap_blocks, plan_prefix, window_unit
-from deepinfer_core.kv_cache_spec import HitRule
+from deepinfer_core.kv_cache_spec import HitRule, cache_planes
 
 logger = logging.getLogger("deepinfer.window_cache")
 
@@ -211,7 +211,7 @@ class WindowCache:
         for g in self.groups:
             idx = torch.tensor(slots[g.name], dtype=torch.long, device=self.engine.device)
             for t in self.engine.kv_caches[g.name]:
-                rows = t.view(-1, g.entry_dim)[idx]
+                rows = torch.cat([p.view(-1, p.shape[-1])[idx] for p in cache_planes(t)], dim=-1)
                 parts.append((k.mxfp8_quant(rows) if self.mxfp8[g.name] else rows.contiguous().view(torch.uint8))
                              .reshape(-1))
         blob = torch.cat(parts).cpu()
@@ -239,10 +239,13 @@ class WindowCache:
                 n = len(idx) * width
                 part = blob[at: at + n].view(len(idx), width)
                 if self.mxfp8[g.name]:
-                    rows = self.engine.kernels.mxfp8_dequant(part, t.dtype)
+                    rows = self.engine.kernels.mxfp8_dequant(part, cache_planes(t)[0].dtype)
                 else:
-                    rows = part.view(t.dtype)
-                t.view(-1, g.entry_dim)[idx] = rows
+                    rows = part.view(cache_planes(t)[0].dtype)
+                col = 0
+                for p in cache_planes(t):
+                    p.view(-1, p.shape[-1])[idx] = rows[:, col: col + p.shape[-1]]
+                    col += p.shape[-1]
                 at += n
         return True
 
