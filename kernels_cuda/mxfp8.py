@@ -100,7 +100,8 @@ _ue8m0 = _tl.kernel_cache(build_ue8m0_scale)
 
 
 def _on_cuda(*ts: torch.Tensor) -> bool:
-    return all(t.is_cuda for t in ts)
+    """On the GPU, or compiling only (``DEEPINFER_TL_DRYRUN``: the kernels are built, not run)."""
+    return all(t.is_cuda for t in ts) or _tl.dry_run()
 
 
 def mxfp8_quant(x: torch.Tensor) -> torch.Tensor:
