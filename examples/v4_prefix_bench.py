@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -58,10 +60,12 @@ def code_tokens(model_dir: Path, n: int) -> list[int]:
     raise RuntimeError(f"only {len(ids)} tokens of source")
 
 
-def ttft(llm: LLM, prompt: list[int]) -> tuple[float, dict]:
+def ttft(llm: LLM, prompt: list[int]) -> tuple[float, float, dict]:
+    """(TTFT seconds, this process's CPU seconds for the request, the hit's window_prefix metrics)."""
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    cpu = time.process_time()
     (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-    return out.metrics.time_to_first_token, out.metrics.extra.get("window_prefix", {})
+    return out.metrics.time_to_first_token, time.process_time() - cpu, out.metrics.extra.get("window_prefix", {})
 
 
 def forget_window_kv(llm: LLM) -> None:
@@ -84,9 +88,10 @@ def main() -> None:
     model = long_model(max(1024, need))
     tokens = code_tokens(model, need + args.suffix * args.repeats)
     opts = dict(model=str(model), dtype="float32", max_num_seqs=2, kv_cache_memory=256 << 20)
-    print(f"tiny V4 (4 layers, window 64, block 32), float32, {torch.get_num_threads()} threads; "
+    print(f"tiny V4 (4 layers, window 64, block 32), float32, {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f}; "
           f"second request = context + {args.suffix} new tokens; TTFT median of {args.repeats}")
-    print(f"{'context':>8} {'policy':>15} {'TTFT ms':>9} {'computed':>9} {'replay':>7} {'hit':>6}")
+    print(f"{'context':>8} {'policy':>15} {'TTFT ms':>9} {'CPU s':>7} {'computed':>9} {'replay':>7} {'hit':>6}")
     for L in args.contexts:
         first = tokens[:L]
         # a new suffix per repeat: no repeat hits an earlier repeat's blocks
@@ -96,15 +101,17 @@ def main() -> None:
             llm = LLM(**opts, **({"enable_prefix_caching": False} if policy == "no cache" else
                                  {"swa_prefix_policy": policy}))
             ttft(llm, first)
-            times, info = [], {}
+            times, cpus, info = [], [], {}
             for second in seconds:
                 if policy != "retain":
                     forget_window_kv(llm)
-                t, info = ttft(llm, second)
+                t, cpu, info = ttft(llm, second)
                 times.append(t)
+                cpus.append(cpu)
             hit = info.get("compressed_hit_tokens", 0)
             computed = L + args.suffix - hit + info.get("replay_tokens", 0)
-            print(f"{L:>8} {policy:>15} {statistics.median(times) * 1e3:>9.1f} {computed:>9} "
+            print(f"{L:>8} {policy:>15} {statistics.median(times) * 1e3:>9.1f} {statistics.median(cpus):>7.2f} "
+                  f"{computed:>9} "
                   f"{info.get('replay_tokens', 0):>7} {hit:>6}", flush=True)
             llm.engine.blocks.check_no_leaks()
             llm.shutdown()
