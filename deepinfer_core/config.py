@@ -42,6 +42,17 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | float | None = None  # bytes (int) or fraction of free device memory (float)
     enable_prefix_caching: bool = True
+    #: prefix hits on models with window cache groups (DeepSeek-V4's sliding window), when the window KV
+    #: of the hit's last block is not cached (engine/window_prefix.py): "retain" (exact: only hits whose
+    #: window KV is on the device or in a host snapshot), "bounded_replay" (recompute one window with the
+    #: window clipped at its start: constant cost, approximate), "recompute" (layers x window tokens, exact)
+    swa_prefix_policy: str = "retain"
+    spec_lookback: int | None = None  # tokens kept out of a hit past the window; None: draft length + 1
+    #: window KV snapshots (engine/window_cache.py): MXFP8 copies in host memory that feed "retain" hits
+    #: after the device blocks are gone (approximate: MXFP8 rounding); they share the [kv_store] host
+    #: tier when there is one, else use window_snapshot_memory bytes
+    window_snapshots: bool = False
+    window_snapshot_memory: int = 256 << 20
     compute_quota_limit: float | None = None  # seconds of prefill compute per step (cost model)
     cost_model: str | None = None  # path of a fitted cost model (default: per platform and model)
     scheduler: str = "fcfs"
@@ -89,8 +100,10 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "max_model_len": (1, None, False), "block_size": (1, None, False), "dp": (1, None, False),
     "ep": (1, None, False), "seed": (-(2**63), 2**64 - 1, False),  # what torch.manual_seed takes
     "compute_quota_limit": (0, None, True), "worker_timeout_s": (0, None, True), "drain_grace_s": (0, None, False),
+    "spec_lookback": (0, None, False), "window_snapshot_memory": (0, None, False),
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+SWA_PREFIX_POLICIES = ("retain", "bounded_replay", "recompute")  # engine/window_prefix.py
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _INT_LISTS = {"graph_batch_sizes"}  # list keys whose items are integers (parsed as such from the environment)
 # Environment variables read elsewhere (features, tools): with DEEPINFER_<FIELD> the only known
@@ -237,6 +250,9 @@ def _validate(cfg: EngineConfig) -> None:
     if cfg.kv_transfer and (cfg.dp > 1 or cfg.ep > 1):
         raise ConfigError("[kv_transfer] (P/D hand-off, drain forwarding) runs on single-rank engines; with "
                           f"dp={cfg.dp}, ep={cfg.ep} the ranks' hand-offs are not yet reported to the driver")
+    if cfg.swa_prefix_policy not in SWA_PREFIX_POLICIES:
+        raise ConfigError(f"config key 'swa_prefix_policy' must be one of {SWA_PREFIX_POLICIES}, "
+                          f"got {cfg.swa_prefix_policy!r}")
     if cfg.dtype not in _DTYPES:
         raise ConfigError(f"config key 'dtype' must be one of {_DTYPES}, got {cfg.dtype!r}")
     if cfg.log_level is not None and cfg.log_level.upper() not in _LOG_LEVELS:

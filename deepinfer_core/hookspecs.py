@@ -281,3 +281,4 @@ def merge_metrics(per_rank: list[dict]) -> dict | None:
     :param per_rank: every rank's ``metrics()``, in rank order.
     :return: the merged values of this feature's keys, or None.
     """
+

@@ -104,7 +104,8 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "(q[T, H, D], swa_cache[NB, BS, >=D], swa_tables[B, M], comp_cache[NB2, EPB, >=D] | None, "
         "comp_tables[B, M2] | None, comp_ids[T, K] | None, seq_idx[T], positions[T], window, sinks[H] f32, scale)"
         " -> [T, H, D]",
-        "one shared K=V head: keys = the window positions p-window+1..p of the token's sequence plus the "
+        "one shared K=V head: keys = the window positions p-window+1..p of the token's sequence (positions "
+        "whose swa_tables entry is -1 are absent) plus the "
         "compressed entries comp_ids >= 0; softmax(q.k * scale) with a per-head sink logit whose probability "
         "is dropped; out = sum p * key",
     ),
@@ -139,6 +140,14 @@ OP_SPECS: tuple[OpSpec, ...] = (
         " -> [B, V]",
         "vLLM-style repetition (on prompt and output tokens), presence and frequency penalties",
     ),
+    OpSpec("ue8m0_scale", "(amax[...] f32) -> [...] u8",
+           "the power-of-two scale of a block of largest magnitude amax, as a biased exponent byte: "
+           "e = ceil(log2(max(amax, 1e-4) / 448)) clamped to [-127, 127], byte e + 127 (kernels_cpu/mxfp8.py)"),
+    OpSpec("mxfp8_quant", "(x[N, D]) -> [N, D + D/32] u8",
+           "MXFP8: per 32 values one ue8m0_scale of the finite amax; x / scale to e4m3fn round-to-nearest-even, "
+           "inf saturates to +-448, NaN -> 0x7F; row = D e4m3 bytes then D/32 scale bytes"),
+    OpSpec("mxfp8_dequant", "(packed[N, D + D/32] u8, dtype) -> [N, D]",
+           "e4m3 * 2**(scale byte - 127) per 32 values, in dtype"),
     OpSpec("logsumexp", "(x[R, V] f32) -> [R]", "log(sum(exp(x[r]))) per row (the logprob normaliser)"),
     OpSpec(
         "sample",

@@ -5,9 +5,15 @@ from deepinfer_core.kernels import OP_NAMES, KernelBackend
 #: ops defined in ``kernels_cpu.v4_ops`` (DeepSeek-V4); every other op is in ``kernels_cpu.ops``
 V4_OPS = ("rope_inverse", "v4_compress", "v4_indexer_topk", "v4_sparse_attention", "mhc_pre", "mhc_post",
           "mhc_head", "moe_route_v4", "silu_and_mul_clamped", "fused_moe_clamped")
+#: ops defined in ``kernels_cpu.mxfp8`` (window KV snapshots)
+MXFP8_OPS = ("ue8m0_scale", "mxfp8_quant", "mxfp8_dequant")
+
+
+def _module(op: str) -> str:
+    return "v4_ops" if op in V4_OPS else "mxfp8" if op in MXFP8_OPS else "ops"
 
 
 class ReferenceKernels(KernelBackend):
     name = "reference"
     core_api_version = "1.0"
-    ops = {name: f"kernels_cpu.{'v4_ops' if name in V4_OPS else 'ops'}:{name}" for name in OP_NAMES}
+    ops = {name: f"kernels_cpu.{_module(name)}:{name}" for name in OP_NAMES}

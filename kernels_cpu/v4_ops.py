@@ -19,8 +19,9 @@ def rope_inverse(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 
 
 def _paged_rows(cache: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.Tensor, entries: torch.Tensor,
-                valid: torch.Tensor) -> torch.Tensor:
-    """cache rows of entries[N, S] of sequences seq_idx[N]; zero where not ``valid``."""
+                valid: torch.Tensor, with_mask: bool = False):
+    """cache rows of entries[N, S] of sequences seq_idx[N]; zero where not ``valid`` or read through a
+    -1 table entry (``with_mask``: also return that validity [N, S])."""
     epb = cache.shape[1]
     e = entries.clamp(min=0)
     col = (e // epb).clamp(max=block_tables.shape[1] - 1)
@@ -28,7 +29,8 @@ def _paged_rows(cache: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.
     valid = valid & (blocks >= 0)
     slots = blocks.clamp(min=0) * epb + e % epb
     rows = cache.reshape(-1, cache.shape[-1])[slots]
-    return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype))
+    rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype))
+    return (rows, valid) if with_mask else rows
 
 
 def v4_compress(state: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.Tensor, close_pos: torch.Tensor,
@@ -107,7 +109,8 @@ def v4_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_tables: to
                         comp_ids: torch.Tensor | None, seq_idx: torch.Tensor, positions: torch.Tensor,
                         window: int, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """Shared K=V attention of q[T, H, D] over the window keys p-window+1..p (>= 0) of the token's
-    sequence plus the compressed entries comp_ids[t] >= 0 (cache rows' first D channels), with a
+    sequence (a key whose block-table entry is -1 is absent: bounded replay clips the window so) plus
+    the compressed entries comp_ids[t] >= 0 (cache rows' first D channels), with a
     per-head sink logit in the softmax (its probability is dropped)."""
     T, H, D = q.shape
     if T > TOKEN_CHUNK:
@@ -116,8 +119,8 @@ def v4_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_tables: to
             None if comp_ids is None else comp_ids[i: i + TOKEN_CHUNK], seq_idx[i: i + TOKEN_CHUNK],
             positions[i: i + TOKEN_CHUNK], window, sinks, scale) for i in range(0, T, TOKEN_CHUNK)])
     pos = positions[:, None] - window + 1 + torch.arange(window, device=q.device)  # [T, W]
-    keys = _paged_rows(swa_cache, swa_tables, seq_idx, pos, pos >= 0)[..., :D]
-    valid = pos >= 0
+    keys, valid = _paged_rows(swa_cache, swa_tables, seq_idx, pos, pos >= 0, with_mask=True)
+    keys = keys[..., :D]
     if comp_ids is not None and comp_ids.shape[1]:
         ck = _paged_rows(comp_cache, comp_tables, seq_idx, comp_ids, comp_ids >= 0)[..., :D]
         keys = torch.cat((keys, ck), dim=1)

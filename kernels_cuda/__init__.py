@@ -13,7 +13,8 @@ from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
 KERNEL_MODULES = ("norm", "elementwise", "kv_cache", "mla_decode", "mla_prefill", "moe", "moe_route", "sampling",
-                  "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe")
+                  "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
+                  "mxfp8")
 
 
 class CudaKernels(KernelBackend):
@@ -39,4 +40,7 @@ class CudaKernels(KernelBackend):
         "mhc_post": "kernels_cuda.v4_mhc:mhc_post",
         "moe_route_v4": "kernels_cuda.v4_moe:moe_route_v4",
         "fused_moe_clamped": "kernels_cuda.v4_moe:fused_moe_clamped",
+        "ue8m0_scale": "kernels_cuda.mxfp8:ue8m0_scale",
+        "mxfp8_quant": "kernels_cuda.mxfp8:mxfp8_quant",
+        "mxfp8_dequant": "kernels_cuda.mxfp8:mxfp8_dequant",
     }

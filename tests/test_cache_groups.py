@@ -344,15 +344,22 @@ def test_prefix_hits_take_the_minimum_over_groups(toy):
     (first,) = llm.generate([{"prompt_token_ids": base}], sp, use_tqdm=False)  # chunks of 16
     # the next turn: its prefix ends where the first request stopped, whose window it still holds
     turn = base + first.outputs[0].token_ids + rand_ids(3, 4)
+    hashes = e.blocks.prefix_hashes(e.new_sequence({"prompt_token_ids": turn}, None, "probe"))
+    # every full computed block, capped at L - (W + spec_lookback) (engine/window_prefix.py), then the
+    # longest hit whose window blocks are still cached ("retain")
+    cap = min((len(base) + 3) // BS, (len(turn) - W - 1) // BS)
+    assert e.window_cache.spec_lookback == 1 and e.blocks.full_hit(hashes) >= cap
+    expect = max(n for n in range(cap + 1) if n == 0 or e.blocks.window_held(hashes, n))
+    assert expect >= cap - 2
     (again,) = llm.generate([{"prompt_token_ids": turn}], sp, use_tqdm=False)
-    assert again.metrics.num_cached_tokens == (len(base) + 3) // BS * BS  # every full computed block
+    assert again.metrics.num_cached_tokens == expect * BS
     _check(ref, turn, again, 4)
     # a prompt sharing only the first 17 tokens: the full group holds 4 blocks, the window group not
     # the blocks the window of position 16 reads (they left the window and were reused)
     short = base[:17] + rand_ids(6, 5)
     hashes = e.blocks.prefix_hashes(e.new_sequence({"prompt_token_ids": short}, None, "probe"))
     full_hit = e.blocks.pools["full"].longest_hit(hashes, len(hashes))
-    expect = e.blocks.longest_hit(hashes)
+    expect = e.blocks.longest_hit(hashes, (len(short) - W - 1) // BS)
     assert full_hit == 4 and expect < full_hit
     (out,) = llm.generate([{"prompt_token_ids": short}], sp, use_tqdm=False)
     assert out.metrics.num_cached_tokens == expect * BS

@@ -39,6 +39,9 @@ class EngineAdmission:
         hashes = blocks.prefix_hashes(seq)
         tiers = seq.metrics.num_cached_tokens_by_tier
         tiers.clear()  # re-admitted after a preemption: count this admission only
+        if eng.window_cache is not None:  # window groups: swa_prefix_policy completes the hit
+            seq.metrics.num_cached_tokens = eng.window_cache.admit(seq, hashes)
+            return seq.metrics.num_cached_tokens
         n_dev = blocks.acquire_cached(seq, hashes)
         n_total = n_dev
         ext = None

@@ -64,7 +64,7 @@ from deepinfer_core.engine.speculative import SpecDecoder
 from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
-from deepinfer_core.kv_cache_spec import CacheLayout
+from deepinfer_core.kv_cache_spec import CacheLayout, HitRule
 from deepinfer_core.models.loader import (
     SafetensorsReader,
     apply_weight_layout,
@@ -214,6 +214,7 @@ class LLMEngine:
             self.pm.register(self.handoff, name="kv_handoff")
         self.pm.hook.engine_started(engine=self)
         self.spec = SpecDecoder.create(self)
+        self.window_cache = self._window_cache()  # after spec: its look-back is the draft length + 1
         route = self.pm.hook.moe_route_hook(engine=self)
         if route is not None:
             self.runner.set_route_hook(route)
@@ -270,6 +271,27 @@ class LLMEngine:
         return size_pools(self.cache_layout, budget, self.block_size, self.dtype, cfg.max_num_seqs,
                           self.max_model_len, cfg.max_num_batched_tokens, budget_is_share=fraction,
                           at_least_one_request=cfg.kv_cache_memory is None, setting=cfg.kv_cache_memory)
+
+    def _window_cache(self):
+        """Prefix hits and host snapshots for window cache groups (engine/window_cache.py), or None."""
+        if not self.cfg.enable_prefix_caching or not any(
+                g.window is not None and g.prefix_cacheable and g.hit_rule == HitRule.REQUIRED
+                for g in self.cache_layout.groups):
+            return None
+        from deepinfer_core.engine.window_cache import WindowCache
+
+        tiers = self.pm.get_plugin("kv_tiers")
+        if not self.cfg.window_snapshots:
+            store = None
+        elif tiers is not None:
+            store = tiers.host  # capacity and LRU shared with the host tier's blocks
+        elif self.cfg.window_snapshot_memory > 0:
+            from deepinfer_core.engine.host_store import HostMemoryStore
+
+            store = HostMemoryStore(capacity_bytes=self.cfg.window_snapshot_memory, pin_memory=self._pin)
+        else:
+            store = None
+        return WindowCache(self, store)
 
     def _load_cost_model(self) -> CostModel | None:
         path = self.cfg.cost_model or default_path(self.platform.name, self.fingerprint)
@@ -627,6 +649,8 @@ class LLMEngine:
         out.update(self.stats.extra)
         if self.spec is not None:
             out.update(self.spec.metrics())
+        if self.window_cache is not None:
+            out["window_prefix"] = self.window_cache.metrics()
         for extra in self.pm.hook.collect_metrics(engine=self):
             out.update(extra or {})
         return out

@@ -175,9 +175,16 @@ class KVCacheManager(KVStore):
         self._required = [(self.pools[p.name], p.required) for p in self.specs]
         self._windows = [self.pools[p.name] for p in self.specs if p.window is not None]
         #: whether a hit may extend past device memory (lower tiers): only the record pool limits hits
+        #: (window models under a replaying swa_prefix_policy set it, engine/window_prefix.py)
         self.external_hits = self.record_pool is not None and not any(
             req and pool is not self.record_pool for pool, req in self._required)
+        #: the prefix-cacheable window pools whose state a hit needs (window_prefix decides how)
+        self.window_pools = [self.pools[p.name] for p in self.specs if p.window is not None and p.required]
+        self._full_required = [self.pools[p.name] for p in self.specs if p.window is None and p.required]
         self._stats = KVStoreStats()
+        #: called with a request before its window blocks may be freed (allocation, release): window
+        #: KV snapshots (engine/window_cache.py) copy what they need then
+        self.before_window_free = None
 
     # ---- sizes --------------------------------------------------------------------------
     @property
@@ -248,6 +255,8 @@ class KVCacheManager(KVStore):
         if not self.can_allocate(seq, num_tokens):
             short = {name: p.num_free for name, p in self._pool_items}
             raise NoFreeBlocks(f"request {seq.request_id}: {num_tokens} tokens do not fit; free blocks {short}")
+        if self.before_window_free is not None:
+            self.before_window_free(seq)
         for pool in self._windows:
             pool.free_outside_window(tables[pool.name], seq.num_computed_tokens)
         for name, pool in self._pool_items:
@@ -255,6 +264,8 @@ class KVCacheManager(KVStore):
                 pool.allocate(tables[name], num_tokens)
 
     def release(self, seq: Sequence) -> None:
+        if self.before_window_free is not None and seq.block_tables:
+            self.before_window_free(seq)
         for name, table in seq.block_tables.items():
             self.pools[name].release(table)
         seq.block_hashes = []
@@ -287,6 +298,37 @@ class KVCacheManager(KVStore):
             if m == n:
                 return n
             n = m
+
+    # ---- prefix hits of window models (engine/window_prefix.py decides, these take) ---------
+    def full_hit(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` every required full-history pool holds on the device."""
+        n = len(hashes)
+        for pool in self._full_required:
+            n = pool.longest_hit(hashes, n)
+        return n
+
+    def window_held(self, hashes: list[int], n: int) -> bool:
+        """Whether the device window pools hold the state a hit of ``n`` blocks reads."""
+        return all(all(h in pool.block_of for h in hashes[pool.first_needed(n * self.block_size): n])
+                   for pool in self.window_pools)
+
+    def acquire_planned(self, seq: Sequence, hashes: list[int], full_blocks: int, window_blocks: int | None,
+                        start: int) -> None:
+        """Take ``full_blocks`` cached blocks of the full-history pools; the window pools take the
+        cached blocks a hit of ``window_blocks`` reads (None: none, their tables start with -1 up to
+        token ``start``). Pools that never limit hits get -1 entries for what they do not hold."""
+        tables = self.tables(seq)
+        for name, pool in self._pool_items:
+            if pool.window is None:
+                if full_blocks:
+                    pool.acquire(tables[name], hashes, full_blocks, pool in self._full_required)
+            elif window_blocks and pool in self.window_pools:
+                pool.acquire(tables[name], hashes, window_blocks)
+            else:
+                tables[name].extend([-1] * (start // self.block_size))
+        seq.block_hashes = hashes[:full_blocks]
+        self._stats.hits += full_blocks
+        self._stats.misses += len(hashes) - full_blocks
 
     def acquire_cached(self, seq: Sequence, hashes: list[int]) -> int:
         """Take the device-resident blocks of the longest prefix hit; returns its length in blocks."""

@@ -103,6 +103,8 @@ class ModelRunner:
         for g in self.layout.groups:
             self._slot_keys.setdefault((self.pool_of[g.name], g.tokens_per_entry), []).append(g.name)
         self._first_key = (self.pool_of[first.name], first.tokens_per_entry)
+        #: pools of full-history groups: a replayed token (``Sequence.replay_until``) writes none of them
+        self._full_pools = {self.pool_of[g.name] for g in self.layout.groups if g.window is None}
         self.num_layers = model.cfg.num_hidden_layers
         #: Batch-invariant mode: prefill chunks go through the decode (absorbed MLA) path too, so a
         #: token's result does not depend on how its prompt was chunked.
@@ -220,8 +222,12 @@ class ModelRunner:
                 bt = seq.block_tables[first_pool]
                 first_slots.extend(bt[p // bs] * bs + p % bs for p in range(c, hi))
             else:
+                replay = max(0, min(seq.replay_until, hi) - c)
                 for (pool, m), out_slots in slots.items():
-                    out_slots.extend(_slots(seq.block_tables[pool], c, hi, bs, m))
+                    got = _slots(seq.block_tables[pool], c, hi, bs, m)
+                    if replay and pool in self._full_pools:  # the cached blocks hold these entries
+                        got[:replay] = [-1] * replay
+                    out_slots.extend(got)
             done_lp = len(seq.prompt_logprobs) - 1  # prompt positions already scored (kept on recompute)
             if seq.params.prompt_logprobs is not None and max(c, done_lp) < seq.num_prompt_tokens - 1:
                 first = max(c, done_lp)

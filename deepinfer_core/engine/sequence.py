@@ -44,6 +44,10 @@ class Sequence:
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: list[int] = []  # hash chain of the full blocks computed so far
         self.num_computed_tokens = 0
+        #: window models (engine/window_prefix.py): tokens before this recompute window state only (a
+        #: replay after a prefix hit whose window KV was not cached); the last snapshotted boundary
+        self.replay_until = 0
+        self.window_snapshot_at = 0
         self.arrival_index = 0  # FCFS order, set by the scheduler
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -7,7 +7,7 @@ reference computed in float32 on the CPU from the same (already rounded) inputs:
 
 * floating outputs: ``|out - ref| <= rtol * (|ref| + rms(ref))`` with ``rtol`` from
   :data:`TOLERANCES` (float32 1e-4, bfloat16 2e-2, float16 5e-3);
-* cache writes and gathers: bit-exact;
+* cache writes and gathers, MXFP8 quantisation, dequantisation and ue8m0 scales: bit-exact;
 * ``moe_route``: the same expert set per token (inputs are drawn with a clear margin between the
   k-th and (k+1)-th choice, so this is well posed), weights within tolerance;
 * ``moe_route_v4`` likewise; ``v4_indexer_topk``: the same set of entry ids per token (inputs drawn with
@@ -53,6 +53,7 @@ FIXED_DTYPE_OPS: dict[str, torch.dtype] = {
     "logsumexp": torch.float32,
     "moe_route_v4": torch.float32,
     "v4_compress": torch.float32,  # the compressor state is float32 whatever the model dtype
+    "ue8m0_scale": torch.float32,
 }
 
 
@@ -446,6 +447,42 @@ def _cases_fused_moe_clamped(g, dtype, bs):
     return [Case(c.label + ", limit 0.5", (*c.args, 0.5)) for c in _cases_fused_moe(g, dtype, bs)]
 
 
+def _mxfp8_rows(g, dtype) -> torch.Tensor:
+    """Rows exercising MXFP8's rules (kernels_cpu/mxfp8.py), one 32-value block per purpose, in ``dtype``."""
+    D = 64
+    rows = [_randn(g, D, scale=s) for s in (1e-3, 0.5, 3.0, 2e3)]
+    ties = torch.zeros(D)  # element halfway between e4m3 neighbours (1.0625 = 1 + 2**-4), block scale 1
+    ties[:8] = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2.125, 0.0068359375, 0.0029296875, -0.0])
+    rows.append(ties)
+    edge = torch.zeros(D)  # a zero block (scale floor) and saturation: +-inf, amax exactly 448 * 2**k
+    edge[32:36] = torch.tensor([float("inf"), -float("inf"), 896.0, -3.0])
+    rows.append(edge)
+    nan = _randn(g, D)
+    nan[3], nan[40] = float("nan"), -float("nan")
+    rows.append(nan)
+    tiny = _randn(g, D, scale=1e-6)  # below the amax floor: e4m3 subnormals
+    rows.append(tiny)
+    return torch.stack(rows).to(dtype)
+
+
+def _cases_mxfp8_quant(g, dtype, bs):
+    x = _mxfp8_rows(g, dtype)
+    return [Case("rounding, saturation, zero, nan, tiny", (x,)), Case("one 512-wide row", (_randn(g, 3, 512,
+                                                                                                 dtype=dtype),))]
+
+
+def _cases_mxfp8_dequant(g, dtype, bs):
+    from kernels_cpu.mxfp8 import mxfp8_quant
+
+    packed = mxfp8_quant(torch.nan_to_num(_mxfp8_rows(g, torch.float32), nan=0.0))
+    return [Case("packed rows", (packed, dtype))]
+
+
+def _cases_ue8m0_scale(g, dtype, bs):
+    exact = torch.tensor([0.0, 1e-5, 1e-4, 448.0, 448.0 * 2, 448.0 * 2 ** -20, 449.0, 1.0, 3e38, 447.99])
+    return [Case("powers of two, floor, ceil", (torch.cat((exact, _randn(g, 64, scale=100.0).abs())),))]
+
+
 _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "linear": _cases_linear,
     "head_linear": _cases_head_linear,
@@ -472,9 +509,12 @@ _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "moe_route_v4": _cases_moe_route_v4,
     "silu_and_mul_clamped": _cases_silu_and_mul_clamped,
     "fused_moe_clamped": _cases_fused_moe_clamped,
+    "ue8m0_scale": _cases_ue8m0_scale,
+    "mxfp8_quant": _cases_mxfp8_quant,
+    "mxfp8_dequant": _cases_mxfp8_dequant,
 }
 
-_EXACT_OPS = {"paged_kv_write", "paged_kv_gather"}
+_EXACT_OPS = {"paged_kv_write", "paged_kv_gather", "ue8m0_scale", "mxfp8_quant", "mxfp8_dequant"}
 #: which argument of an op is a latent cache (stored in the platform's planes), and the rope width of
 #: the kit's cache entries
 _CACHE_ARG = {"paged_kv_write": 0, "paged_kv_gather": 0, "mla_decode": 1}
