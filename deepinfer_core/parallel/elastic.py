@@ -98,7 +98,7 @@ def reform(engine, lost: RanksLost) -> bool:
     engine.worker_info = replies
     rerouted = reroute(engine)
     took = time.perf_counter() - t0
-    record = {"lost_ranks": sorted(dead), "old_ranks": old_ranks, "world_size": W,
+    record = {"lost_ranks": sorted(dead), "old_ranks": old_ranks, "world_size": W, "detected_at": lost.detected_at,
               "detect_to_serving_s": time.perf_counter() - lost.detected_at, "reform_s": took,
               "group_and_placement_s": max(r["seconds"] for r in replies),
               "experts_loaded": sum(r["experts_loaded"] for r in replies), "requests_rerouted": rerouted}
