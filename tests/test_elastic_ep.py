@@ -37,11 +37,11 @@ def run_to_end(eng, limit_s: float = 60.0) -> None:
         assert time.monotonic() - t0 < limit_s, "the driver hangs instead of re-forming or failing"
 
 
-def kill_rank_mid_generate(eng, rank: int, seqs, steps: int = 3) -> None:
+def kill_rank_mid_generate(eng, rank: int, seqs, steps: int = 3, sig=signal.SIGKILL) -> None:
     for _ in range(steps):
         eng.step()
     assert any(s.output_token_ids for s in seqs) and not any(s.is_finished for s in seqs)
-    os.kill(eng.worker_pids()[rank], signal.SIGKILL)
+    os.kill(eng.worker_pids()[rank], sig)
 
 
 def test_transfer_plan_loads_experts_no_survivor_holds():
@@ -65,20 +65,21 @@ def test_capacity_and_torchrun_errors():
 
 
 def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
-    """4 ranks, 4 redundant slots each (8 slots: 2 ranks can hold the 16 experts). Kill a rank
-    holding requests (-> 3 ranks), then an idle rank (-> 2 ranks), then one more (1 rank cannot hold
-    16 experts: a clear error)."""
+    """4 ranks, 4 redundant slots each (8 slots: 2 ranks can hold the 16 experts). SIGKILL a rank
+    holding requests (-> 3 ranks), then SIGSTOP an idle one (hung: found by worker_timeout_s and the
+    probe, then killed; -> 2 ranks), then SIGKILL one more (1 rank cannot hold 16 experts: a clear
+    error)."""
     ref_llm = make_llm(ckpt)
     first, second = prompts(8, 100), prompts(1, 300)
     ref = [o.outputs[0].token_ids for o in ref_llm.generate(first + second, SP, use_tqdm=False)]
     ref_llm.shutdown()
 
-    llm = make_llm(ckpt, dp=4, ep=4, features=["eplb"], elastic_ep=True,
+    llm = make_llm(ckpt, dp=4, ep=4, features=["eplb"], elastic_ep=True, worker_timeout_s=5.0,
                    eplb={"redundant_experts_per_rank": 4, "rebalance_every": 0})
     eng = llm.engine
     pids = eng.worker_pids()
     try:
-        # 1. rank 1 holds 2 of the 8 running requests; 2 more arrive just before it dies (not sent yet)
+        # 1. rank 1 holds 2 of the 6 running requests; 2 more arrive just before it dies (not sent yet)
         seqs = [eng.add_request(p, SP) for p in first[:6]]
         kill_rank_mid_generate(eng, 1, seqs)
         seqs += [eng.add_request(p, SP) for p in first[6:]]
@@ -94,10 +95,12 @@ def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
         assert rf["experts_loaded"] == 0
         assert len(m["ranks"]) == 3 and m["eplb_slots_per_rank"] == 8 and m["eplb_rebalances"] == 1
 
-        # 2. serving continues; an idle rank dies (the one request is on rank 0)
+        # 2. serving continues; an idle rank hangs (the one request is on rank 0)
         (seq,) = [eng.add_request(p, SP) for p in second]
-        kill_rank_mid_generate(eng, 2, [seq])
+        hung = eng.worker_pids()[2]
+        kill_rank_mid_generate(eng, 2, [seq], sig=signal.SIGSTOP)
         run_to_end(eng)
+        assert wait_gone([hung]) == []
         assert seq.finish_reason == "length" and seq.output_token_ids == ref[8]
         rf = llm.metrics()["elastic_reforms"][-1]
         assert rf["lost_ranks"] == [2] and rf["old_ranks"] == [0, 1] and rf["world_size"] == 2

@@ -4,9 +4,12 @@
 
 1. **Detection.** The driver waits for every rank's answer to a step over private pipes. A killed
    rank's pipe closes at once (EOF, and its exit status names the signal); its peers, blocked in a
-   gloo collective with it, get a read error within milliseconds and answer with it. A rank that
-   stays silent is judged by the existing ``worker_timeout_s`` deadline and probe, and is treated
-   as lost too. No new timeout: the slowest case is bounded by ``worker_timeout_s``.
+   gloo collective with it, get a read error within milliseconds, close their own group at once
+   (so that a peer waiting on *them*, e.g. further along an all_gather ring, fails too) and answer.
+   A hung rank (stopped, wedged) is found by the existing ``worker_timeout_s`` deadline and
+   liveness probe; the driver kills it, which fails its peers' collectives the same way. So the
+   slowest case is bounded by ``worker_timeout_s`` plus the probe (1 s); no collective timeout is
+   waited for (it is longer, and a timeout cannot tell a dead peer from a slow step).
 2. **Capacity.** Each survivor keeps its number of expert slots (its memory was sized for them, the
    KV cache took the rest), so ``survivors x slots_per_rank`` must hold every routed expert; EPLB's
    redundant slots give that room. Otherwise the engine fails with an error saying so.
@@ -47,6 +50,24 @@ def lost_ranks(errors: dict[int, str]) -> list[int]:
     only raised (e.g. the collective error its dead peer caused) survives."""
     return sorted(r for r, e in errors.items()
                   if e.startswith(("died", "connection", "no answer")) or "hung" in e)
+
+
+PEER_UNBLOCK_S = 10.0  # after a hung rank is killed, its peers' collectives fail within milliseconds
+
+
+def kill_hung(chans: list, pending: set[int], errors: dict[int, str]) -> bool:
+    """A rank that does not even answer the probe (stopped, wedged) blocks its peers' collectives
+    for good: kill it, so that they fail at once and answer. True when some were killed; the
+    peers are pending again (their diagnosis is dropped)."""
+    hung = [r for r in pending if "hung" in errors.get(r, "") and chans[r].proc is not None]
+    if not hung or len(hung) == len(chans):
+        return False
+    for r in hung:
+        chans[r].proc.kill()
+        pending.discard(r)
+    for r in pending:
+        errors.pop(r, None)
+    return True
 
 
 def check_elastic(cfg, torchrun: bool) -> None:

@@ -45,7 +45,7 @@ from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.models.config import ModelConfig
 from deepinfer_core.models.loader import load_model_config, resolve_model_dir
-from deepinfer_core.parallel.elastic import RanksLost, check_elastic, lost_ranks, reform
+from deepinfer_core.parallel.elastic import PEER_UNBLOCK_S, RanksLost, check_elastic, kill_hung, lost_ranks, reform
 from deepinfer_core.parallel.expert_parallel import moe_lb_from_pairs
 from deepinfer_core.platform import Platform
 from deepinfer_core.sampling_params import SamplingParams
@@ -394,6 +394,9 @@ class ParallelEngine:
                 if left <= 0:
                     detected = min(detected, time.perf_counter())
                     self._diagnose_silent(pending, timeout, errors)
+                    if self.cfg.elastic_ep and msgs[0][0] == "step" and kill_hung(self._chans, pending, errors):
+                        deadline = time.monotonic() + PEER_UNBLOCK_S  # their blocked peers answer now
+                        continue
                     break
                 remote = {self._chans[r].conn: r for r in pending if isinstance(self._chans[r], _Remote)}
                 local = [r for r in pending if isinstance(self._chans[r], _InProcess)]
