@@ -19,6 +19,8 @@ from deepinfer_core.parallel.elastic import capacity_error, check_elastic
 from deepinfer_core.parallel.expert_parallel import transfer_plan
 
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+# a seeded sampled request: its tokens depend on (seed, position) only, so they survive re-routing too
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seq_seed=11, max_tokens=16, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,8 @@ def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
     error)."""
     ref_llm = make_llm(ckpt)
     first, second = prompts(8, 100), prompts(1, 300)
-    ref = [o.outputs[0].token_ids for o in ref_llm.generate(first + second, SP, use_tqdm=False)]
+    sps = [SP, SP, SP, SAMPLED] + [SP] * 5
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(first + second, sps, use_tqdm=False)]
     ref_llm.shutdown()
 
     llm = make_llm(ckpt, dp=4, ep=4, features=["eplb"], elastic_ep=True, worker_timeout_s=5.0,
@@ -79,9 +82,10 @@ def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
     eng = llm.engine
     pids = eng.worker_pids()
     try:
-        # 1. rank 1 holds 2 of the 6 running requests; 2 more arrive just before it dies (not sent yet)
-        seqs = [eng.add_request(p, SP) for p in first[:6]]
-        kill_rank_mid_generate(eng, 1, seqs)
+        # 1. rank 0 (which also hosted the group's rendezvous store) holds 2 of the 6 running requests;
+        #    2 more arrive just before it dies (not sent yet)
+        seqs = [eng.add_request(p, sp) for p, sp in zip(first[:6], sps)]
+        kill_rank_mid_generate(eng, 0, seqs)
         seqs += [eng.add_request(p, SP) for p in first[6:]]
         run_to_end(eng)
         assert [s.finish_reason for s in seqs] == ["length"] * 8, [s.error for s in seqs]
@@ -89,9 +93,9 @@ def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
         assert all(len(s.output_logprobs) == 16 for s in seqs)
         m = llm.metrics()
         (rf,) = m["elastic_reforms"]
-        assert rf["lost_ranks"] == [1] and rf["old_ranks"] == [0, 2, 3] and rf["world_size"] == 3
+        assert rf["lost_ranks"] == [0] and rf["old_ranks"] == [1, 2, 3] and rf["world_size"] == 3
         assert rf["requests_rerouted"] == 8
-        # rank 1 held experts 4-7 (and replicas of 8-11); rank 0's replicas hold 4-7 too: nothing to read
+        # rank 0 held experts 0-7 (0-3 and replicas of 4-7); ranks 1 and 3 hold them too: nothing to read
         assert rf["experts_loaded"] == 0
         assert len(m["ranks"]) == 3 and m["eplb_slots_per_rank"] == 8 and m["eplb_rebalances"] == 1
 
