@@ -97,7 +97,8 @@ def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
         assert rf["requests_rerouted"] == 8
         # rank 0 held experts 0-7 (0-3 and replicas of 4-7); ranks 1 and 3 hold them too: nothing to read
         assert rf["experts_loaded"] == 0
-        assert len(m["ranks"]) == 3 and m["eplb_slots_per_rank"] == 8 and m["eplb_rebalances"] == 1
+        assert len(m["ranks"]) == 3 and m["ep"] == m["dp"] == 3
+        assert m["eplb_slots_per_rank"] == 8 and m["eplb_rebalances"] == 1
 
         # 2. serving continues; an idle rank hangs (the one request is on rank 0)
         (seq,) = [eng.add_request(p, SP) for p in second]

@@ -651,7 +651,7 @@ class ParallelEngine:
             out["spec_accept_rate"] = out["spec_accepted"] / out["spec_verified"]
         out["overhead_share"] = sum(m.get("overhead_share", 0.0) for m in per_rank) / len(per_rank)
         out["steps"] = self.steps
-        out["dp"], out["ep"] = self.cfg.dp, self.cfg.ep
+        out["dp"] = out["ep"] = self.world_size  # the configured size until elastic EP shrinks it
         out["dp_requests_per_rank"] = list(self.balancer.assigned_total)
         out["elastic_reforms"] = [dict(r) for r in self.reforms]
         out.pop("rank", None)
