@@ -72,6 +72,7 @@ class EngineConfig:
     batch_invariant: bool = False
     log_level: str | None = None  # None: leave the "deepinfer" logger as the application set it
     worker_timeout_s: float = 120.0  # dp/ep > 1: a rank silent this long in a step is declared hung
+    elastic_ep: bool = False  # dp/ep > 1: a dead rank re-forms the group with the survivors (parallel/elastic.py)
     load_format: str = "auto"  # auto: read the safetensors; random: seeded random weights (benchmarks)
     feature_config: dict = field(default_factory=dict)  # {feature name: its TOML table}
 

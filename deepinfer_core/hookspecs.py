@@ -18,6 +18,7 @@ post-processing gets ``request_finished`` at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -282,3 +283,19 @@ def merge_metrics(per_rank: list[dict]) -> dict | None:
     :return: the merged values of this feature's keys, or None.
     """
 
+
+# ---- elastic expert parallelism ------------------------------------------------------------------
+@hookspec(firstresult=True)
+def ep_group_resized(engine: EngineView, old_placement: dict[int, list[int]],
+                     load_expert: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> bool | None:
+    """The expert-parallel group was re-formed with fewer ranks (elastic EP: a rank died). Every
+    rank calls it together, so it may use collectives.
+
+    :param engine: the rank's engine; ``comm`` and ``expert_parallel`` already span the new group.
+    :param old_placement: per MoE layer, the physical→logical list over the *new* ranks, each
+        keeping its old slots (the dead rank's are gone).
+    :param load_expert: ``(layer, logical expert) -> (w13, w2)``, an expert no survivor holds, read
+        from the checkpoint.
+    :return: True once a placement where every logical expert has a slot is installed
+        (``ExpertParallel.set_placement``); None if this feature does not place experts.
+    """

@@ -172,14 +172,9 @@ class LLMEngine:
         num_blocks = self._size_kv_cache()
         self.kv_caches = allocate_caches(self.cache_layout, num_blocks, self.block_size, self.dtype, self.device,
                                         self.platform.kv_cache_planes)
-        self.blocks = KVCacheManager(self.cache_layout, self.block_size, num_blocks, self.kv_caches,
-                                     cfg.enable_prefix_caching)
-        self.blocks.on_evict = self._on_evict
+        self._num_blocks = num_blocks
         self.cost_model = self._load_cost_model()
-        budget = SchedulerBudget(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.compute_quota_limit,
-                                 self.max_model_len)
-        scheduler_cls = plugins.load("deepinfer.schedulers", cfg.scheduler, what="scheduler")
-        self.scheduler = scheduler_cls(budget, self.blocks, self.cost_model, EngineAdmission(self))
+        self._new_request_state()
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, self.device,
                                   batch_invariant=cfg.batch_invariant, layout=self.cache_layout,
                                   pool_of=self.blocks.pool_of)
@@ -239,6 +234,17 @@ class LLMEngine:
         else:
             model.load_weights(SafetensorsReader(self.model_dir))
         return model
+
+    def _new_request_state(self) -> None:
+        """A fresh KV block manager (over the allocated caches) and scheduler, with no request."""
+        cfg = self.cfg
+        self.blocks = KVCacheManager(self.cache_layout, self.block_size, self._num_blocks, self.kv_caches,
+                                     cfg.enable_prefix_caching)
+        self.blocks.on_evict = self._on_evict
+        budget = SchedulerBudget(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.compute_quota_limit,
+                                 self.max_model_len)
+        scheduler_cls = plugins.load("deepinfer.schedulers", cfg.scheduler, what="scheduler")
+        self.scheduler = scheduler_cls(budget, self.blocks, self.cost_model, EngineAdmission(self))
 
     def _cache_layout(self) -> CacheLayout:
         """The model's cache groups plus those features declare (``cache_groups``); fixes block_size."""

@@ -228,6 +228,16 @@ class DeepseekForCausalLM(CausalLM):
 
         assign_weights(self, iter_checkpoint(reader, self.cfg, self.embed_tokens.dtype, self.expert_range))
 
+    def read_expert(self, reader, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed expert ``expert`` of MoE layer ``layer`` from the checkpoint, as one slot of the
+        fused (w13, w2) parameters (elastic EP reloads the experts a dead rank held)."""
+        from deepinfer_core.models.loader import iter_checkpoint
+
+        prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+        parts = dict(iter_checkpoint(reader, self.cfg, self.embed_tokens.dtype, (expert, expert + 1), prefix))
+        w13 = torch.cat((parts[prefix + "gate_proj.weight"], parts[prefix + "up_proj.weight"]))
+        return w13.to(self.embed_tokens.device), parts[prefix + "down_proj.weight"].to(self.embed_tokens.device)
+
     def cache_layout(self) -> CacheLayout:
         cfg = self.cfg
         # parts: the latent and the rope key, which a platform may store as two planes (FIA's MLA mode)

@@ -57,6 +57,11 @@ class ExpertParallel:
         moe.num_local, moe.expert_start = spr, self.rank * spr
         self.phys_to_log[layer] = phys_to_log.to(device=self.device, dtype=torch.long)
 
+    def regroup(self, comm: Communicator) -> None:
+        """Join a re-formed group (elastic EP): the placement stays until the next ``set_placement``."""
+        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
+        self.rank_pairs = {i: torch.zeros(self.world_size, dtype=torch.long) for i in self.moes}
+
     def slots_per_rank(self, layer: int) -> int:
         return self.phys_to_log[layer].numel() // self.world_size
 
@@ -134,10 +139,13 @@ def combine(per_pair: torch.Tensor, weights: torch.Tensor, logical_ids: torch.Te
     return out.to(dtype)
 
 
-def transfer_plan(old_p2l: list[int], new_p2l: list[int], world_size: int) -> list[tuple[int, int, int, int]]:
+def transfer_plan(old_p2l: list[int], new_p2l: list[int], world_size: int,
+                  missing_ok: bool = False) -> list[tuple[int, int, int, int]]:
     """Moves that turn placement ``old`` into ``new``: (src rank, src local slot, dst rank, dst local
     slot) for every new slot; src == dst is a local copy. Deterministic (every rank computes the
-    same plan). A slot already holding its expert needs no move and is left out."""
+    same plan). A slot already holding its expert needs no move and is left out. ``old`` may mark
+    lost slots -1 (a dead rank's); with ``missing_ok`` an expert no slot holds any more gets
+    src (-1, -1): the destination loads it from the checkpoint."""
     W = world_size
     o_spr, n_spr = len(old_p2l) // W, len(new_p2l) // W
     where: dict[int, list[tuple[int, int]]] = {}
@@ -149,6 +157,9 @@ def transfer_plan(old_p2l: list[int], new_p2l: list[int], world_size: int) -> li
         if j < o_spr and old_p2l[d * o_spr + j] == e:
             continue
         holders = where.get(int(e))
+        if not holders and missing_ok:
+            plan.append((-1, -1, d, j))
+            continue
         if not holders:
             raise ValueError(f"logical expert {e} has no replica in the old placement")
         local = [h for h in holders if h[0] == d]
@@ -157,24 +168,28 @@ def transfer_plan(old_p2l: list[int], new_p2l: list[int], world_size: int) -> li
     return plan
 
 
-def migrate_layer(comm: Communicator, moe, old_p2l: list[int], new_p2l: list[int]) -> tuple[torch.Tensor,
-                                                                                         torch.Tensor, int]:
+def migrate_layer(comm: Communicator, moe, old_p2l: list[int], new_p2l: list[int],
+                  load_expert=None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """This rank's (w13, w2) for placement ``new_p2l``, fetching experts it lacks from the ranks
     that hold them (one ``all_to_all``, skipped on every rank when nothing crosses ranks).
-    Returns the new weights and the number of experts that crossed ranks."""
+    ``load_expert(logical id) -> (w13, w2)`` reads an expert no rank holds any more (``old_p2l``
+    marks lost slots -1) from the checkpoint. Returns the new weights and the number of experts
+    that crossed ranks."""
     W, me = comm.world_size, comm.rank
     n_spr = len(new_p2l) // W
-    plan = transfer_plan(old_p2l, new_p2l, W)
+    plan = transfer_plan(old_p2l, new_p2l, W, missing_ok=load_expert is not None)
     w13, w2 = moe.w13.data, moe.w2.data
     new13 = w13.new_empty((n_spr, *w13.shape[1:]))
     new2 = w2.new_empty((n_spr, *w2.shape[1:]))
     o_spr = w13.shape[0]
     keep = min(o_spr, n_spr)
     new13[:keep], new2[:keep] = w13[:keep], w2[:keep]  # slots that stay; the plan overwrites the rest
-    remote = [m for m in plan if m[0] != m[2]]
+    remote = [m for m in plan if m[0] not in (m[2], -1)]
     for s, sj, d, dj in plan:
         if s == d == me:
             new13[dj], new2[dj] = w13[sj], w2[sj]
+        elif s == -1 and d == me:
+            new13[dj], new2[dj] = load_expert(int(new_p2l[d * n_spr + dj]))
     if remote:
         n13, n2 = w13[0].numel(), w2[0].numel()
         sends = sorted((m for m in remote if m[0] == me), key=lambda m: (m[2], m[3]))

@@ -45,6 +45,7 @@ from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.models.config import ModelConfig
 from deepinfer_core.models.loader import load_model_config, resolve_model_dir
+from deepinfer_core.parallel.elastic import PEER_UNBLOCK_S, RanksLost, check_elastic, kill_hung, lost_ranks, reform
 from deepinfer_core.parallel.expert_parallel import moe_lb_from_pairs
 from deepinfer_core.platform import Platform
 from deepinfer_core.sampling_params import SamplingParams
@@ -239,6 +240,7 @@ class ParallelEngine:
         self.world_size = cfg.ep
         local_world = tr["local_world_size"] if tr else self.world_size
         check_parallel_config(cfg, mc, self.platform, local_world, tr["world_size"] if tr else None)
+        check_elastic(cfg, tr is not None)
         self.pm = pm = make_plugin_manager()
         load_features(cfg, pm)  # unknown features and bad sections fail here, before any process starts
         self.claimed_options = {o for opts in pm.hook.request_options() for o in (opts or [])}
@@ -247,6 +249,8 @@ class ParallelEngine:
         self.balancer = DPLoadBalancer(self.world_size)
         self._seqs: dict[str, Sequence] = {}
         self._owner: dict[str, int] = {}
+        self._sent: dict[str, tuple] = {}  # what each unfinished request was sent as (re-routing re-sends it)
+        self.reforms: list[dict] = []  # elastic EP: one record per re-form (elastic.py)
         self._pending_add: list[list] = [[] for _ in range(self.world_size)]
         self._pending_abort: list[list[str]] = [[] for _ in range(self.world_size)]
         self._failed_seqs: list[Sequence] = []
@@ -376,6 +380,7 @@ class ParallelEngine:
         replies: list = [None] * W
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
+        detected = float("inf")  # when the first loss was seen (elastic EP's failure-to-serving time)
         completed = False
         try:
             for ch in self._chans:
@@ -387,7 +392,11 @@ class ParallelEngine:
             while pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    detected = min(detected, time.perf_counter())
                     self._diagnose_silent(pending, timeout, errors)
+                    if self.cfg.elastic_ep and msgs[0][0] == "step" and kill_hung(self._chans, pending, errors):
+                        deadline = time.monotonic() + PEER_UNBLOCK_S  # their blocked peers answer now
+                        continue
                     break
                 remote = {self._chans[r].conn: r for r in pending if isinstance(self._chans[r], _Remote)}
                 local = [r for r in pending if isinstance(self._chans[r], _InProcess)]
@@ -403,6 +412,7 @@ class ParallelEngine:
                     try:
                         replies[r] = conn.recv()
                     except (EOFError, OSError):
+                        detected = min(detected, time.perf_counter())
                         errors[r] = "died" + self._death_note(r)
                 for r in local:
                     try:
@@ -415,6 +425,7 @@ class ParallelEngine:
                     status = ch.exit_status()
                     if status is not None and not ch.conn.poll():
                         pending.discard(r)
+                        detected = min(detected, time.perf_counter())
                         errors[r] = f"died ({status})"
             completed = True
         finally:
@@ -433,6 +444,9 @@ class ParallelEngine:
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"(raised on rank {r} of the parallel engine)")
                 raise exc  # e.g. a feature's ConfigError: the same error a one-rank engine raises
+            lost = lost_ranks(errors) if self.cfg.elastic_ep and msgs[0][0] == "step" else []
+            if lost and len(lost) < W:
+                raise RanksLost(lost, errors, detected)
             raise self._fail(errors)
         return [rep[1] for rep in replies]
 
@@ -537,6 +551,7 @@ class ParallelEngine:
         rank = self.balancer.pick()
         self._seqs[request_id] = seq
         self._owner[request_id] = rank
+        self._sent[request_id] = (seq.prompt_token_ids, sent)
         self._pending_add[rank].append((request_id, seq.prompt_token_ids, sent))
         return seq
 
@@ -567,6 +582,13 @@ class ParallelEngine:
         self._pending_abort = [[] for _ in range(self.world_size)]
         try:
             results = self._roundtrip(msgs, float(self.cfg.worker_timeout_s))
+        except RanksLost as lost:  # elastic EP: continue on the survivors (or fail, saying why)
+            try:
+                reform(self, lost)
+            except WorkerFailure:
+                pass
+            out, self._failed_seqs = self._failed_seqs, []
+            return out
         except WorkerFailure:
             out, self._failed_seqs = self._failed_seqs, []
             return out
@@ -583,6 +605,7 @@ class ParallelEngine:
                     finished.append(seq)
                     del self._seqs[rid]
                     self._owner.pop(rid, None)
+                    self._sent.pop(rid, None)
                     self.balancer.finished(r)
         return finished
 
@@ -600,6 +623,9 @@ class ParallelEngine:
                     if getattr(m, name) is not None:
                         setattr(m, name, getattr(m, name) + shift)
             m.arrival_time = arrival
+            for name in ("first_scheduled_time", "first_token_time"):  # a re-routed request's first ones stay
+                if getattr(seq.metrics, name) is not None:
+                    setattr(m, name, getattr(seq.metrics, name))
             seq.metrics = m
         if seq.status == Status.WAITING and (up["tokens"] or seq.metrics.first_scheduled_time is not None):
             seq.status = Status.RUNNING
@@ -625,8 +651,9 @@ class ParallelEngine:
             out["spec_accept_rate"] = out["spec_accepted"] / out["spec_verified"]
         out["overhead_share"] = sum(m.get("overhead_share", 0.0) for m in per_rank) / len(per_rank)
         out["steps"] = self.steps
-        out["dp"], out["ep"] = self.cfg.dp, self.cfg.ep
+        out["dp"] = out["ep"] = self.world_size  # the configured size until elastic EP shrinks it
         out["dp_requests_per_rank"] = list(self.balancer.assigned_total)
+        out["elastic_reforms"] = [dict(r) for r in self.reforms]
         out.pop("rank", None)
         pairs = out.pop("ep_rank_pairs", {})
         if "moe_lb" not in out and pairs:  # no feature measured it (EPLB does, since its last rebalance)

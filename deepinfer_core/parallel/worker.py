@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
 import logging
 import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -59,6 +61,7 @@ class RankEngine(LLMEngine):
         self.num_nodes = num_nodes
         self.expert_parallel: ExpertParallel | None = None
         self.dummy_steps = 0
+        self.experts_loaded = 0  # experts read from the checkpoint at the last re-form (elastic EP)
         self.prefill_budgets: list[float] = []  # the MIN-reduced prefill budget of each step (seconds)
         super().__init__(cfg)
 
@@ -75,6 +78,38 @@ class RankEngine(LLMEngine):
                              "dp/ep > 1 cannot run it")
         self.expert_parallel = ExpertParallel(self.comm, E, moes, self.device)
         return model
+
+    # ---- elastic EP: the group re-formed without a dead rank ------------------------------
+    def regroup(self, comm, survivors: list[int]) -> None:
+        """Continue in a smaller group: ``comm`` spans the survivors (``survivors[i]``: the old rank
+        of new rank i). Every request and KV block is forgotten (the step the death broke off left
+        them in an unknown state; the driver re-adds the unfinished requests with their tokens), and
+        the placement features lay the experts out anew over the survivors, reading the experts no
+        survivor holds from the checkpoint."""
+        ep = self.expert_parallel
+        old_spr = {i: ep.slots_per_rank(i) for i in ep.moes}
+        old = {i: [e for r in survivors for e in ep.phys_to_log[i][r * n : (r + 1) * n].tolist()]
+               for i, n in old_spr.items()}
+        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
+        ep.regroup(comm)
+        self.pipeline.drop()
+        self._step_seqs, self._seqs = [], {}
+        self._sync_requests.clear()
+        self._new_request_state()
+        self.experts_loaded = 0
+        if not self.pm.hook.ep_group_resized(engine=self, old_placement=old, load_expert=self.load_expert):
+            raise ValueError("the expert-parallel group shrank but no feature re-places the experts "
+                             "(ep_group_resized); enable one with redundant slots (features = ['eplb'])")
+
+    def load_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        read = getattr(self.model, "read_expert", None)
+        if read is None or self.cfg.load_format == "random":
+            raise ValueError(f"cannot reload expert {expert} of layer {layer}: {type(self.model).__name__} "
+                             f"(load_format={self.cfg.load_format!r}) cannot read one expert from the checkpoint")
+        from deepinfer_core.models.loader import SafetensorsReader
+
+        self.experts_loaded += 1
+        return read(SafetensorsReader(self.model_dir), layer, expert)
 
     def step(self) -> list[Sequence]:
         self._share_prefill_budget()
@@ -157,6 +192,8 @@ class RankWorker:
                 return ("ready", self.init(msg[1]))
             if kind == "step":
                 return ("ok", self.step(msg[1]))
+            if kind == "reform":
+                return ("ready", self.reform(msg[1]))
             if kind == "metrics":
                 return ("ok", self.engine.metrics())
             if kind == "shutdown":
@@ -165,6 +202,11 @@ class RankWorker:
             raise ValueError(f"unknown message {kind!r}")
         except BaseException as exc:  # reported to the driver, which decides
             logger.error("rank %d: %s failed: %s", self.rank, kind, exc)
+            if kind == "step":  # the frames of the failed collective keep the group alive: drop them
+                traceback.clear_frames(exc.__traceback__)
+                reply = ("error", portable(exc.with_traceback(None)), traceback.format_exc())
+                self.leave_group()
+                return reply
             return ("error", portable(exc), traceback.format_exc())
         finally:
             self.doing = "idle"
@@ -191,15 +233,43 @@ class RankWorker:
                 "slots_per_rank": {i: self.engine.expert_parallel.slots_per_rank(i)
                                    for i in self.engine.expert_parallel.moes}}
 
+    def leave_group(self) -> None:
+        """A step failed: this rank's collectives are out of step for good. Closing its connections at
+        once fails the collectives of peers still blocked on it (e.g. in an all_gather ring behind a
+        dead rank) within milliseconds, instead of at the process group's timeout."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:
+                logger.warning("rank %d: leaving the process group: %s", self.rank, exc)
+            gc.collect()  # the group's connections close when its last reference goes
+
+    def reform(self, p: dict) -> dict:
+        """Elastic EP: leave the broken group, join the survivors' new one, re-place the experts."""
+        t0 = time.perf_counter()
+        self.leave_group()  # normally already left when the step failed
+        platform = select_platform(self.engine.cfg.accelerator)
+        dist.init_process_group(platform.dist_backend, init_method=p["init_method"], rank=p["rank"],
+                                world_size=p["world_size"], timeout=datetime.timedelta(seconds=p["timeout_s"]))
+        self.rank, self.world_size = p["rank"], p["world_size"]
+        self._reported.clear()
+        self.engine.regroup(platform.communicator(), p["survivors"])
+        ep = self.engine.expert_parallel
+        return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, "experts_loaded": self.engine.experts_loaded,
+                "slots_per_rank": {i: ep.slots_per_rank(i) for i in ep.moes}}
+
     def step(self, work: dict) -> dict:
         eng = self.engine
         failed: dict[str, BaseException] = {}
-        for rid, ids, params in work.get("add", ()):
+        for rid, ids, params, *restore in work.get("add", ()):
             try:
                 seq = eng.add_request({"prompt_token_ids": ids}, params, request_id=rid)
             except (ValueError, TypeError) as exc:
                 failed[rid] = exc
                 continue
+            if restore and restore[0]:  # re-routed (elastic EP): its emitted tokens, recomputed on admission
+                tokens, sum_logprob = restore[0]
+                eng.append_tokens([seq], [tokens], [[sum_logprob] + [0.0] * (len(tokens) - 1)])
             self._reported[rid] = (seq.num_tokens, len(seq.output_logprobs), len(seq.prompt_logprobs))
         for rid in work.get("abort", ()):
             eng.abort(rid)

@@ -156,26 +156,42 @@ class EPLB(Feature):
             out += b
         return out
 
-    def rebalance(self) -> None:
-        """Collective: every rank must call it at the same step."""
+    def rebalance(self, old: dict[int, list[int]] | None = None, load_expert=None) -> None:
+        """Collective: every rank must call it at the same step. ``old``/``load_expert``: after the
+        group shrank (``ep_group_resized``), the survivors' slots and the checkpoint reader."""
         loads = self.comm.all_reduce(self.window_loads().to(self.engine.device), "sum").cpu().numpy()
-        self.moe_lb_before = self.current_moe_lb()[0]
-        moved = self._place(loads)
+        self.moe_lb_before = self.current_moe_lb()[0] if old is None else None
+        moved = self._place(loads, old=old, load_expert=load_expert)
         self.rebalances += 1
         self._mark()
-        logger.info("EPLB rebalance %d at step %d: moe_lb before %.3f, %d experts moved", self.rebalances,
-                    self.steps, self.moe_lb_before, moved)
+        logger.info("EPLB rebalance %d at step %d over %d ranks: %d experts moved", self.rebalances,
+                    self.steps, self.world_size, moved)
 
-    def _place(self, loads: np.ndarray | None = None, placement: Placement | None = None) -> int:
+    @hookimpl
+    def ep_group_resized(self, engine, old_placement, load_expert) -> bool | None:
+        """Elastic EP: every rank keeps its slot count; the survivors' slots must hold all experts."""
+        if self.engine is None:
+            return None
+        self.comm, self.rank, self.world_size = engine.comm, self.ep.rank, self.ep.world_size
+        self.num_slots = self.slots_per_rank * self.world_size
+        if self.num_slots < self.num_experts:
+            raise ValueError(f"elastic EP: {self.world_size} ranks x {self.slots_per_rank} expert slots cannot "
+                             f"hold {self.num_experts} experts")
+        self.rebalance(old=old_placement, load_expert=load_expert)
+        return True
+
+    def _place(self, loads: np.ndarray | None = None, placement: Placement | None = None,
+               old: dict[int, list[int]] | None = None, load_expert=None) -> int:
         if placement is None:
             placement = rebalance_experts(loads, self.num_slots, self.num_groups, self.num_nodes,
                                           self.world_size)
         self.policy = placement.policy
         moved = 0
         for i, layer in enumerate(self.layers):
-            old = self.ep.phys_to_log[layer].tolist()
-            new = stabilize_placement(old, placement.phys_to_log[i], self.world_size).tolist()
-            w13, w2, n = migrate_layer(self.comm, self.ep.moes[layer], old, new)
+            prev = old[layer] if old is not None else self.ep.phys_to_log[layer].tolist()
+            new = stabilize_placement(prev, placement.phys_to_log[i], self.world_size).tolist()
+            load = None if load_expert is None else (lambda e, layer=layer: load_expert(layer, e))
+            w13, w2, n = migrate_layer(self.comm, self.ep.moes[layer], prev, new, load)
             layout = self.engine.platform.linear_weight_layout  # the new tensors keep the platform's layout
             self.ep.set_placement(layer, torch.tensor(new), layout(w13), layout(w2))
             l2p, counts = maps_from_phys_to_log(new, self.num_experts)
