@@ -35,6 +35,9 @@ class ConfigError(ValueError):
 class EngineConfig:
     model: str | None = None  # checkpoint dir; None = $DEEPINFER_HF_MODEL_DIR or the embedded model
     dtype: str = "auto"  # auto|float32|bfloat16|float16
+    # FP8 checkpoints: fp8 keeps the GEMM weights e4m3 with their 128x128 scales (fp8_* ops); bf16
+    # dequantises them to ``dtype`` at load; auto = fp8 where Platform.supports_fp8_gemm(), else bf16
+    weight_dtype: str = "auto"
     accelerator: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
@@ -105,6 +108,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SWA_PREFIX_POLICIES = ("retain", "bounded_replay", "recompute")  # engine/window_prefix.py
+WEIGHT_DTYPES = ("auto", "fp8", "bf16")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _INT_LISTS = {"graph_batch_sizes"}  # list keys whose items are integers (parsed as such from the environment)
 # Environment variables read elsewhere (features, tools): with DEEPINFER_<FIELD> the only known
@@ -256,6 +260,8 @@ def _validate(cfg: EngineConfig) -> None:
                           f"got {cfg.swa_prefix_policy!r}")
     if cfg.dtype not in _DTYPES:
         raise ConfigError(f"config key 'dtype' must be one of {_DTYPES}, got {cfg.dtype!r}")
+    if cfg.weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"config key 'weight_dtype' must be one of {WEIGHT_DTYPES}, got {cfg.weight_dtype!r}")
     if cfg.log_level is not None and cfg.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"config key 'log_level' must be one of {', '.join(_LOG_LEVELS)} (any case), "
                           f"got {cfg.log_level!r}")

@@ -80,6 +80,19 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) for e = ids[t, j]; ids outside "
         "[0, E) are skipped (experts owned by another rank)",
     ),
+    # ---- block-scaled FP8 weights (reference and exact rules: kernels_cpu/fp8_ops.py) ----
+    OpSpec(
+        "fp8_linear",
+        "(x[..., K], w[N, K] e4m3, w_scale[ceil(N/128), ceil(K/128)] f32) -> [..., N]",
+        "x quantised to e4m3 per token and 128 channels (scale = max(amax, 1e-4) / 448), then "
+        "sum over 128-wide k blocks of (q_x . w) * x_scale * w_scale, float32 accumulation",
+    ),
+    OpSpec(
+        "fused_moe_fp8",
+        "(x[T, C], w13[E, 2I, C] e4m3, w13_scale[E, 2I/128, C/128] f32, w2[E, C, I] e4m3, "
+        "w2_scale[E, C/128, I/128] f32, weights[T, k], ids[T, k]) -> [T, C]",
+        "fused_moe with every expert GEMM an fp8_linear (the hidden is cast to x.dtype, then quantised)",
+    ),
     # ---- DeepSeek-V4 (reference: kernels_cpu/v4_ops.py) ----
     OpSpec("rope_inverse", "(x[T, N, D], positions[T], cos_sin[P, D]) -> [T, N, D]",
            "rope by the negative angle (V4 un-rotates the attention output, which carried the keys' rope)"),

@@ -1,5 +1,11 @@
 """Write a random DeepSeek checkpoint in HF format (config.json + safetensors + tokenizer) for
-benchmarks and tests, using the loader's own list of expected tensors."""
+benchmarks and tests, using the loader's own list of expected tensors.
+
+``--fp8`` writes it as DeepSeek-V3's FP8 checkpoints are: every linear weight but the router's in e4m3
+with a float32 ``<name>_scale_inv`` per 128x128 tile, and ``quantization_config`` in config.json.
+
+    python examples/random_checkpoint.py --shape v3-slice --fp8 --out /tmp/v3slice-fp8
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,16 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer_core.models.config import ModelConfig
-from deepinfer_core.models.loader import EMBEDDED_MODEL, expected_tensors
+from deepinfer_core.models.loader import EMBEDDED_MODEL, FP8_BLOCK, expected_tensors, quantize_fp8
+
+#: config.json's entry of DeepSeek-V3's FP8 checkpoints
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+
+
+def is_fp8_weight(name: str) -> bool:
+    """The tensors V3's FP8 checkpoints store in e4m3: the linear layers (not embeddings, head, router, norms)."""
+    return name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
 
 SHAPES = {
     # the engine issue's CPU benchmark shape
@@ -57,8 +72,11 @@ def write_config(out: Path, config: dict) -> Path:
 
 
 def make_random_checkpoint(out: Path, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
-                           std: float = 0.05) -> Path:
-    """Write ``config`` (``write_config``) and seeded random weights to ``out``."""
+                           std: float = 0.05, fp8: bool = False) -> Path:
+    """Write ``config`` (``write_config``) and seeded random weights to ``out``; ``fp8``: the linear weights
+    quantised per 128x128 tile (V3 naming: ``weight_scale_inv``)."""
+    if fp8:
+        config = {**config, "quantization_config": FP8_QUANTIZATION}
     write_config(out, config)
     cfg = ModelConfig.from_dict(config)
     g = torch.Generator().manual_seed(seed)
@@ -68,6 +86,50 @@ def make_random_checkpoint(out: Path, config: dict, seed: int = 0, dtype: torch.
             t = torch.zeros(shape) if name.endswith("e_score_correction_bias") else torch.ones(shape)
         else:
             t = torch.randn(shape, generator=g) * std
-        tensors[name] = t.to(dtype)
+        if fp8 and is_fp8_weight(name):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(t)
+        else:
+            tensors[name] = t.to(dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def fp8_copy(src: Path, out: Path) -> Path:
+    """Write checkpoint ``src`` to ``out`` in V3's FP8 format (its linear weights quantised per 128x128 tile,
+    ``quantization_config`` added); tokenizer and other files are copied."""
+    from safetensors.torch import load_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",
+                                                                                  "model.safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(shard).items():
+            if is_fp8_weight(name):
+                tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(t)
+            else:
+                tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION}, indent=2))
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--fp8", action="store_true", help="e4m3 linear weights with 128x128 weight_scale_inv")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    make_random_checkpoint(args.out, shape_config(args.shape), args.seed, getattr(torch, args.dtype), fp8=args.fp8)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

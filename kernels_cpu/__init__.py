@@ -7,10 +7,13 @@ V4_OPS = ("rope_inverse", "v4_compress", "v4_indexer_topk", "v4_sparse_attention
           "mhc_head", "moe_route_v4", "silu_and_mul_clamped", "fused_moe_clamped")
 #: ops defined in ``kernels_cpu.mxfp8`` (window KV snapshots)
 MXFP8_OPS = ("ue8m0_scale", "mxfp8_quant", "mxfp8_dequant")
+#: ops defined in ``kernels_cpu.fp8_ops`` (block-scaled FP8 weights)
+FP8_OPS = ("fp8_linear", "fused_moe_fp8")
+_MODULES = {**dict.fromkeys(V4_OPS, "v4_ops"), **dict.fromkeys(MXFP8_OPS, "mxfp8"), **dict.fromkeys(FP8_OPS, "fp8_ops")}
 
 
 def _module(op: str) -> str:
-    return "v4_ops" if op in V4_OPS else "mxfp8" if op in MXFP8_OPS else "ops"
+    return _MODULES.get(op, "ops")
 
 
 class ReferenceKernels(KernelBackend):

@@ -183,8 +183,13 @@ def fused_moe(
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    act) -> torch.Tensor:
-    """The expert loop of ``fused_moe`` with the activation ``act([n, 2I]) -> [n, I]`` as a parameter."""
+                    act, project=None) -> torch.Tensor:
+    """The expert loop of ``fused_moe`` with the activation ``act([n, 2I]) -> [n, I]`` as a parameter;
+    ``project(a, e, which)`` (which 1: w13, 2: w2) replaces the plain ``F.linear(a, w[e])`` (FP8 experts)."""
+    if project is None:
+        def project(a, e, which):
+            return F.linear(a, (w13 if which == 1 else w2)[e])
+
     T, C = x.shape
     E = w13.shape[0]
     out = torch.zeros(T, C, dtype=torch.float32, device=x.device)
@@ -199,8 +204,8 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         if n == 0:
             continue
         t = tok[start : start + n]
-        h = act(F.linear(x[t], w13[e]))
-        out.index_add_(0, t, F.linear(h, w2[e]).float() * w[start : start + n, None].float())
+        h = act(project(x[t], e, 1))
+        out.index_add_(0, t, project(h, e, 2).float() * w[start : start + n, None].float())
         start += n
     return out.to(x.dtype)
 

@@ -106,13 +106,17 @@ class EngineStats:
         return 0.0 if self.step_time == 0 else 1.0 - self.forward_time / self.step_time
 
 
-def model_fingerprint(model_dir, dtype: torch.dtype, load_format: str = "auto", seed: int = 0) -> str:
+def model_fingerprint(model_dir, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
+                      fp8_weights: bool = False) -> str:
     """Stable id of the weights the engine computes with: config.json (quantisation included), the
-    dtype, and for ``load_format="random"`` the seed; else each shard's name, size, header and 64 KiB
-    samples of its data at the start, middle and end. Content, not mtimes: copies of a checkpoint on
-    other machines share a KV store. The KV store adds the cache layout (``KVLayout.for_model``)."""
+    dtype, whether FP8 weights stay FP8, and for ``load_format="random"`` the seed; else each
+    shard's name, size, header and 64 KiB samples of its data at the start, middle and end. Content,
+    not mtimes: copies of a checkpoint on other machines share a KV store. The KV store adds the
+    cache layout (``KVLayout.for_model``)."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     h.update(f"{dtype}|{load_format}".encode())
+    if fp8_weights:  # other numerics than the dequantised weights: other KV
+        h.update(b"|fp8-weights")
     if load_format == "random":
         h.update(f"|seed={seed}".encode())
         return h.hexdigest()[:16]
@@ -164,7 +168,8 @@ class LLMEngine:
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else self.platform.preferred_dtypes()[0]
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
-        self.fingerprint = model_fingerprint(self.model_dir, self.dtype, cfg.load_format, cfg.seed)
+        self.fp8_weights = self.keep_fp8_weights()
+        self.fingerprint = model_fingerprint(self.model_dir, self.dtype, cfg.load_format, cfg.seed, self.fp8_weights)
         self.model = self.build_model()
         apply_weight_layout(self.model, self.platform.linear_weight_layout)
 
@@ -231,6 +236,8 @@ class LLMEngine:
                                       expert_range)
         if self.cfg.load_format == "random":
             random_init(model, seed=self.cfg.seed)
+        elif self.fp8_weights:
+            model.load_weights(SafetensorsReader(self.model_dir), keep_fp8=True)
         else:
             model.load_weights(SafetensorsReader(self.model_dir))
         return model
@@ -245,6 +252,30 @@ class LLMEngine:
                                  self.max_model_len)
         scheduler_cls = plugins.load("deepinfer.schedulers", cfg.scheduler, what="scheduler")
         self.scheduler = scheduler_cls(budget, self.blocks, self.cost_model, EngineAdmission(self))
+
+    def keep_fp8_weights(self) -> bool:
+        """Whether an FP8 checkpoint's weights stay FP8 in memory (config ``weight_dtype``): ``fp8`` always
+        (an error for a checkpoint without FP8 weights or an architecture that cannot), ``auto`` where the
+        platform has block-scaled FP8 GEMMs, ``bf16`` never (dequantised to ``dtype`` at load)."""
+        mode = self.cfg.weight_dtype
+        quant = read_config(self.model_dir).get("quantization_config") or {}
+        is_fp8 = quant.get("quant_method") == "fp8" and self.cfg.load_format != "random"
+        if mode == "bf16" or (mode == "auto" and not (is_fp8 and self.platform.supports_fp8_gemm())):
+            return False
+        if not is_fp8:
+            raise ConfigError(f"config key 'weight_dtype' is 'fp8' but {str(self.model_dir)!r} is not an FP8 "
+                              "checkpoint (config.json has no quantization_config with quant_method 'fp8'); "
+                              "use weight_dtype 'auto' or 'bf16'")
+        if not getattr(self.model_cls, "fp8_weights", False):
+            raise ConfigError(f"config key 'weight_dtype' is 'fp8' but architecture "
+                              f"{self.model_config.architecture!r} cannot keep FP8 weights; use 'auto' or 'bf16'")
+        if self.cfg.ep > 1:
+            raise ConfigError("config key 'weight_dtype' is 'fp8' with ep > 1: expert parallelism runs bf16 "
+                              "experts only; use weight_dtype 'bf16'")
+        if not self.platform.supports_fp8_gemm():
+            logger.warning("weight_dtype 'fp8' on %s: its kernels have no block-scaled FP8 GEMM, the reference "
+                           "fp8 ops run (correct, slow)", self.platform.name)
+        return True
 
     def _cache_layout(self) -> CacheLayout:
         """The model's cache groups plus those features declare (``cache_groups``); fixes block_size."""

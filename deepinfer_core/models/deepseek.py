@@ -24,6 +24,18 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _fp8_scales(module: nn.Module, *names: str) -> None:
+    """Declare ``<name>_scale_inv`` (None) for each GEMM weight: the loader fills it when the weight
+    stays block-scaled FP8 (config ``weight_dtype``); None means the weight is in the model dtype."""
+    for name in names:
+        module.register_buffer(name + "_scale_inv", None, persistent=False)
+
+
+def linear(k: Kernels, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T: ``fp8_linear`` when ``w`` is e4m3 with its 128x128 tile scales, else ``linear``."""
+    return k.linear(x, w) if scale is None else k.fp8_linear(x, w, scale)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, k: Kernels, dim: int, eps: float) -> None:
         super().__init__()
@@ -52,6 +64,7 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(k, L, 1e-6)
         self.kv_b_proj = _param(H * (N + V), L)
         self.o_proj = _param(C, H * V)
+        _fp8_scales(self, "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
         self.scale = cfg.softmax_scale
         self.w_uk: torch.Tensor | None = None  # [H, L, N] (W_UK transposed), derived from kv_b_proj
         self.w_uv: torch.Tensor | None = None  # [H, V, L]
@@ -65,14 +78,16 @@ class MLA(nn.Module):
                 meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         k, T = self.k, x.shape[0]
         if self.cfg.q_lora_rank is None:
-            q = k.linear(x, self.q_proj)
+            q = linear(k, x, self.q_proj, self.q_proj_scale_inv)
         else:
-            q = k.linear(self.q_a_layernorm(k.linear(x, self.q_a_proj)), self.q_b_proj)
+            q_a = self.q_a_layernorm(linear(k, x, self.q_a_proj, self.q_a_proj_scale_inv))
+            q = linear(k, q_a, self.q_b_proj, self.q_b_proj_scale_inv)
         q = q.view(T, self.H, self.N + self.R)
         q_nope, q_pe = q.split([self.N, self.R], dim=-1)  # [T, H, N], [T, H, R]
         q_pe = k.rope(q_pe, positions, cos_sin)
 
-        latent, k_pe = k.linear(x, self.kv_a_proj_with_mqa).split([self.L, self.R], dim=-1)
+        kv_a = linear(k, x, self.kv_a_proj_with_mqa, self.kv_a_proj_with_mqa_scale_inv)
+        latent, k_pe = kv_a.split([self.L, self.R], dim=-1)
         entry = torch.cat((self.kv_a_layernorm(latent), k.rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
         k.paged_kv_write(cache, meta.slot_mapping, entry)  # entry: [T, L + R]
 
@@ -87,7 +102,7 @@ class MLA(nn.Module):
             out = x.new_empty(T, self.H, self.V)
             out[:P] = self._prefill(q_nope[:P], q_pe[:P], entry[:P], meta, cache)
             out[P:] = self._decode(q_nope[P:], q_pe[P:], meta, cache)
-        return k.linear(out.reshape(T, self.H * self.V), self.o_proj)
+        return linear(k, out.reshape(T, self.H * self.V), self.o_proj, self.o_proj_scale_inv)
 
     def _prefill(self, q_nope, q_pe, entry, meta: AttentionMetadata, cache) -> torch.Tensor:
         """Expanded form: K/V for the whole context from kv_b_proj, causal attention per sequence."""
@@ -116,9 +131,11 @@ class MLP(nn.Module):
     def __init__(self, k: Kernels, hidden: int, inter: int) -> None:
         super().__init__()
         self.k, self.w13, self.w2 = k, _param(2 * inter, hidden), _param(hidden, inter)
+        _fp8_scales(self, "w13", "w2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.k.linear(self.k.silu_and_mul(self.k.linear(x, self.w13)), self.w2)
+        h = self.k.silu_and_mul(linear(self.k, x, self.w13, self.w13_scale_inv))
+        return linear(self.k, h, self.w2, self.w2_scale_inv)
 
 
 class MoE(nn.Module):
@@ -135,6 +152,7 @@ class MoE(nn.Module):
         self.e_score_correction_bias = _param(cfg.n_routed_experts) if cfg.topk_method == "noaux_tc" else None
         self.w13 = _param(E, 2 * I, C)
         self.w2 = _param(E, C, I)
+        _fp8_scales(self, "w13", "w2")
         self.shared = MLP(k, C, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
         v3 = cfg.topk_method == "noaux_tc"
         self.renormalize = cfg.norm_topk_prob and (v3 or cfg.num_experts_per_tok > 1)
@@ -163,7 +181,11 @@ class MoE(nn.Module):
             out = self.expert_parallel.run(self, x, weights, ids)
         else:
             local = ids - self.expert_start if self.expert_start else ids
-            out = self.k.fused_moe(x, self.w13, self.w2, weights.to(x.dtype), local)
+            if self.w13_scale_inv is None:
+                out = self.k.fused_moe(x, self.w13, self.w2, weights.to(x.dtype), local)
+            else:
+                out = self.k.fused_moe_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv,
+                                           weights.to(x.dtype), local)
         return out if self.shared is None else out + self.shared(x)
 
 
@@ -223,10 +245,13 @@ class DeepseekForCausalLM(CausalLM):
                                                    "num_local": expert_range[1] - expert_range[0]}
         return build_model(kernels, cfg, dtype, device, max_positions, **moe_kw)
 
-    def load_weights(self, reader) -> None:
+    fp8_weights = True  # load_weights(keep_fp8=True) keeps an FP8 checkpoint's GEMM weights in e4m3
+
+    def load_weights(self, reader, keep_fp8: bool = False) -> None:
         from deepinfer_core.models.loader import assign_weights, iter_checkpoint
 
-        assign_weights(self, iter_checkpoint(reader, self.cfg, self.embed_tokens.dtype, self.expert_range))
+        assign_weights(self, iter_checkpoint(reader, self.cfg, self.embed_tokens.dtype, self.expert_range,
+                                             keep_fp8=keep_fp8))
 
     def read_expert(self, reader, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Routed expert ``expert`` of MoE layer ``layer`` from the checkpoint, as one slot of the

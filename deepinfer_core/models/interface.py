@@ -57,6 +57,10 @@ class CausalLM(nn.Module, ABC):
         """The model with uninitialised weights in ``dtype`` on ``device``. ``expert_range``: the routed
         experts [lo, hi) this rank holds (expert parallelism); None for all."""
 
+    #: True when ``load_weights`` takes ``keep_fp8=True``: an FP8 checkpoint's GEMM weights then stay e4m3
+    #: with their 128x128 tile scales (config ``weight_dtype``) and run through the ``fp8_*`` ops
+    fp8_weights: bool = False
+
     @abstractmethod
     def load_weights(self, reader: SafetensorsReader) -> None:
         """Fill every weight from the checkpoint: shape-checked, dequantised, cast. A missing or

@@ -115,6 +115,27 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BL
     return w.float() * s
 
 
+def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`dequantize_fp8` as DeepSeek's checkpoints are made: per block x block tile,
+    ``weight_scale_inv = amax / 448`` (1 for an all-zero tile) and ``w = e4m3(w / weight_scale_inv)``."""
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    tiles = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n)).view(nb, block, kb, block)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (tiles / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale
+
+
+def keeps_fp8(name: str, t: torch.Tensor) -> bool:
+    """Whether tensor ``name`` of an FP8 checkpoint can stay FP8 in memory (``weight_dtype``): every GEMM
+    weight but ``kv_b_proj`` (MLA derives its absorbed per-head weights from it), and gate/up halves only
+    when their rows fill whole 128-row tiles (their scales then concatenate into the fused w13's)."""
+    if t.dtype != torch.float8_e4m3fn or name.endswith("kv_b_proj.weight"):
+        return False
+    return not name.endswith(("gate_proj.weight", "up_proj.weight")) or t.shape[0] % FP8_BLOCK == 0
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name the checkpoint must hold for the main model, with its shape."""
     C, H = cfg.hidden_size, cfg.num_attention_heads
@@ -168,9 +189,11 @@ def _rope_rows_to_interleaved(w: torch.Tensor, heads: int, head_dim: int, rope_d
 
 def iter_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, dtype: torch.dtype,
                     expert_range: tuple[int, int] | None = None,
-                    prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    prefix: str | None = None, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every expected tensor: shape-checked, dequantised, cast to dtype.
-    ``prefix``: only the tensors whose name starts with it (e.g. one extra layer such as MTP's)."""
+    ``prefix``: only the tensors whose name starts with it (e.g. one extra layer such as MTP's).
+    ``keep_fp8``: FP8 tensors that can stay FP8 (:func:`keeps_fp8`) are yielded as e4m3, each followed by
+    ``(name + "_scale_inv", float32 scale per 128x128 tile)``."""
     expected = expected_tensors(cfg)
     if prefix is not None:
         expected = {n: shape for n, shape in expected.items() if n.startswith(prefix)}
@@ -186,26 +209,53 @@ def iter_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, dtype: torch.dt
         t = reader.get(name)
         if tuple(t.shape) != shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        scale = None
         if t.dtype == torch.float8_e4m3fn:
             scale_name = name + "_scale_inv"
             if scale_name not in available:
                 raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r}")
-            t = dequantize_fp8(t, reader.get(scale_name))
+            scale = reader.get(scale_name).float()
+            tiles = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
+            if tuple(scale.shape) != tiles:
+                raise CheckpointError(f"tensor {scale_name!r} has shape {tuple(scale.shape)}, expected {tiles} "
+                                      f"(one scale per {FP8_BLOCK}x{FP8_BLOCK} tile of {name!r})")
+            if not (keep_fp8 and keeps_fp8(name, t)):
+                t, scale = dequantize_fp8(t, scale), None
+        if scale is not None:  # rope rows move inside 64-row groups, so within their 128-row tiles
+            t = t.view(torch.uint8)
         if not cfg.rope_interleave and name.endswith(("q_proj.weight", "q_b_proj.weight")):
             t = _rope_rows_to_interleaved(t, cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_rope_head_dim)
         elif not cfg.rope_interleave and name.endswith("kv_a_proj_with_mqa.weight"):
             t = _rope_rows_to_interleaved(t, 1, t.shape[0], cfg.qk_rope_head_dim)
+        if scale is not None:
+            yield name, t.view(torch.float8_e4m3fn)
+            yield name + "_scale_inv", scale
+            continue
         keep_fp32 = name.endswith(("gate.weight", "e_score_correction_bias")) and ".experts." not in name
         yield name, t.to(torch.float32 if keep_fp32 else dtype)
 
 
 def assign_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the model's fused parameters."""
+    """Copy HF-named tensors into the model's fused parameters. An e4m3 tensor turns its parameter into
+    e4m3 and fills the owning module's ``<param>_scale_inv`` buffer from the ``_scale_inv`` that follows."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    plain: set[str] = set()  # parameters that received a non-FP8 tensor
+    fp8: set[str] = set()  # parameters that received an e4m3 tensor
     for name, t in tensors:
-        target, rows = _target(model, name)
+        is_scale = name.endswith("_scale_inv")
+        target, rows = _target(model, name.removesuffix("_scale_inv"))
         with torch.no_grad():
-            p = params[target]
+            if is_scale:
+                p = _fp8_scale(model, target, params[target])
+            else:
+                p = params[target]
+                is_fp8 = t.dtype == torch.float8_e4m3fn
+                if target in (plain if is_fp8 else fp8):
+                    raise CheckpointError(f"tensor {name!r} is {t.dtype} but other tensors of the fused weight "
+                                          f"{target!r} are not: FP8 checkpoints must quantise all of them alike")
+                (fp8 if is_fp8 else plain).add(target)
+                if is_fp8 and p.dtype != t.dtype:
+                    p.data = torch.empty(p.shape, dtype=t.dtype, device=p.device)
             if rows is None:
                 p.data.copy_(t)
             else:
@@ -216,7 +266,31 @@ def assign_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torc
                 else:
                     n = dst.shape[0] // 2
                     dst[half * n : (half + 1) * n].copy_(t)
+    for module_name, buf_name, buf in _fp8_scales(model):
+        if bool(buf.isnan().any()):
+            raise CheckpointError(f"FP8 weight {module_name}.{buf_name.removesuffix('_scale_inv')} got only part of "
+                                  "its scales from the checkpoint")
     model.post_load()
+
+
+def _fp8_scale(model: torch.nn.Module, target: str, p: torch.Tensor) -> torch.Tensor:
+    """The ``<param>_scale_inv`` buffer of parameter ``target`` (created, NaN-filled, on first use): one
+    float32 per 128x128 tile of each [N, K] matrix of ``p``."""
+    owner, _, attr = target.rpartition(".")
+    module = model.get_submodule(owner)
+    buf = getattr(module, attr + "_scale_inv", None)
+    if buf is None:
+        *lead, n, k = p.shape
+        buf = torch.full((*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), float("nan"), device=p.device)
+        module.register_buffer(attr + "_scale_inv", buf, persistent=False)
+    return buf
+
+
+def _fp8_scales(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for module_name, module in model.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf_name.endswith("_scale_inv"):
+                yield module_name, buf_name, buf
 
 
 def _target(model: DeepseekForCausalLM, name: str):

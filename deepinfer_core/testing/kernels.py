@@ -258,6 +258,36 @@ def _cases_fused_moe(g, dtype, bs):
     ))]
 
 
+def _fp8_weight(g, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e4m3 weights [..., N, K] and float32 scales per 128x128 tile (partial tiles included)."""
+    *lead, n, k = shape
+    w = (torch.randn(*shape, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = (torch.rand(*lead, -(-n // 128), -(-k // 128), generator=g) + 0.5) * (k**-0.5 / 64)
+    return w, s
+
+
+def _cases_fp8_linear(g, dtype, bs):
+    w, s = _fp8_weight(g, 200, 320)  # 2 x 3 tiles, the last of each partial
+    w2, s2 = _fp8_weight(g, 256, 512)
+    x = _randn(g, 7, 320, dtype=dtype)
+    x[3, 128:256] = 0  # an all-zero activation group (its scale takes the 1e-4 floor)
+    x[5, :128] *= 300  # groups of very different ranges in one row
+    return [Case("partial tiles", (x, w, s)), Case("one token", (_randn(g, 1, 512, dtype=dtype), w2, s2)),
+            Case("3d, 70 tokens", (_randn(g, 2, 35, 512, dtype=dtype), w2, s2))]
+
+
+def _cases_fused_moe_fp8(g, dtype, bs):
+    C, I, E, k = 256, 128, 6, 3
+    w13, s13 = _fp8_weight(g, E, 2 * I, C)
+    w2, s2 = _fp8_weight(g, E, C, I)
+    base = _cases_fused_moe(g, dtype, bs)[0].args
+    T = base[0].shape[0]
+    one = torch.tensor([[1, 4, 5]])
+    return [Case("with remote experts", (_randn(g, T, C, dtype=dtype), w13, s13, w2, s2, base[3], base[4])),
+            Case("one token", (_randn(g, 1, C, dtype=dtype), w13, s13, w2, s2, torch.rand(1, k, generator=g).to(dtype),
+                               one))]
+
+
 def _cases_apply_penalties(g, dtype, bs):
     B, V = 4, 50
     counts = torch.randint(0, 3, (B, V), generator=g) * (torch.rand(B, V, generator=g) < 0.3)
@@ -496,6 +526,8 @@ _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "mla_prefill": _cases_mla_prefill,
     "moe_route": _cases_moe_route,
     "fused_moe": _cases_fused_moe,
+    "fp8_linear": _cases_fp8_linear,
+    "fused_moe_fp8": _cases_fused_moe_fp8,
     "apply_penalties": _cases_apply_penalties,
     "logsumexp": _cases_logsumexp,
     "sample": _cases_sample,
@@ -515,6 +547,8 @@ _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
 }
 
 _EXACT_OPS = {"paged_kv_write", "paged_kv_gather", "ue8m0_scale", "mxfp8_quant", "mxfp8_dequant"}
+#: ops whose reference truth is computed at the case's own dtype (they quantise activations on the fly)
+_SAME_DTYPE_TRUTH = {"fp8_linear", "fused_moe_fp8"}
 #: which argument of an op is a latent cache (stored in the platform's planes), and the rope width of
 #: the kit's cache entries
 _CACHE_ARG = {"paged_kv_write": 0, "paged_kv_gather": 0, "mla_decode": 1}
@@ -681,7 +715,8 @@ def check_op(
         where = (f"kernel op {op!r} of backend {backend_cls.name!r} "
                  f"[dtype {_dtype_name(dtype)}, case {case.label!r}]")
         shaped = _call(op, reference, _map(case.args, torch.Tensor.clone))  # output dtypes at this dtype
-        truth = _call(op, reference, _map(case.args, _upcast))
+        # FP8 ops quantise their (intermediate) activations: a float32 run would round them otherwise
+        truth = shaped if op in _SAME_DTYPE_TRUTH else _call(op, reference, _map(case.args, _upcast))
         dev_args = _map(case.args, lambda t: t.clone().to(device))
         if planes is not None and op in _CACHE_ARG:
             i = _CACHE_ARG[op]

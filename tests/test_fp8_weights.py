@@ -1,0 +1,178 @@
+"""Block-scaled FP8 weights: the reference ops' exact rules (kernels_cpu/fp8_ops.py), and FP8 checkpoints
+loaded with ``weight_dtype = "bf16"`` (dequantised at load) and ``"fp8"`` (kept e4m3, run by the fp8 ops)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import VOCAB, write_checkpoint
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.config import ConfigError
+from deepinfer_core.models.loader import dequantize_fp8, quantize_fp8
+from kernels_cpu.fp8_ops import FP8, dequantize_blocks, fp8_linear, fused_moe_fp8, quantize_act_fp8
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from random_checkpoint import FP8_QUANTIZATION, fp8_copy, is_fp8_weight  # noqa: E402
+
+
+def _rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---- the reference ops ------------------------------------------------------------------------------
+
+def test_activation_quantisation_rule():
+    x = _rand(5, 300, seed=1) * torch.logspace(-3, 2, 300)  # groups of very different ranges; 300 = 2 groups + 44
+    x[2, 128:256] = 0  # an all-zero group
+    q, s = quantize_act_fp8(x)
+    assert q.dtype == FP8 and q.shape == (5, 300) and s.shape == (5, 3) and s.dtype == torch.float32
+    amax = torch.nn.functional.pad(x, (0, 84)).view(5, 3, 128).abs().amax(-1)
+    assert torch.equal(s, amax.clamp(min=1e-4) / 448)
+    back = dequantize_blocks(q, s, 1, 128)
+    assert not back.isnan().any() and bool((back[2, 128:256] == 0).all())
+    # e4m3 keeps 3 mantissa bits: each element within 2^-4 of itself, or under the group's subnormal step
+    err = (back - x).abs()
+    assert bool((err <= x.abs() / 16 + s.repeat_interleave(128, 1)[:, :300] * 2.0**-9).all())
+    _, s8 = quantize_act_fp8(x, ue8m0=True)
+    assert torch.equal(s8, torch.exp2(torch.ceil(torch.log2(s))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_is_the_block_formula(dtype):
+    x = _rand(7, 320, seed=2).to(dtype)
+    w, ws = quantize_fp8(_rand(200, 320, seed=3, scale=0.05))  # 2 x 3 tiles, both partial
+    got = fp8_linear(x, w, ws)
+    assert got.dtype == dtype and got.shape == (7, 200)
+    q, s = quantize_act_fp8(x)
+    want = torch.zeros(7, 200, dtype=torch.float64)
+    for kb in range(3):
+        ks = slice(kb * 128, (kb + 1) * 128)
+        part = q[:, ks].double() @ w[:, ks].double().t()
+        want += part * s[:, kb, None].double() * ws[:, kb].repeat_interleave(128)[:200][None].double()
+    rel = (got.double() - want).norm() / want.norm()
+    assert rel < (1e-6 if dtype == torch.float32 else 4e-3)
+    # against the unquantised activations, the error is the activation rounding: a few percent at most
+    exact = x.float() @ dequantize_fp8(w, ws).t()
+    assert 1e-3 < ((got.float() - exact).norm() / exact.norm()).item() < 0.05
+
+
+def test_fused_moe_fp8_is_per_token_fp8_linears():
+    E, C, I, T, k = 4, 256, 128, 6, 2
+    w13 = [quantize_fp8(_rand(2 * I, C, seed=10 + e, scale=0.05)) for e in range(E)]
+    w2 = [quantize_fp8(_rand(C, I, seed=20 + e, scale=0.05)) for e in range(E)]
+    W13, S13 = torch.stack([a for a, _ in w13]), torch.stack([b for _, b in w13])
+    W2, S2 = torch.stack([a for a, _ in w2]), torch.stack([b for _, b in w2])
+    x = _rand(T, C, seed=4)
+    ids = torch.tensor([[0, 1], [1, 3], [2, 2 + E], [3, 0], [-1, 1], [2, 3]])  # ids outside [0, E) skipped
+    weights = torch.rand(T, k, generator=torch.Generator().manual_seed(5))
+    got = fused_moe_fp8(x, W13, S13, W2, S2, weights, ids)
+    want = torch.zeros(T, C)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if 0 <= e < E:
+                g, u = fp8_linear(x[t : t + 1], W13[e], S13[e]).chunk(2, -1)
+                h = torch.nn.functional.silu(g) * u
+                want[t] += weights[t, j] * fp8_linear(h, W2[e], S2[e])[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- FP8 checkpoints --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory) -> Path:
+    """A tiny V3 checkpoint in V3's FP8 format, with widths that make every kind of weight stay FP8
+    (expert width 128: w13's halves fill whole tiles) and partial tiles (q_lora 192, kv_a 24 rows)."""
+    root = tmp_path_factory.mktemp("fp8w")
+    src, _ = write_checkpoint(root / "src", "v3", seed=7, hidden_size=256, q_lora_rank=192, intermediate_size=256,
+                              moe_intermediate_size=128, n_group=2, topk_group=1, norm_topk_prob=True)
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if is_fp8_weight(name):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(t * 0.2)
+        else:
+            tensors[name] = t
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_QUANTIZATION}))
+    return src
+
+
+def make_llm(path, **kw) -> LLM:
+    return LLM(str(path), dtype="float32", block_size=4, max_num_seqs=4, kv_cache_memory=1 << 20, **kw)
+
+
+PROMPTS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40)]
+
+
+def _generate(llm: LLM):
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    lps = [torch.tensor([o.prompt_logprobs[i][t].logprob for i, t in enumerate(o.prompt_token_ids) if i])
+           for o in outs]
+    return [o.outputs[0].token_ids for o in outs], torch.cat(lps)
+
+
+def test_fp8_checkpoint_kept_fp8_equals_dequantised_within_the_activation_bound(fp8_ckpt):
+    bf16 = make_llm(fp8_ckpt, weight_dtype="bf16")
+    fp8 = make_llm(fp8_ckpt, weight_dtype="fp8")
+    assert make_llm(fp8_ckpt).engine.fp8_weights is False  # auto on CPU: no fast FP8 GEMM, dequantised
+    mb, mf = bf16.engine.model, fp8.engine.model
+    kept = {"q_a_proj": (mb.layers[0].self_attn, mf.layers[0].self_attn, "q_a_proj"),
+            "q_b_proj": (mb.layers[1].self_attn, mf.layers[1].self_attn, "q_b_proj"),
+            "kv_a": (mb.layers[1].self_attn, mf.layers[1].self_attn, "kv_a_proj_with_mqa"),
+            "o_proj": (mb.layers[0].self_attn, mf.layers[0].self_attn, "o_proj"),
+            "dense w13": (mb.layers[0].mlp, mf.layers[0].mlp, "w13"),
+            "expert w13": (mb.layers[1].mlp, mf.layers[1].mlp, "w13"),
+            "expert w2": (mb.layers[1].mlp, mf.layers[1].mlp, "w2"),
+            "shared w2": (mb.layers[1].mlp.shared, mf.layers[1].mlp.shared, "w2")}
+    for what, (b, f, attr) in kept.items():
+        wb, wf, scale = getattr(b, attr), getattr(f, attr), getattr(f, attr + "_scale_inv")
+        assert wb.dtype == torch.float32 and getattr(b, attr + "_scale_inv") is None, what
+        assert wf.dtype == FP8 and scale is not None and scale.dtype == torch.float32, what
+        assert torch.equal(dequantize_blocks(wf, scale, 128, 128), wb), what  # same weights, other storage
+    assert mf.layers[1].self_attn.kv_b_proj.dtype == torch.float32  # the absorbed W_UK/W_UV come from it
+    (tok_b, lp_b), (tok_f, lp_f) = _generate(bf16), _generate(fp8)
+    assert len(tok_f) == len(tok_b) and not lp_f.isnan().any()
+    assert (lp_f - lp_b).abs().max() > 0  # the activations really were quantised
+
+
+def test_trained_model_fp8_weights_accuracy(tmp_path):
+    """The embedded trained tiny model, written as an FP8 checkpoint: weight_dtype fp8 (e4m3 weights, activations
+    quantised per token and 128 channels) against the same FP8 weights dequantised (bf16 mode), greedy on text."""
+    from deepinfer_core.models.loader import EMBEDDED_MODEL
+
+    ckpt = fp8_copy(EMBEDDED_MODEL, tmp_path / "tiny-fp8")
+    prompts = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self"]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    runs = {}
+    for mode in ("bf16", "fp8"):
+        outs = make_llm(ckpt, weight_dtype=mode).generate(prompts, sp, use_tqdm=False)
+        runs[mode] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                o.outputs[0].token_ids)])
+                      for o in outs]
+    agree, total, drift = 0, 0, []
+    for (tb, lb), (tf, lf) in zip(runs["bf16"], runs["fp8"]):
+        n = next((i for i, (a, b) in enumerate(zip(tb, tf)) if a != b), len(tb))  # common greedy prefix
+        agree, total = agree + n, total + len(tb)
+        drift += [abs(a - b) for a, b in zip(lb[:n], lf[:n])]
+    # measured on CPU (float32): 72/72 tokens agree, mean |dlogprob| 0.058
+    msg = (f"greedy prefix agreement {agree}/{total}, mean |dlogprob| {sum(drift) / max(1, len(drift)):.4f}, "
+           f"max {max(drift):.4f}")
+    assert agree / total >= 0.9, msg
+    assert sum(drift) / len(drift) < 0.15 and max(drift) < 1.0, msg
+
+
+def test_weight_dtype_is_validated(fp8_ckpt, tmp_path):
+    with pytest.raises(ConfigError, match=r"'weight_dtype' must be one of \('auto', 'fp8', 'bf16'\), got 'int4'"):
+        make_llm(fp8_ckpt, weight_dtype="int4")
+    plain, _ = write_checkpoint(tmp_path / "plain", "v3", seed=1)
+    with pytest.raises(ConfigError, match="'weight_dtype' is 'fp8' but .* is not an FP8 checkpoint"):
+        make_llm(plain, weight_dtype="fp8")
