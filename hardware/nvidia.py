@@ -72,7 +72,8 @@ class NvidiaPlatform(Platform):
         return (torch.bfloat16, torch.float16, torch.float32)
 
     def supports_fp8_gemm(self) -> bool:
-        return False  # block-scaled FP8 GEMM kernels are not in kernels_cuda yet: dequantize at load
+        # kernels_cuda.fp8_gemm: e4m3 wgmma, Hopper (sm_90a) and newer
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
     def supports_pinned_memory(self) -> bool:
         return True

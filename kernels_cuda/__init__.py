@@ -14,7 +14,7 @@ from deepinfer_core.kernels import KernelBackend
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
 KERNEL_MODULES = ("norm", "elementwise", "kv_cache", "mla_decode", "mla_prefill", "moe", "moe_route", "sampling",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
-                  "mxfp8")
+                  "mxfp8", "fp8_gemm")
 
 
 class CudaKernels(KernelBackend):
@@ -43,4 +43,6 @@ class CudaKernels(KernelBackend):
         "ue8m0_scale": "kernels_cuda.mxfp8:ue8m0_scale",
         "mxfp8_quant": "kernels_cuda.mxfp8:mxfp8_quant",
         "mxfp8_dequant": "kernels_cuda.mxfp8:mxfp8_dequant",
+        "fp8_linear": "kernels_cuda.fp8_gemm:fp8_linear",
+        "fused_moe_fp8": "kernels_cuda.fp8_gemm:fused_moe_fp8",
     }

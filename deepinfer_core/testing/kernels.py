@@ -283,7 +283,10 @@ def _cases_fused_moe_fp8(g, dtype, bs):
     base = _cases_fused_moe(g, dtype, bs)[0].args
     T = base[0].shape[0]
     one = torch.tensor([[1, 4, 5]])
+    many = torch.randint(0, E, (120, k), generator=g)  # 360 slots: the large-batch tiles
     return [Case("with remote experts", (_randn(g, T, C, dtype=dtype), w13, s13, w2, s2, base[3], base[4])),
+            Case("120 tokens", (_randn(g, 120, C, dtype=dtype), w13, s13, w2, s2,
+                                torch.rand(120, k, generator=g).to(dtype), many)),
             Case("one token", (_randn(g, 1, C, dtype=dtype), w13, s13, w2, s2, torch.rand(1, k, generator=g).to(dtype),
                                one))]
 

@@ -1,0 +1,96 @@
+"""GPU conformance of the block-scaled FP8 kernels (``kernels_cuda.fp8_gemm``) at real DeepSeek shapes,
+against the reference ops (``kernels_cpu.fp8_ops``) run on the same device at the same dtype (FP8 ops
+quantise activations on the fly, so the truth is the reference at the kernel's dtype; the kit's small
+shapes run in ``test_kernels_cuda_gpu.py::test_conformance_kit``). Also: every element written (the
+output is poisoned first), fresh random inputs per case, and the same result in a CUDA graph."""
+
+import pytest
+import torch
+from gpu_marks import DRY, GPU_OR_DRY, HAS_CUDA
+
+pytestmark = GPU_OR_DRY
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def fp8_weight(g, *shape):
+    *lead, n, k = shape
+    if DRY:
+        return (torch.zeros(*shape, device=DEV).to(torch.float8_e4m3fn),
+                torch.ones(*lead, -(-n // 128), -(-k // 128), device=DEV))
+    w = (torch.randn(*shape, generator=g, device=DEV) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = (torch.rand(*lead, -(-n // 128), -(-k // 128), generator=g, device=DEV) + 0.5) * (k ** -0.5 / 64)
+    return w, s
+
+
+def randn(g, *shape, scale=1.0):
+    if DRY:
+        return torch.zeros(*shape, dtype=torch.bfloat16, device=DEV)
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(torch.bfloat16)
+
+
+def close(out, truth, what, rtol=2e-2):
+    if DRY:
+        return
+    o, r = out.double().cpu(), truth.double().cpu()
+    assert o.shape == r.shape and torch.isfinite(o).all(), what
+    bound = rtol * (r.abs() + r.pow(2).mean().sqrt().clamp_min(1e-12))
+    worst = ((o - r).abs() / bound).max().item()
+    assert worst <= 1.0, f"{what}: {worst:.2f}x the tolerance"
+
+
+#: (name, M, N, K): V3 projections (q_a, q_b, kv_a, o_proj, dense w13) and V2-Lite's q
+LINEAR_CASES = [(f"{name} M={m}", m, n, k) for name, n, k in (
+    ("q_a", 1536, 7168), ("q_b", 24576, 1536), ("kv_a", 576, 7168), ("o_proj", 7168, 16384),
+    ("dense_w13", 36864, 7168), ("v2lite_q", 3072, 2048)) for m in (1, 7, 64, 200)]
+
+
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=[c[0] for c in LINEAR_CASES])
+def test_fp8_linear_real_shapes(case):
+    from kernels_cpu.fp8_ops import fp8_linear as ref
+    from kernels_cuda.fp8_gemm import fp8_linear
+
+    _, M, N, K = case
+    g = torch.Generator(device=DEV).manual_seed(M * 7 + N)
+    x = randn(g, M, K)
+    w, s = fp8_weight(g, N, K)
+    out = fp8_linear(x, w, s)
+    close(out, ref(x, w, s), case[0])
+
+
+#: (name, T, E, C, I, k)
+MOE_CASES = [("V2-Lite b1", 1, 64, 2048, 1408, 6), ("V2-Lite b64", 64, 64, 2048, 1408, 6),
+             ("V3 b1", 1, 256, 7168, 2048, 8), ("V3 b256", 256, 32, 7168, 2048, 8)]
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
+def test_fused_moe_fp8_real_shapes(case):
+    from kernels_cpu.fp8_ops import fused_moe_fp8 as ref
+    from kernels_cuda.fp8_gemm import fused_moe_fp8
+
+    _, T, E, C, I, k = case
+    g = torch.Generator(device=DEV).manual_seed(T + E)
+    x = randn(g, T, C)
+    w13, s13 = fp8_weight(g, E, 2 * I, C)
+    w2, s2 = fp8_weight(g, E, C, I)
+    ids = torch.stack([torch.randperm(E + 4, generator=torch.Generator().manual_seed(t))[:k] - 2
+                       for t in range(T)]).to(DEV)  # some ids outside [0, E): other ranks' experts
+    weights = torch.rand(T, k, device=DEV).to(torch.bfloat16)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
+    close(out, ref(x, w13, s13, w2, s2, weights, ids), case[0])
+
+
+@pytest.mark.skipif(DRY, reason="runs kernels")
+def test_fp8_linear_writes_every_row_and_replays_in_a_graph():
+    from kernels_cuda.fp8_gemm import fp8_linear
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = randn(g, 5, 7168)
+    w, s = fp8_weight(g, 1536, 7168)
+    eager = fp8_linear(x, w, s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_linear(x, w, s)
+    captured.fill_(float("nan"))  # poison: the replay must overwrite every element
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
