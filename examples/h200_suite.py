@@ -326,6 +326,9 @@ def run(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="skip the enforce_eager decode points")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weight-dtype", default=None, choices=["bf16", "fp8"],
+                    help="fp8: the random weights quantised per 128x128 tile, run by the fp8_* ops (the "
+                         "rooflines still count 2-byte weights)")
     args = ap.parse_args(argv)
     opts = {k: (getattr(args, k) if getattr(args, k) is not None else d)
             for k, d in (FULL if args.scale == "full" else SMALL).items()}
@@ -344,13 +347,17 @@ def run(argv: list[str] | None = None) -> dict:
     model_dir = write_config(Path(tmp.name) / args.shape, cfg)
 
     t = time.perf_counter()
-    llm = build_llm(model_dir, opts, batches, prefill_lens, args.accelerator, args.seed)
+    wd = {"weight_dtype": args.weight_dtype} if args.weight_dtype else {}
+    llm = build_llm(model_dir, opts, batches, prefill_lens, args.accelerator, args.seed, **wd)
     phases["build"] = time.perf_counter() - t
     device = llm.engine.device
     res: dict = {"shape": args.shape, "scale": args.scale, "model_config": cfg, "device": str(device),
                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "options": opts, "parameters": sum(
-                     p.numel() for p in llm.engine.model.parameters()), "profile": profile}
+                     p.numel() for p in llm.engine.model.parameters()), "profile": profile,
+                 "weight_dtype": args.weight_dtype or "bf16", "weight_bytes": sum(
+                     t.numel() * t.element_size() for t in (*llm.engine.model.parameters(),
+                                                            *llm.engine.model.buffers()))}
     print(f"{args.shape} ({args.scale}): {res['parameters'] / 1e9:.2f}B parameters, {opts['dtype']} on "
           f"{res['device_name']}, engine built in {phases['build']:.1f} s", flush=True)
     t = time.perf_counter()

@@ -34,10 +34,13 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         str(ROOT / "tests" / "test_kernels_cuda_gpu.py"),
                         str(ROOT / "tests" / "test_cuda_graphs_gpu.py"),
-                        str(ROOT / "tests" / "test_kernels_cuda_v4_gpu.py")], env=env, cwd=ROOT, check=True)
+                        str(ROOT / "tests" / "test_kernels_cuda_v4_gpu.py"),
+                        str(ROOT / "tests" / "test_fp8_gemm_gpu.py")], env=env, cwd=ROOT, check=True)
     if not args.skip_bench:
         subprocess.run([sys.executable, str(ROOT / "examples" / "kernel_bench.py"), "--dry"], env=env, cwd=ROOT,
                        check=True)
+        subprocess.run([sys.executable, str(ROOT / "examples" / "fp8_bench.py"), "--dry", "--out", os.devnull],
+                       env=env, cwd=ROOT, check=True)
     if args.engine_shapes != "none":
         subprocess.run([sys.executable, str(ROOT / "examples" / "engine_warm.py"), "--shapes", args.engine_shapes],
                        env=env, cwd=ROOT, check=True)

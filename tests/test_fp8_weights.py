@@ -176,3 +176,19 @@ def test_weight_dtype_is_validated(fp8_ckpt, tmp_path):
     plain, _ = write_checkpoint(tmp_path / "plain", "v3", seed=1)
     with pytest.raises(ConfigError, match="'weight_dtype' is 'fp8' but .* is not an FP8 checkpoint"):
         make_llm(plain, weight_dtype="fp8")
+
+
+def test_random_weights_quantised_for_fp8_benchmarks(fp8_ckpt):
+    """load_format random + weight_dtype fp8: the random weights are quantised per 128x128 tile in place
+    (FP8 shapes benchmarked without a checkpoint); other modes keep them in the model dtype."""
+    fp8 = make_llm(fp8_ckpt, load_format="random", weight_dtype="fp8")
+    plain = make_llm(fp8_ckpt, load_format="random")
+    mf, mp = fp8.engine.model, plain.engine.model
+    assert mf.layers[1].mlp.w13.dtype == FP8 and mf.layers[1].mlp.w13_scale_inv.shape == (8, 2, 2)
+    assert torch.equal(dequantize_blocks(mf.layers[1].mlp.w2[3], mf.layers[1].mlp.w2_scale_inv[3], 128, 128),
+                       dequantize_fp8(*quantize_fp8(mp.layers[1].mlp.w2[3])))
+    assert mf.layers[0].self_attn.q_a_proj.dtype == FP8 and mp.layers[0].self_attn.q_a_proj.dtype == torch.float32
+    assert mf.layers[0].self_attn.kv_b_proj.dtype == torch.float32
+    assert fp8.engine.fingerprint != plain.engine.fingerprint  # other numerics: never share KV
+    toks, _ = _generate(fp8)
+    assert all(len(t) == 6 for t in toks)

@@ -68,6 +68,7 @@ from deepinfer_core.kv_cache_spec import CacheLayout, HitRule
 from deepinfer_core.models.loader import (
     SafetensorsReader,
     apply_weight_layout,
+    quantize_model_fp8,
     random_init,
     read_config,
     resolve_model_dir,
@@ -236,6 +237,8 @@ class LLMEngine:
                                       expert_range)
         if self.cfg.load_format == "random":
             random_init(model, seed=self.cfg.seed)
+            if self.fp8_weights:
+                quantize_model_fp8(model)
         elif self.fp8_weights:
             model.load_weights(SafetensorsReader(self.model_dir), keep_fp8=True)
         else:
@@ -256,10 +259,12 @@ class LLMEngine:
     def keep_fp8_weights(self) -> bool:
         """Whether an FP8 checkpoint's weights stay FP8 in memory (config ``weight_dtype``): ``fp8`` always
         (an error for a checkpoint without FP8 weights or an architecture that cannot), ``auto`` where the
-        platform has block-scaled FP8 GEMMs, ``bf16`` never (dequantised to ``dtype`` at load)."""
+        platform has block-scaled FP8 GEMMs, ``bf16`` never (dequantised to ``dtype`` at load). With
+        ``load_format = "random"``, ``fp8`` quantises the random weights per 128x128 tile (benchmarks)."""
         mode = self.cfg.weight_dtype
         quant = read_config(self.model_dir).get("quantization_config") or {}
-        is_fp8 = quant.get("quant_method") == "fp8" and self.cfg.load_format != "random"
+        random_fp8 = self.cfg.load_format == "random" and mode == "fp8"
+        is_fp8 = quant.get("quant_method") == "fp8" and self.cfg.load_format != "random" or random_fp8
         if mode == "bf16" or (mode == "auto" and not (is_fp8 and self.platform.supports_fp8_gemm())):
             return False
         if not is_fp8:

@@ -286,6 +286,27 @@ def _fp8_scale(model: torch.nn.Module, target: str, p: torch.Tensor) -> torch.Te
     return buf
 
 
+def quantize_model_fp8(model: torch.nn.Module) -> int:
+    """Turn the model's GEMM weights that declare a ``<name>_scale_inv`` buffer into e4m3 with 128x128 tile
+    scales (:func:`quantize_fp8`, matrix by matrix), as an FP8 checkpoint would load them (``load_format =
+    "random"`` with ``weight_dtype = "fp8"``: benchmarks of FP8 shapes without a checkpoint). A fused w13
+    whose halves do not fill whole tiles stays as it is. Returns the number of weights quantised."""
+    done = 0
+    for module in list(model.modules()):
+        for buf_name in [n for n, b in module._buffers.items() if n.endswith("_scale_inv") and b is None]:
+            attr = buf_name.removesuffix("_scale_inv")
+            p = getattr(module, attr, None)
+            if p is None or p.dim() < 2 or (attr == "w13" and (p.shape[-2] // 2) % FP8_BLOCK):
+                continue
+            pairs = [quantize_fp8(m) for m in p.data.reshape(-1, *p.shape[-2:])]  # one matrix at a time
+            p.data = torch.stack([q for q, _ in pairs]).view(p.shape)
+            scales = [s for _, s in pairs]
+            module.register_buffer(buf_name, torch.stack(scales).view(*p.shape[:-2], *scales[0].shape),
+                                   persistent=False)
+            done += 1
+    return done
+
+
 def _fp8_scales(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
     for module_name, module in model.named_modules():
         for buf_name, buf in module.named_buffers(recurse=False):
