@@ -129,11 +129,14 @@ def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
 
 def keeps_fp8(name: str, t: torch.Tensor) -> bool:
     """Whether tensor ``name`` of an FP8 checkpoint can stay FP8 in memory (``weight_dtype``): every GEMM
-    weight but ``kv_b_proj`` (MLA derives its absorbed per-head weights from it), and gate/up halves only
-    when their rows fill whole 128-row tiles (their scales then concatenate into the fused w13's)."""
+    weight but ``kv_b_proj`` (MLA derives its absorbed per-head weights from it); an MLP's gate/up/down
+    only when its width fills whole 128-wide tiles (the gate/up scales then concatenate into the fused w13's,
+    and w13 and w2 are FP8 together, as the fused MoE op takes them)."""
     if t.dtype != torch.float8_e4m3fn or name.endswith("kv_b_proj.weight"):
         return False
-    return not name.endswith(("gate_proj.weight", "up_proj.weight")) or t.shape[0] % FP8_BLOCK == 0
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return t.shape[0] % FP8_BLOCK == 0
+    return not name.endswith("down_proj.weight") or t.shape[1] % FP8_BLOCK == 0
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -296,7 +299,8 @@ def quantize_model_fp8(model: torch.nn.Module) -> int:
         for buf_name in [n for n, b in module._buffers.items() if n.endswith("_scale_inv") and b is None]:
             attr = buf_name.removesuffix("_scale_inv")
             p = getattr(module, attr, None)
-            if p is None or p.dim() < 2 or (attr == "w13" and (p.shape[-2] // 2) % FP8_BLOCK):
+            width = {"w13": p.shape[-2] // 2, "w2": p.shape[-1]}.get(attr, 0) if p is not None else 0
+            if p is None or p.dim() < 2 or width % FP8_BLOCK:  # keeps_fp8's rule
                 continue
             pairs = [quantize_fp8(m) for m in p.data.reshape(-1, *p.shape[-2:])]  # one matrix at a time
             p.data = torch.stack([q for q, _ in pairs]).view(p.shape)
