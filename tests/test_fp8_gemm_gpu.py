@@ -58,8 +58,10 @@ def test_fp8_linear_real_shapes(case):
 
 
 #: (name, T, E, C, I, k)
+#: V3 cases use the engine's V3-slice kernels (E 256: small tiles up to 1536 tokens, large above)
 MOE_CASES = [("V2-Lite b1", 1, 64, 2048, 1408, 6), ("V2-Lite b64", 64, 64, 2048, 1408, 6),
-             ("V3 b1", 1, 256, 7168, 2048, 8), ("V3 b256", 256, 32, 7168, 2048, 8)]
+             ("V3 b1", 1, 256, 7168, 2048, 8), ("V3 b256", 256, 256, 7168, 2048, 8),
+             ("V3 prefill 2048", 2048, 256, 7168, 2048, 8)]
 
 
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
