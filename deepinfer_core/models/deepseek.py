@@ -68,25 +68,50 @@ class MLA(nn.Module):
         self.scale = cfg.softmax_scale
         self.w_uk: torch.Tensor | None = None  # [H, L, N] (W_UK transposed), derived from kv_b_proj
         self.w_uv: torch.Tensor | None = None  # [H, V, L]
+        # [q_a_proj | q_proj ; kv_a_proj_with_mqa]: both read the layer input, so one GEMM (post_load)
+        self.w_xa: torch.Tensor | None = None
+        self.w_xa_scale: torch.Tensor | None = None
 
     def post_load(self) -> None:
         kv_b = self.kv_b_proj.view(self.H, self.N + self.V, self.L)
         self.w_uk = kv_b[:, : self.N].transpose(1, 2).contiguous()
         self.w_uv = kv_b[:, self.N :].contiguous()
+        self._fuse_input_projections()
+
+    def _fuse_input_projections(self) -> None:
+        """Concatenate the query's first projection and kv_a into ``w_xa`` (one GEMM per layer instead of two);
+        the parameters become views of it (no extra memory). FP8 weights fuse when the query part fills whole
+        128-row tiles (their scales concatenate too); otherwise the two GEMMs stay separate."""
+        name = "q_proj" if self.cfg.q_lora_rank is None else "q_a_proj"
+        wq, wkv = getattr(self, name), self.kv_a_proj_with_mqa
+        sq, skv = getattr(self, name + "_scale_inv"), self.kv_a_proj_with_mqa_scale_inv
+        if wq.dtype != wkv.dtype or (sq is None) != (skv is None) or (sq is not None and wq.shape[0] % 128):
+            self.w_xa = self.w_xa_scale = None
+            return
+        fused = torch.cat((wq.data, wkv.data))
+        n = wq.shape[0]
+        wq.data, wkv.data = fused[:n], fused[n:]
+        self.w_xa = fused
+        self.w_xa_scale = None if sq is None else torch.cat((sq, skv))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         k, T = self.k, x.shape[0]
-        if self.cfg.q_lora_rank is None:
-            q = linear(k, x, self.q_proj, self.q_proj_scale_inv)
+        if self.w_xa is not None:
+            x_q, kv_a = linear(k, x, self.w_xa, self.w_xa_scale).split(
+                [self.w_xa.shape[0] - self.L - self.R, self.L + self.R], dim=-1)
         else:
-            q_a = self.q_a_layernorm(linear(k, x, self.q_a_proj, self.q_a_proj_scale_inv))
-            q = linear(k, q_a, self.q_b_proj, self.q_b_proj_scale_inv)
+            x_q = linear(k, x, *((self.q_proj, self.q_proj_scale_inv) if self.cfg.q_lora_rank is None
+                                 else (self.q_a_proj, self.q_a_proj_scale_inv)))
+            kv_a = linear(k, x, self.kv_a_proj_with_mqa, self.kv_a_proj_with_mqa_scale_inv)
+        if self.cfg.q_lora_rank is None:
+            q = x_q
+        else:
+            q = linear(k, self.q_a_layernorm(x_q), self.q_b_proj, self.q_b_proj_scale_inv)
         q = q.view(T, self.H, self.N + self.R)
         q_nope, q_pe = q.split([self.N, self.R], dim=-1)  # [T, H, N], [T, H, R]
         q_pe = k.rope(q_pe, positions, cos_sin)
 
-        kv_a = linear(k, x, self.kv_a_proj_with_mqa, self.kv_a_proj_with_mqa_scale_inv)
         latent, k_pe = kv_a.split([self.L, self.R], dim=-1)
         entry = torch.cat((self.kv_a_layernorm(latent), k.rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
         k.paged_kv_write(cache, meta.slot_mapping, entry)  # entry: [T, L + R]
