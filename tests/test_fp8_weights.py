@@ -139,6 +139,7 @@ def test_fp8_checkpoint_kept_fp8_equals_dequantised_within_the_activation_bound(
         assert wf.dtype == FP8 and scale is not None and scale.dtype == torch.float32, what
         assert torch.equal(dequantize_blocks(wf, scale, 128, 128), wb), what  # same weights, other storage
     assert mf.layers[1].self_attn.kv_b_proj.dtype == torch.float32  # the absorbed W_UK/W_UV come from it
+    assert mf.layers[1].self_attn.w_xa is None and mb.layers[1].self_attn.w_xa is not None  # q_lora 192
     (tok_b, lp_b), (tok_f, lp_f) = _generate(bf16), _generate(fp8)
     assert len(tok_f) == len(tok_b) and not lp_f.isnan().any()
     assert (lp_f - lp_b).abs().max() > 0  # the activations really were quantised
@@ -150,6 +151,9 @@ def test_trained_model_fp8_weights_accuracy(tmp_path):
     from deepinfer_core.models.loader import EMBEDDED_MODEL
 
     ckpt = fp8_copy(EMBEDDED_MODEL, tmp_path / "tiny-fp8")
+    attn = make_llm(ckpt, weight_dtype="fp8").engine.model.layers[0].self_attn  # q_lora 128: q_a + kv_a fuse
+    assert attn.w_xa.dtype == FP8 and attn.w_xa.shape[0] == 128 + 64 + 16 and attn.w_xa_scale.shape == (2, 2)
+    assert torch.equal(attn.w_xa[:128].view(torch.uint8), attn.q_a_proj.view(torch.uint8))
     prompts = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self"]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     runs = {}
@@ -189,6 +193,8 @@ def test_random_weights_quantised_for_fp8_benchmarks(fp8_ckpt):
                        dequantize_fp8(*quantize_fp8(mp.layers[1].mlp.w2[3])))
     assert mf.layers[0].self_attn.q_a_proj.dtype == FP8 and mp.layers[0].self_attn.q_a_proj.dtype == torch.float32
     assert mf.layers[0].self_attn.kv_b_proj.dtype == torch.float32
+    assert mf.layers[0].self_attn.w_xa is None  # q_lora 192: not whole tiles, q_a and kv_a stay two FP8 GEMMs
+    assert mp.layers[0].self_attn.w_xa is not None  # in bf16 they are one GEMM
     assert fp8.engine.fingerprint != plain.engine.fingerprint  # other numerics: never share KV
     toks, _ = _generate(fp8)
     assert all(len(t) == 6 for t in toks)

@@ -239,6 +239,7 @@ class LLMEngine:
             random_init(model, seed=self.cfg.seed)
             if self.fp8_weights:
                 quantize_model_fp8(model)
+                model.post_load()  # weights derived at load (fused projections) from the FP8 ones
         elif self.fp8_weights:
             model.load_weights(SafetensorsReader(self.model_dir), keep_fp8=True)
         else:
