@@ -26,6 +26,7 @@ LOG2E = 1.4426950408889634
 #: heads per CTA and keys per tile (the 16-head tile configuration of ``mla_decode``: four warps, each
 #: owning 16 key columns of the score tile and 128 output channels)
 BH, BN, THREADS = 16, 64, 128
+COMBINE_THREADS = 128
 
 
 def _attend_macro(T, D: int, accum: str):
@@ -219,8 +220,47 @@ def build_sparse_attention_split(H: int, D: int, W: int, BS: int, DS: int, DC: i
     return v4_sparse_attention_split_kernel
 
 
+def build_split_combine(H: int, D: int, dtype: str = "bfloat16"):
+    """The split-KV combine as one launch (the math of ``combine_splits``): a CTA per (head, token), each
+    thread holding D / 128 output channels; the max, the weights and the sum are per-thread scalars over
+    the S splits (all threads compute them: S is small)."""
+    T = _tl.language()
+    NT, S = T.dynamic("NT"), T.dynamic("S")
+    accum = "float32"
+
+    @T.prim_func
+    def v4_split_combine_kernel(
+        Opart: T.Tensor((NT, S, H, D), accum),
+        Mpart: T.Tensor((NT, S, H), accum),
+        Lpart: T.Tensor((NT, S, H), accum),
+        Sinks: T.Tensor((H,), accum),
+        Out: T.Tensor((NT, H, D), dtype),
+        scale_log2: T.float32,
+    ):
+        with T.Kernel(H, NT, threads=COMBINE_THREADS) as (h, t):
+            acc = T.alloc_fragment((D,), accum)
+            m = T.alloc_local((1,), accum)
+            den = T.alloc_local((1,), accum)
+            w = T.alloc_local((1,), accum)
+            m[0] = Sinks[h] * LOG2E / scale_log2
+            for s in T.serial(S):
+                m[0] = T.max(m[0], Mpart[t, s, h])
+            den[0] = T.exp2((Sinks[h] * LOG2E / scale_log2 - m[0]) * scale_log2)
+            T.fill(acc, 0)
+            for s in T.serial(S):
+                w[0] = T.exp2((Mpart[t, s, h] - m[0]) * scale_log2)
+                den[0] += Lpart[t, s, h] * w[0]
+                for d in T.Parallel(D):
+                    acc[d] += Opart[t, s, h, d] * w[0]
+            for d in T.Parallel(D):
+                Out[t, h, d] = T.cast(acc[d] / den[0], dtype)
+
+    return v4_split_combine_kernel
+
+
 _kernel = _tl.kernel_cache(build_sparse_attention)
 _split_kernel = _tl.kernel_cache(build_sparse_attention_split)
+_combine_kernel = _tl.kernel_cache(build_split_combine)
 
 
 def _round(x: int, m: int) -> int:
@@ -237,9 +277,11 @@ def choose_splits(num_tokens: int, heads: int, key_tiles: int, sms: int) -> int:
 
 
 def combine_splits(o_part, m_part, l_part, sinks, scale: float):
-    """Merge the splits' (unnormalised output, running max in raw score units, running sum) and the sink,
-    counted once: out = sum_s O_s 2^((m_s - M) c) / (sum_s l_s 2^((m_s - M) c) + e^(sink - M scale)), with
-    c = scale log2(e) and M the largest split max (>= sink / scale, so every exponent is <= 0)."""
+    """The combine's math in torch (the specification ``build_split_combine`` implements in one launch;
+    the tests compare the two). Merge the splits' (unnormalised output, running max in raw score units,
+    running sum) and the sink, counted once:
+    out = sum_s O_s 2^((m_s - M) c) / (sum_s l_s 2^((m_s - M) c) + e^(sink - M scale)),
+    with c = scale log2(e) and M the largest split max (>= sink / scale: every exponent is <= 0)."""
     c = scale * LOG2E
     m = m_part.amax(dim=1, keepdim=True)  # [T, 1, H]
     w = torch.exp2((m_part - m) * c)  # [T, S, H]
@@ -291,7 +333,9 @@ def v4_sparse_attention(q, swa_cache, swa_tables, comp_cache, comp_tables, comp_
         m_part = torch.empty(T_, splits, Hp, dtype=torch.float32, device=dev)
         l_part = torch.empty(T_, splits, Hp, dtype=torch.float32, device=dev)
         _split_kernel(*config)(*args, o_part, m_part, l_part, float(scale * LOG2E), tps)
-        out = combine_splits(o_part, m_part, l_part, sinks, float(scale)).to(q.dtype)
+        out = torch.empty(T_, Hp, D, dtype=q.dtype, device=dev)
+        _combine_kernel(Hp, D, _tl.tl_dtype(q.dtype))(o_part, m_part, l_part, sinks.contiguous(), out,
+                                                      float(scale * LOG2E))
     return out if Hp == H else out[:, :H].contiguous()
 
 
@@ -299,4 +343,5 @@ def representative_kernels():
     """V4-Flash: 64 heads, D 512, window 128, pages of 256 tokens; CSA rows 512 + 128 wide."""
     return [("v4_sparse_attention H64 D512 W128 CSA", lambda: build_sparse_attention(64, 512, 128, 256, 512, 640)),
             ("v4_sparse_attention split-KV H64 D512 W128 CSA",
-             lambda: build_sparse_attention_split(64, 512, 128, 256, 512, 640))]
+             lambda: build_sparse_attention_split(64, 512, 128, 256, 512, 640)),
+            ("v4 split-KV combine H64 D512", lambda: build_split_combine(64, 512))]

@@ -155,6 +155,30 @@ def test_sparse_attention_split_kv(case):
     close(out, one.float(), f"v4_sparse_attention split vs unsplit {label}")
 
 
+@pytest.mark.parametrize("T_,S,H", [(1, 10, 64), (5, 3, 64), (3, 2, 16)])
+def test_split_combine_kernel_matches_its_specification(T_, S, H):
+    """The one-launch combine against ``combine_splits`` (float64), with an all-masked split (running
+    max at the sink, sum 0, output 0) and a token whose every split is masked."""
+    from kernels_cuda import _tl
+    from kernels_cuda.v4_attention import LOG2E, _combine_kernel, combine_splits
+
+    g = torch.Generator(device=DEV).manual_seed(T_ * 100 + S)
+    scale = D**-0.5
+    sinks = randn(g, H, dtype=torch.float32)
+    m = torch.maximum(randn(g, T_, S, H, dtype=torch.float32, scale=30.0), sinks / scale)
+    l_ = randn(g, T_, S, H, dtype=torch.float32).abs() * 20
+    o = randn(g, T_, S, H, D, dtype=torch.float32, scale=5.0)
+    m[:, 0], l_[:, 0], o[:, 0] = sinks / scale, 0.0, 0.0  # split 0 saw masked keys only
+    m[-1], l_[-1], o[-1] = sinks / scale, 0.0, 0.0  # the last token: nothing but the sink
+    out = torch.empty(T_, H, D, dtype=torch.bfloat16, device=DEV)
+    _combine_kernel(H, D, _tl.tl_dtype(out.dtype))(o, m, l_, sinks, out, float(scale * LOG2E))
+    if DRY:
+        return
+    truth = combine_splits(o.double(), m.double(), l_.double(), sinks.double(), scale)
+    close(out, truth, f"split combine T={T_} S={S} H={H}")
+    assert out[-1].abs().max() == 0
+
+
 # ---- compressor ----------------------------------------------------------------------------------
 COMPRESS_CASES = [
     # label, entry width Dc, projection width w, ratio m, state row width, column, page size, lengths
