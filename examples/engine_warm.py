@@ -109,11 +109,13 @@ def warm_v4(cfg, block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> 
         done.append(f"paged_kv_write {g.name}")
     tab, pos, seq = z(4, 8, dtype=torch.int32), z(4, dtype=torch.long), z(4, dtype=torch.long)
     sinks = e(H, dtype=f32)
-    v4_sparse_attention(e(4, H, D, dtype=dtype), caches["swa"], tab, None, None, None, seq, pos, W, sinks, D**-0.5)
-    for group, ids in (("csa", z(4, cfg.index_topk, dtype=torch.long)), ("hca", z(4, 16, dtype=torch.long))):
-        v4_sparse_attention(e(4, H, D, dtype=dtype), caches["swa"], tab, caches[group], tab, ids, seq, pos, W, sinks,
-                            D**-0.5)
-    done.append("v4_sparse_attention swa/csa/hca")
+    for splits in (1, 2):  # the one-pass kernel (large batches, prefill) and split-KV + combine (small batches)
+        v4_sparse_attention(e(4, H, D, dtype=dtype), caches["swa"], tab, None, None, None, seq, pos, W, sinks,
+                            D**-0.5, splits=splits)
+        for group, ids in (("csa", z(4, cfg.index_topk, dtype=torch.long)), ("hca", z(4, 16, dtype=torch.long))):
+            v4_sparse_attention(e(4, H, D, dtype=dtype), caches["swa"], tab, caches[group], tab, ids, seq, pos, W,
+                                sinks, D**-0.5, splits=splits)
+    done.append("v4_sparse_attention swa/csa/hca, unsplit and split-KV")
     cs = e(16, R, dtype=f32)
     v4_compress(caches["csa_state"], tab, seq, pos, e(m, 2 * D, dtype=f32), e(D, dtype=f32), 1e-6, cs, 0)
     v4_compress(caches["csa_state"], tab, seq, pos, e(m, 2 * DI, dtype=f32), e(DI, dtype=f32), 1e-6, cs, 4 * D)

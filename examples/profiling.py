@@ -29,8 +29,9 @@ def kernel_breakdown(trace: dict, steps: int, wall_s: float, on_gpu: bool, top: 
     rows = [{"name": name[:120], "calls_per_step": n / steps, "us_per_step": t / steps,
              "share_of_busy": t / busy_us if busy_us else 0.0, "share_of_step": t / steps / step_us}
             for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
+    launches = sum(n for _, n in totals.values())
     return {"steps": steps, "step_ms": step_us / 1e3, "device_busy_ms_per_step": busy_us / steps / 1e3,
-            "kernels": rows}
+            "launches_per_step": launches / steps, "kernels": rows}
 
 
 def profile_region(fn: Callable[[], object], steps: int, out_dir: Path, name: str, device: torch.device) -> dict:
@@ -53,7 +54,8 @@ def profile_region(fn: Callable[[], object], steps: int, out_dir: Path, name: st
     raw.unlink()
     table = kernel_breakdown(trace, steps, wall, on_gpu)
     lines = [f"{name}: {steps} steps, {table['step_ms']:.3f} ms/step wall, "
-             f"{table['device_busy_ms_per_step']:.3f} ms/step {'device' if on_gpu else 'cpu-op'} time",
+             f"{table['device_busy_ms_per_step']:.3f} ms/step {'device' if on_gpu else 'cpu-op'} time, "
+             f"{table['launches_per_step']:.0f} launches/step",
              f"{'us/step':>10} {'calls':>6} {'busy%':>6} {'step%':>6}  kernel"]
     for r in table["kernels"]:
         lines.append(f"{r['us_per_step']:>10.1f} {r['calls_per_step']:>6.1f} {r['share_of_busy'] * 100:>5.1f}% "

@@ -23,6 +23,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,6 +72,10 @@ FULL_OPTS = dict(batches="1,64,256", contexts="8192,32768", prefill_len=8192, bl
 TINY_OPTS = dict(batches="1,4,8", contexts="64,160", prefill_len=128, block_size=16, warmup=1, window=3,
                  eager_batches="1,4", baseline_batches="1,4", dtype="float32")
 DECODE_STEPS_MAX = 64  # decode positions past the context the caches are laid out for
+#: PROFILE=1: steps per profiled decode point (graph replays, and eager steps at the smallest batch: the
+#: eager table counts the decode path's launches), at these batches of the first context, and the prefill
+PROFILE_STEPS = 5
+PROFILE_BATCHES = (1, 64)
 
 
 def suite_config(scale: str) -> dict:
@@ -234,13 +239,17 @@ def eager_step(model, ids, pos, meta, caches) -> torch.Tensor:
     return model.logits(model(ids, pos, meta, caches))
 
 
-def decode_points(model, platform, opts: dict, ceil: dict, dtype, device, graphs_on: bool) -> list[dict]:
-    """Per context (largest batch first, one cache layout per context), each batch's decode step time."""
+def decode_points(model, platform, opts: dict, ceil: dict, dtype, device, graphs_on: bool,
+                  profile_dir: Path | None = None) -> list[dict]:
+    """Per context (largest batch first, one cache layout per context), each batch's decode step time;
+    with ``profile_dir``, kernel tables of ``PROFILE_BATCHES`` at the first context."""
     cfg = model.cfg
     batches = sorted({int(b) for b in opts["batches"].split(",")}, reverse=True)
     eager_b = {int(b) for b in opts["eager_batches"].split(",")}
     rows = []
-    for ctx in (int(c) for c in opts["contexts"].split(",")):
+    contexts = [int(c) for c in opts["contexts"].split(",")]
+    profiled = {(b, contexts[0]) for b in PROFILE_BATCHES} if profile_dir is not None else set()
+    for ctx in contexts:
         drv = Driver(model, batches[0], ctx, ctx + DECODE_STEPS_MAX, opts["block_size"], dtype, device)
         graphs = DecodeGraphs(model, drv.caches, batches, drv.M, device, platform, capture=graphs_on,
                               layout=drv.layout)
@@ -269,6 +278,13 @@ def decode_points(model, platform, opts: dict, ceil: dict, dtype, device, graphs
                 fwd = functools.partial(eager_step, model, ids, pos, meta, drv.caches)
                 row["eager_step_ms"] = _time(fwd, device, 1, max(3, opts["window"] // 2)) * 1e3
                 row["graphs_speedup"] = row["eager_step_ms"] / row["step_ms"]
+            if (B, ctx) in profiled:
+                replay = functools.partial(_repeat, functools.partial(graphs.run, batch), PROFILE_STEPS)
+                row["profile"] = _profile(replay, PROFILE_STEPS, profile_dir, f"decode_b{B}_ctx{ctx}", device)
+                if B == min(batches):
+                    fwd = functools.partial(eager_step, model, ids, pos, meta, drv.caches)
+                    row["profile_eager"] = _profile(functools.partial(_repeat, fwd, PROFILE_STEPS), PROFILE_STEPS,
+                                                    profile_dir, f"decode_b{B}_ctx{ctx}_eager", device)
             rows.append(row)
             print(f"decode   batch={B:>4} ctx={ctx:>6}  {row['step_ms']:8.3f} ms/step  {row['tok_s']:9.0f} tok/s  "
                   f"roofline {row['roofline_ms']:7.3f} ms  {100 * row['fraction']:5.1f}% "
@@ -281,7 +297,18 @@ def decode_points(model, platform, opts: dict, ceil: dict, dtype, device, graphs
     return sorted(rows, key=lambda r: (r["context"], r["batch"]))
 
 
-def prefill_point(model, opts: dict, ceil: dict, dtype, device) -> dict:
+def _repeat(fn, n: int) -> None:
+    for _ in range(n):
+        fn()
+
+
+def _profile(fn, steps: int, out_dir: Path, name: str, device) -> dict:
+    from profiling import profile_region
+
+    return profile_region(fn, steps, out_dir, name, device)
+
+
+def prefill_point(model, opts: dict, ceil: dict, dtype, device, profile_dir: Path | None = None) -> dict:
     n = opts["prefill_len"]
     drv = Driver(model, 1, 0, n, opts["block_size"], dtype, device)
     pos, meta = drv.meta([0], [list(range(n))], prefill=True)
@@ -296,6 +323,8 @@ def prefill_point(model, opts: dict, ceil: dict, dtype, device) -> dict:
            "fraction": fl["total"] / s / 1e12 / ceil["matmul_TFLOPs"]}
     print(f"prefill  len={n:>6}  {s * 1e3:9.1f} ms  {row['tok_s']:9.0f} tok/s  {row['achieved_TFLOPs']:.1f} TFLOP/s  "
           f"{100 * row['fraction']:5.1f}% of the matmul peak", flush=True)
+    if profile_dir is not None:
+        row["profile"] = _profile(run, 1, profile_dir, f"prefill_{n}", device)
     return row
 
 
@@ -362,7 +391,7 @@ def run(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shape", choices=[SHAPE], default=SHAPE)
     ap.add_argument("--scale", default="full", choices=["full", "tiny"])
     ap.add_argument("--accelerator", default=None, help="cpu | nvidia (default: nvidia when CUDA is there)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="results.json (+ with PROFILE=1: traces and kernel tables)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the baseline comparison")
     ap.add_argument("--seed", type=int, default=0)
     for key, val in FULL_OPTS.items():
@@ -392,6 +421,10 @@ def run(argv: list[str] | None = None) -> dict:
     res["ceilings"] = ceil = measure_ceilings(str(device))
     print(f"ceilings: read {ceil['read_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.1f} TFLOP/s", flush=True)
     out_dir = Path(args.out) if args.out else None
+    if os.environ.get("PROFILE", "") not in ("", "0"):
+        if out_dir is None:
+            raise SystemExit("PROFILE=1 needs --out DIR for the traces")
+        res["profile_dir"] = str(out_dir)
 
     def save():
         if out_dir is not None:
@@ -411,7 +444,8 @@ def _measure(model, res: dict, opts: dict, ceil: dict, dtype, device, use_cuda: 
              save) -> None:
     phases = res["phases_s"]
     t = time.perf_counter()
-    res["prefill"] = [prefill_point(model, opts, ceil, dtype, device)]
+    prof = Path(res["profile_dir"]) if "profile_dir" in res else None
+    res["prefill"] = [prefill_point(model, opts, ceil, dtype, device, prof)]
     phases["prefill"] = time.perf_counter() - t
     save()
     platform = None
@@ -420,7 +454,7 @@ def _measure(model, res: dict, opts: dict, ceil: dict, dtype, device, use_cuda: 
 
         platform = NvidiaPlatform()
     t = time.perf_counter()
-    res["decode"] = decode_points(model, platform, opts, ceil, dtype, device, graphs_on=use_cuda)
+    res["decode"] = decode_points(model, platform, opts, ceil, dtype, device, graphs_on=use_cuda, profile_dir=prof)
     phases["decode"] = time.perf_counter() - t
     save()
     if not no_baseline:

@@ -131,10 +131,11 @@ def test_suite_tiny_end_to_end(tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and all(s["front"] for s in summary)
 
 
-def test_v4_flash_slice_tiny_end_to_end(tmp_path):
+def test_v4_flash_slice_tiny_end_to_end(tmp_path, monkeypatch):
     """``--shape v4-flash-slice --scale tiny`` on the CPU: prefill, decode through the graph runner's static
     per-group buffers (eager on a CPU) at each batch, and the reference-op baseline; the byte counts of the
-    roofline by hand for the tiny widths (D 64, DI 16, window 8, CSA 4 with top-4, HCA 16, float32)."""
+    roofline by hand for the tiny widths (D 64, DI 16, window 8, CSA 4 with top-4, HCA 16, float32); with
+    PROFILE=1 the kernel tables of decode b1 (replayed and eager) and of the prefill."""
     from benchmark import main
     from v4_suite import kv_bytes, suite_config
 
@@ -145,6 +146,7 @@ def test_v4_flash_slice_tiny_end_to_end(tmp_path):
     # indexer keys 2 x 10 x 16 x 4 B
     assert kv_bytes(cfg, 2, 40, 4) == {"window_kv": 2 * 8192, "compressed_kv": 2 * 2560, "indexer_keys": 2 * 1280}
     out = tmp_path / "v4"
+    monkeypatch.setenv("PROFILE", "1")
     main(["--suite", "h200", "--shape", "v4-flash-slice", "--scale", "tiny", "--accelerator", "cpu", "--out", str(out),
           "--batches", "1,2", "--contexts", "40", "--prefill-len", "32", "--warmup", "1", "--window", "2",
           "--eager-batches", "1", "--baseline-batches", "1"])
@@ -164,3 +166,10 @@ def test_v4_flash_slice_tiny_end_to_end(tmp_path):
     assert pre["prompt_len"] == 32 and pre["flops"]["total"] > pre["flops"]["weights"] > 0 and pre["fraction"] > 0
     base = res["baseline"]
     assert "transformers" in base["note"] and base["rows"][0]["batch"] == 1 and base["rows"][0]["speedup"] > 0
+    for name in ("decode_b1_ctx40", "decode_b1_ctx40_eager", "prefill_32"):
+        assert (out / f"{name}.kernels.txt").read_text().startswith(name)
+        assert any(ev.get("cat") == "cpu_op"
+                   for ev in json.loads(gzip.open(out / f"{name}.trace.json.gz").read())["traceEvents"])
+    b1 = res["decode"][0]
+    assert b1["profile"]["launches_per_step"] > 0 and b1["profile_eager"]["kernels"]
+    assert "profile" not in res["decode"][1] and pre["profile"]["steps"] == 1

@@ -121,6 +121,64 @@ def test_sparse_attention_real_shapes(case):
         close(out, truth, f"v4_sparse_attention {label}")
 
 
+SPLIT_CASES = [
+    # label, layer kind, heads, page size, sequence lengths, prefill chunk, forced splits (None: the default)
+    ("SWA decode, all-masked splits (position 0) with sinks", "swa", 64, 256, [1, 2, 77, 129, 300], None, 3),
+    ("CSA decode, one split per key tile, no entry visible yet", "csa", 64, 64, [3, 64, 4097, 2049, 9000], None,
+     10),
+    ("CSA decode, 4 uneven splits", "csa", 64, 256, [5, 511, 2048, 2049, 9001], None, 4),
+    ("CSA decode batch 1, the default split", "csa", 64, 256, [8191], None, None),
+    ("HCA decode, 2 splits, entries across pages", "hca", 64, 64, [127, 128, 129, 5000, 33000], None, 2),
+    ("CSA prefill chunk, split", "csa", 64, 256, [2301, 700], 333, 3),
+    ("SWA, 8 heads (a padded tile), split", "swa", 8, 64, [200, 1], None, 2),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
+def test_sparse_attention_split_kv(case):
+    """The split-KV (flash-decoding) path against the reference, and against the unsplit kernel."""
+    from kernels_cuda.v4_attention import BH, BN, choose_splits, v4_sparse_attention
+
+    label, kind, H, bs, seq_lens, chunk, splits = case
+    g = torch.Generator(device=DEV).manual_seed(23)
+    q, swa, swa_tab, comp, comp_tab, ids, seq_idx, pos, sinks = _attention_inputs(g, kind, H, bs, seq_lens, chunk)
+    if splits is None:  # batch 1 must take the split path by itself
+        key_tiles = W // BN + -(-ids.shape[1] // BN)
+        assert choose_splits(q.shape[0], max(H, BH), key_tiles, 132) > 1
+    out = v4_sparse_attention(q, swa, swa_tab, comp, comp_tab, ids, seq_idx, pos, W, sinks, D**-0.5, splits=splits)
+    if DRY:
+        return
+    one = v4_sparse_attention(q, swa, swa_tab, comp, comp_tab, ids, seq_idx, pos, W, sinks, D**-0.5, splits=1)
+    truth = ref.v4_sparse_attention(up(q), up(swa), swa_tab, up(comp), comp_tab, ids, seq_idx, pos, W, sinks,
+                                    D**-0.5)
+    close(out, truth, f"v4_sparse_attention split {label}")
+    close(out, one.float(), f"v4_sparse_attention split vs unsplit {label}")
+
+
+@pytest.mark.parametrize("T_,S,H", [(1, 10, 64), (5, 3, 64), (3, 2, 16)])
+def test_split_combine_kernel_matches_its_specification(T_, S, H):
+    """The one-launch combine against ``combine_splits`` (float64), with an all-masked split (running
+    max at the sink, sum 0, output 0) and a token whose every split is masked."""
+    from kernels_cuda import _tl
+    from kernels_cuda.v4_attention import LOG2E, _combine_kernel, combine_splits
+
+    g = torch.Generator(device=DEV).manual_seed(T_ * 100 + S)
+    scale = D**-0.5
+    sinks = randn(g, H, dtype=torch.float32)
+    m = torch.maximum(randn(g, T_, S, H, dtype=torch.float32, scale=30.0), sinks / scale)
+    l_ = randn(g, T_, S, H, dtype=torch.float32).abs() * 20
+    o = randn(g, T_, S, H, D, dtype=torch.float32, scale=5.0)
+    m[:, 0], l_[:, 0], o[:, 0] = sinks / scale, 0.0, 0.0  # split 0 saw masked keys only
+    m[-1], l_[-1], o[-1] = sinks / scale, 0.0, 0.0  # the last token: nothing but the sink
+    out = torch.empty(T_, H, D, dtype=torch.bfloat16, device=DEV)
+    _combine_kernel(H, D, _tl.tl_dtype(out.dtype))(o, m, l_, sinks, out, float(scale * LOG2E))
+    if DRY:
+        return
+    truth = combine_splits(o.double(), m.double(), l_.double(), sinks.double(), scale)
+    close(out, truth, f"split combine T={T_} S={S} H={H}")
+    assert out[-1].abs().max() == 0
+
+
 # ---- compressor ----------------------------------------------------------------------------------
 COMPRESS_CASES = [
     # label, entry width Dc, projection width w, ratio m, state row width, column, page size, lengths
@@ -272,7 +330,7 @@ def test_v4_decode_ops_capture_in_a_graph():
     qi = randn(g, 3, HI, DI)
     wi = randn(g, 3, HI, dtype=torch.float32)
 
-    def run():
+    def run():  # 3 tokens: the split-KV path with its combine
         picks = v4_indexer_topk(qi, wi, comp[..., D:], comp_tab, seq_idx, pos, 4, 512, DI**-0.5)
         return v4_sparse_attention(q, swa, swa_tab, comp, comp_tab, picks, seq_idx, pos, W, sinks, D**-0.5)
 

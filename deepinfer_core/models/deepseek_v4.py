@@ -108,7 +108,7 @@ class Compressor(nn.Module):
         self.state_dim = 2 * width  # [kv | gate] per token
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
-        """x[T, C] -> raw per-token [kv | gate] [T, state_dim] float32."""
+        """x[T, C] -> raw per-token [kv | gate] [T, state_dim] float32 (float32 x: no conversion launch)."""
         xf = x.float()
         return torch.cat((self.k.linear(xf, self.wkv), self.k.linear(xf, self.wgate)), dim=-1)
 
@@ -168,9 +168,10 @@ class Attention(nn.Module):
         group = "csa" if self.kind == CSA else "hca"
         state_group, comp_cache, comp_tables = group + "_state", caches[group], step.tables(group)
         state = caches[state_group]
-        inputs = self.compressor.inputs(x)
+        xf = x.float()  # once: the compressors and the indexer's head weights all read float32 x
+        inputs = self.compressor.inputs(xf)
         if self.indexer is not None:
-            inputs = torch.cat((inputs, self.indexer.compressor.inputs(x)), dim=-1)
+            inputs = torch.cat((inputs, self.indexer.compressor.inputs(xf)), dim=-1)
         k.paged_kv_write(state, step.slots(state_group), inputs)  # [T, state row]
         close_slots = step.slots(group)
         # decode steps (a few tokens) compress every token and never ask the host which close a window:
@@ -185,7 +186,7 @@ class Attention(nn.Module):
                 entry = torch.cat((entry, ikey), dim=-1)  # [N, D + DI]
             k.paged_kv_write(comp_cache, close_slots if close is None else close_slots[close], entry)
         if self.indexer is not None:  # CSA: the indexer's top-k
-            comp_ids = self.indexer(x, qr, step, comp_cache[..., D:], comp_tables, cos_sin)
+            comp_ids = self.indexer(xf, qr, step, comp_cache[..., D:], comp_tables, cos_sin)
         else:  # HCA: every closed entry (decode: up to the block tables' capacity, a shape-only bound)
             visible = (pos + 1) // cfg.compress_hca
             n = comp_tables.shape[1] * comp_cache.shape[1] if step.decode else (int(visible.max()) if T else 0)
@@ -210,7 +211,7 @@ class Indexer(nn.Module):
         k, cfg, T = self.k, self.cfg, x.shape[0]
         HI, DI = cfg.index_n_heads, cfg.index_head_dim
         q = _rope_tail(k, k.linear(qr, self.wq_b).view(T, HI, DI), step.positions, cos_sin)  # [T, HI, DI]
-        w = k.linear(x.float(), self.weights_proj) * HI**-0.5  # [T, HI]
+        w = k.linear(x.float(), self.weights_proj) * HI**-0.5  # [T, HI] (x arrives in float32)
         return k.v4_indexer_topk(q, w, keys, tables, step.seq_idx, step.positions, cfg.compress_csa,
                                  cfg.index_topk, DI**-0.5)  # [T, index_topk]
 
