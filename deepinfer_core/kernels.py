@@ -161,6 +161,12 @@ OP_SPECS: tuple[OpSpec, ...] = (
            "inf saturates to +-448, NaN -> 0x7F; row = D e4m3 bytes then D/32 scale bytes"),
     OpSpec("mxfp8_dequant", "(packed[N, D + D/32] u8, dtype) -> [N, D]",
            "e4m3 * 2**(scale byte - 127) per 32 values, in dtype"),
+    OpSpec(
+        "draft_lengths",
+        "(conf[B, K] f32, max_drafts[B] int, budget: int, min_conf: float) -> [B] int64",
+        "speculative draft lengths: the budget largest cumulative products of per-position confidences "
+        "(positions < max_drafts, >= min_conf; ties to lower position, then lower request) counted per request",
+    ),
     OpSpec("logsumexp", "(x[R, V] f32) -> [R]", "log(sum(exp(x[r]))) per row (the logprob normaliser)"),
     OpSpec(
         "sample",

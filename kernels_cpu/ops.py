@@ -265,3 +265,25 @@ def sample(
     race = probs / (-torch.log(u))
     sampled = race.argmax(-1)
     return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def draft_lengths(conf: torch.Tensor, max_drafts: torch.Tensor, budget: int, min_conf: float) -> torch.Tensor:
+    """Per-request draft lengths under a step's verify budget, from per-position draft confidences.
+
+    ``c[b, j] = conf[b, 0] * ... * conf[b, j]`` (float32, multiplied left to right) estimates that
+    request b's first j+1 drafts are all accepted. Positions ``j < max_drafts[b]`` with
+    ``c[b, j] >= min_conf`` compete for ``budget`` verify slots: the ``budget`` largest win, ties
+    broken by lower position, then lower request (so each request wins a prefix). Returns the
+    number of slots each request won ([B] int64)."""
+    conf = conf.float()
+    B, K = conf.shape
+    c = conf.clone()
+    for j in range(1, K):  # a sequential product: the same float32 rounding as the device kernels
+        c[:, j] = c[:, j - 1] * conf[:, j]
+    valid = torch.arange(K, device=conf.device)[None, :] < max_drafts.to(conf.device)[:, None]
+    ok = valid & (c >= min_conf)
+    key = torch.where(valid, c, torch.full_like(c, float("-inf")))
+    order = key.t().reshape(-1).sort(descending=True, stable=True).indices  # ties: position, then request
+    n = min(max(int(budget), 0), int(ok.sum()))
+    won = order[:n] % B  # the request of each winning slot (flat index j * B + b)
+    return torch.bincount(won, minlength=B).to(torch.int64)

@@ -13,6 +13,7 @@ from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
 KERNEL_MODULES = ("norm", "elementwise", "kv_cache", "mla_decode", "mla_prefill", "moe", "moe_route", "sampling",
+                  "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
                   "mxfp8", "fp8_gemm")
 
@@ -31,6 +32,7 @@ class CudaKernels(KernelBackend):
         "moe_route": "kernels_cuda.moe_route:moe_route",
         "fused_moe": "kernels_cuda.moe:fused_moe",
         "sample": "kernels_cuda.sampling:sample",
+        "draft_lengths": "kernels_cuda.draft_lengths:draft_lengths",
         # DeepSeek-V4 (``mhc_head``, ``rope_inverse`` and ``silu_and_mul_clamped`` stay the reference: one
         # call per step, or torch element-wise ops the clamped fused MoE already replaces on the hot path)
         "v4_sparse_attention": "kernels_cuda.v4_attention:v4_sparse_attention",

@@ -301,3 +301,23 @@ def test_mxfp8_flash_snapshot_bit_exact(dtype):
     assert packed.shape == (43 * 128, 528) and torch.equal(packed.cpu(), want)
     assert torch.equal(scales.cpu(), want[:, 512:])
     assert torch.equal(back.cpu(), ref_mx.mxfp8_dequant(want, torch.bfloat16))
+
+
+@pytest.mark.parametrize("B,K", [(1, 4), (64, 8), (300, 16)])
+def test_draft_lengths_serving_shapes_exact(B, K):
+    """Speculative draft lengths at serving batch sizes: the same lengths as the reference, with
+    many tied products (certain drafts), every budget regime, and more requests than a CTA's threads."""
+    from kernels_cuda.draft_lengths import draft_lengths
+
+    g = torch.Generator().manual_seed(B + K)
+    conf = torch.rand(B, K, generator=g).sqrt()
+    conf[::7] = 1.0
+    conf[1::5] = conf[2::5][: conf[1::5].shape[0]] if B > 2 else conf[1::5]
+    maxd = torch.randint(0, K + 1, (B,), generator=g)
+    for budget, thr in ((0, 0.0), (B, 0.0), (B * K // 3, 0.2), (B * K, 0.6), (10**6, 0.0)):
+        out = draft_lengths(conf.to(DEV), maxd.to(DEV), budget, thr)
+        if DRY:
+            continue
+        expect = ref.draft_lengths(conf, maxd, budget, thr)
+        assert torch.equal(out.cpu(), expect), f"budget {budget} thr {thr}: rows " \
+            f"{(out.cpu() != expect).nonzero().flatten().tolist()}"

@@ -401,3 +401,43 @@ def test_top_k_larger_than_vocab_or_zero_means_no_limit():
     a = sample_rows(logits, top_k=0, seeds=torch.arange(4))
     assert torch.equal(a, sample_rows(logits, top_k=1000, seeds=torch.arange(4)))
     assert torch.equal(a, sample_rows(logits, top_k=-1, seeds=torch.arange(4)))
+
+
+def _draft_lengths_by_rank(conf, max_drafts, budget, min_conf):
+    """The op's meaning written as a loop: a slot wins when it passes the threshold and fewer than
+    ``budget`` valid slots beat it (larger product, or equal and earlier position, then request)."""
+    B, K = conf.shape
+    c = [[math.prod(conf[b, : j + 1].tolist()) for j in range(K)] for b in range(B)]
+    slots = [(b, j) for b in range(B) for j in range(int(max_drafts[b]))]
+    out = [0] * B
+    for b, j in slots:
+        rank = sum(1 for b2, j2 in slots if (-c[b2][j2], j2, b2) < (-c[b][j], j, b))
+        out[b] += c[b][j] >= min_conf and rank < budget
+    return out
+
+
+def test_draft_lengths_hand_worked():
+    conf = torch.tensor([[0.9, 0.9, 0.9], [0.5, 0.9, 0.9], [1.0, 1.0, 0.1]])
+    # products: [.9 .81 .729], [.5 .45 .405], [1 1 .1]
+    maxd = torch.tensor([3, 3, 3])
+    assert ops.draft_lengths(conf, maxd, 4, 0.0).tolist() == [2, 0, 2]  # 1, 1, .9, .81
+    assert ops.draft_lengths(conf, maxd, 100, 0.45).tolist() == [3, 2, 2]
+    assert ops.draft_lengths(conf, torch.tensor([1, 3, 0]), 3, 0.0).tolist() == [1, 2, 0]
+    assert ops.draft_lengths(conf, maxd, 0, 0.0).tolist() == [0, 0, 0]
+    # equal products: the earlier position first, then the lower request
+    ones = torch.ones(3, 2)
+    assert ops.draft_lengths(ones, torch.tensor([2, 2, 2]), 4, 0.0).tolist() == [2, 1, 1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_lengths_is_the_rank_rule_and_wins_prefixes(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, K = 9, 5
+    conf = torch.rand(B, K, generator=g).sqrt()
+    conf[1] = conf[2]
+    maxd = torch.randint(0, K + 1, (B,), generator=g)
+    for budget, thr in ((0, 0.0), (5, 0.0), (12, 0.3), (100, 0.5), (100, 0.0)):
+        got = ops.draft_lengths(conf, maxd, budget, thr)
+        assert got.dtype == torch.int64
+        assert got.tolist() == _draft_lengths_by_rank(conf.double(), maxd, budget, thr)
+        assert int(got.sum()) <= budget and bool((got <= maxd).all())

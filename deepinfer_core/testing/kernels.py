@@ -51,6 +51,7 @@ FIXED_DTYPE_OPS: dict[str, torch.dtype] = {
     "apply_penalties": torch.float32,
     "sample": torch.float32,
     "logsumexp": torch.float32,
+    "draft_lengths": torch.float32,
     "moe_route_v4": torch.float32,
     "v4_compress": torch.float32,  # the compressor state is float32 whatever the model dtype
     "ue8m0_scale": torch.float32,
@@ -307,6 +308,21 @@ def _cases_logsumexp(g, dtype, bs):
     return [Case("rows", (x,)), Case("one row", (x[2:3].clone(),))]
 
 
+def _cases_draft_lengths(g, dtype, bs):
+    B, K = 37, 6
+    conf = torch.rand(B, K, generator=g)
+    conf[3] = 1.0  # certain drafts: ties of equal products across positions and requests
+    conf[4] = 1.0
+    conf[5, 2:] = 0.0
+    conf[6] = conf[7]  # two requests with the same confidences: ties broken by request
+    maxd = torch.randint(0, K + 1, (B,), generator=g)
+    maxd[3], maxd[4], maxd[6], maxd[7] = K, 2, K, K
+    few = torch.rand(3, 16, generator=g).sqrt()
+    return [Case("budget binds", (conf, maxd, 40, 0.05)), Case("threshold binds", (conf, maxd, 10**6, 0.3)),
+            Case("budget 0", (conf, maxd, 0, 0.0)), Case("tight budget, no threshold", (conf, maxd, 7, 0.0)),
+            Case("k 16", (few, torch.tensor([16, 9, 0]), 20, 0.2))]
+
+
 def _sampling_rows():
     # temperature, top_k, top_p, min_p, seed, offset
     return [
@@ -533,6 +549,7 @@ _CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "fused_moe_fp8": _cases_fused_moe_fp8,
     "apply_penalties": _cases_apply_penalties,
     "logsumexp": _cases_logsumexp,
+    "draft_lengths": _cases_draft_lengths,
     "sample": _cases_sample,
     "rope_inverse": _cases_rope_inverse,
     "v4_compress": _cases_v4_compress,
