@@ -12,10 +12,12 @@ the engine config's ``speculative`` table:
     k = 4                  # most drafts per request and step (1..16)
     ...                    # any other key goes to the proposer's constructor
 
-Contract (checked by the engine; a violation fails the step's requests with the proposer named):
+Contract (checked by the engine; a violation, or ``propose`` raising, drops the drafts concerned for
+that step with an error logged naming the proposer and ``spec_proposer_errors`` counted: the
+requests decode on, one token per step, as without speculation):
 ``propose`` returns one :class:`Draft` (or None) per request, at most ``max_drafts[i]`` tokens,
-each in the vocabulary. Requests using penalties or feature-owned options (``so_args``) are not
-offered to the proposer yet; they decode one token per step.
+each in the vocabulary. Every decoding request is offered, penalties and feature options
+(``so_args``: their masks reach the verify rows through ``process_logits``) included.
 """
 
 from __future__ import annotations

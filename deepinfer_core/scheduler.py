@@ -107,6 +107,12 @@ class Scheduler(ABC):
     def num_running(self) -> int:
         """Requests holding KV blocks now (used by the DP load balancer)."""
 
+    def running_requests(self) -> list[Sequence]:
+        """The requests holding KV blocks now (what ``num_running`` counts); a dp rank sums their
+        fitted decode cost to split the prefill budget. Default: none known (that rank reserves
+        nothing for decodes); a scheduler that keeps running requests returns them."""
+        return []
+
     @abstractmethod
     def num_waiting(self) -> int:
         """Requests queued and not yet admitted (load gauges, the DP load balancer)."""

@@ -172,8 +172,19 @@ def test_a_scheduler_without_an_engine_admits_everything(tiny_v3_path):
     out = sched.schedule()
     assert [s.seq for s in out.prefills] == [seq] and out.prefills[0].num_new_tokens == 5
     assert sched.num_running() == 1 and sched.num_waiting() == 0
+    assert sched.running_requests() == [seq]  # declared on the ABC: what a dp rank's budget split reads
     sched.finish(seq)
+    assert sched.running_requests() == []
     blocks.check_no_leaks()
+
+
+def test_worker_reads_the_scheduler_through_its_abc_only():
+    import deepinfer_core.parallel.worker as worker
+    from deepinfer_core.scheduler import Scheduler
+
+    src = inspect.getsource(worker)
+    assert "getattr(self.scheduler" not in src and "self.scheduler.running_requests()" in src
+    assert Scheduler.running_requests is not None and "running_requests" not in Scheduler.__abstractmethods__
 
 
 # ---- the MoE route hook --------------------------------------------------------------------------

@@ -74,6 +74,24 @@ class TooLong(Proposer):
 
     def propose(self, engine, requests, max_drafts, batch):
         return [Draft([5] * (m + 1)) for m in max_drafts]
+
+
+class Flaky(Proposer):
+    """Raises on every 3rd call; returns a wrong-length list on every 3rd+1; else one valid draft and
+    one out-of-vocabulary draft."""
+    name = "flaky"
+    core_api_version = "1.0"
+    calls = 0
+
+    def propose(self, engine, requests, max_drafts, batch):
+        Flaky.calls += 1
+        if Flaky.calls % 3 == 0:
+            raise ValueError("draft model fell over")
+        if Flaky.calls % 3 == 1:
+            return []
+        out = [Draft([r.token_ids[-1]]) for r in requests]
+        out[0] = Draft([10**9])
+        return out
 '''
 
 
@@ -92,6 +110,7 @@ def proposer_package(tmp_path_factory):
         oracle = toy_proposers:Oracle
         too_long = toy_proposers:TooLong
         sometimes = toy_proposers:Sometimes
+        flaky = toy_proposers:Flaky
         """))
     sys.path.insert(0, str(root))
     yield root
@@ -203,12 +222,25 @@ def test_preemption_mid_speculation_is_exact_and_leak_free(tiny_v3_path, propose
     assert m["preemptions"] > 0 and m["spec_accepted"] > 0
 
 
-def test_a_proposer_breaking_its_contract_is_named(tiny_v3_path, proposer_package):
-    llm = make(tiny_v3_path, speculative={"proposer": "too_long", "k": 2})
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(), use_tqdm=False)
-    assert outs[0].error is not None and "proposer TooLong" in str(outs[0].error)
-    assert "at most 2 token ids" in str(outs[0].error)
-    llm.engine.blocks.check_no_leaks()
+@pytest.mark.parametrize("proposer", ["too_long", "flaky"])
+def test_a_proposer_breaking_its_contract_loses_its_drafts_not_the_requests(tiny_v3_path, proposer_package,
+                                                                            reference, proposer, caplog):
+    """Too many drafts, out-of-vocabulary ids, a wrong-length list, an exception: the drafts concerned
+    are dropped for that step with an error naming the proposer; the requests decode on exactly."""
+    llm = make(tiny_v3_path, speculative={"proposer": proposer, "k": 2})
+    with caplog.at_level("ERROR", logger="deepinfer.speculative"):
+        outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])
+    assert tokens(outs) == tokens(reference)
+    m = llm.engine.metrics()
+    assert m["spec_proposer_errors"] > 0
+    errors = [r.getMessage() for r in caplog.records]
+    if proposer == "too_long":
+        assert m["spec_verified"] == 0
+        assert any("proposer TooLong" in e and "at most 2 token ids" in e for e in errors)
+    else:
+        assert m["spec_verified"] > 0  # the valid drafts of the good calls were still verified
+        for what in ("raised ValueError: draft model fell over", "must return a list of", "invalid draft"):
+            assert any("proposer Flaky" in e and what in e for e in errors), (what, errors)
 
 
 def test_bad_speculative_config_is_named(tiny_v3_path, proposer_package):

@@ -38,6 +38,9 @@ class FcfsScheduler(Scheduler):
     def num_running(self) -> int:
         return len(self.running)
 
+    def running_requests(self) -> list[Sequence]:
+        return list(self.running)
+
     def num_waiting(self) -> int:
         return len(self.waiting)
 

@@ -13,6 +13,7 @@ Hook order is the engine's: ``tokens_sampled`` for every kept token, then ``requ
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -26,6 +27,8 @@ from deepinfer_core.engine.sampler import has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.proposer import GROUP, MAX_K, Draft, Proposer
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger("deepinfer.speculative")
 
 
 def load_proposer(section: dict) -> tuple[Proposer, int]:
@@ -59,7 +62,8 @@ class SpecDecoder:
         self.engine, self.proposer, self.k = engine, proposer, k
         self.from_feature = from_feature  # a feature's proposer gets request_finished as a hook already
         self.name = type(proposer).__name__
-        self.n = dict(spec_steps=0, spec_verified=0, spec_accepted=0, spec_proposed=0, spec_dormant_steps=0)
+        self.n = dict(spec_steps=0, spec_verified=0, spec_accepted=0, spec_proposed=0, spec_dormant_steps=0,
+                      spec_proposer_errors=0)
         self._active = True
         self._pending_drafts = False  # the last speculative step proposed drafts
 
@@ -242,24 +246,37 @@ class SpecDecoder:
                 room.append(m)
         if not ready:
             return
-        drafts = self.proposer.propose(eng, ready, room, batch)
+        try:
+            drafts = self.proposer.propose(eng, ready, room, batch)
+        except Exception as exc:  # noqa: BLE001  (a proposer's bug costs its drafts, not the requests)
+            return self._broken(f"propose() raised {type(exc).__name__}: {exc}", exc)
         if not isinstance(drafts, list) or len(drafts) != len(ready):
-            raise RuntimeError(f"proposer {self.name}: propose() must return a list of {len(ready)} drafts "
-                               f"(one Draft or None per request), got {type(drafts).__name__}")
+            return self._broken(f"propose() must return a list of {len(ready)} drafts (one Draft or None per "
+                                f"request), got {type(drafts).__name__}")
         V = eng.model_config.vocab_size
         for seq, m, d in zip(ready, room, drafts):
-            if d is None or not d.tokens:
+            if d is None or (isinstance(d, Draft) and not d.tokens):
                 continue
             if not isinstance(d, Draft) or len(d.tokens) > m or not all(
                     isinstance(t, int) and 0 <= t < V for t in d.tokens):
-                raise RuntimeError(f"proposer {self.name}: request {seq.request_id} got an invalid draft "
-                                   f"{d!r}; expected a Draft of at most {m} token ids in [0, {V})")
+                self._broken(f"request {seq.request_id} got an invalid draft {d!r}; expected a Draft of at most "
+                             f"{m} token ids in [0, {V})")
+                continue
             if d.probs is not None and tuple(d.probs.shape) != (len(d.tokens), V):
-                raise RuntimeError(f"proposer {self.name}: draft probs of shape {tuple(d.probs.shape)}, "
-                                   f"expected {(len(d.tokens), V)}")
+                self._broken(f"request {seq.request_id}: draft probs of shape {tuple(d.probs.shape)}, expected "
+                             f"{(len(d.tokens), V)}")
+                continue
             seq.spec_tokens, seq.spec_probs = list(d.tokens), d.probs
             self.n["spec_proposed"] += len(d.tokens)
             self._pending_drafts = True
+
+    def _broken(self, what: str, exc: Exception | None = None) -> None:
+        """A proposer broke its contract: the drafts concerned are dropped for this step (those
+        requests decode one token, as without speculation), logged with the proposer named and
+        counted (``spec_proposer_errors``)."""
+        self.n["spec_proposer_errors"] += 1
+        logger.error("proposer %s: %s; its drafts are dropped for this step", self.name, what,
+                     exc_info=exc is not None)
 
     def metrics(self) -> dict:
         n = self.n

@@ -129,7 +129,7 @@ class RankEngine(LLMEngine):
         quota = self.cfg.compute_quota_limit
         if quota is None or self.cost_model is None:
             return
-        decode = sum(self.cost_model.cost(1, s.num_computed_tokens) for s in getattr(self.scheduler, "running", ())
+        decode = sum(self.cost_model.cost(1, s.num_computed_tokens) for s in self.scheduler.running_requests()
                      if not s.in_prefill and not s.is_finished)
         budget = torch.tensor([max(0.0, quota - decode)], dtype=torch.float64)
         self.comm.all_reduce(budget, "min")
