@@ -631,3 +631,36 @@ def test_draft_tokenizer_mismatch(tiny_v3_path, tiny_draft, tmp_path):
     (draft / "tokenizer.json").write_text(json.dumps(tk))
     with pytest.raises(ConfigError, match="tokenizer"):
         make(tiny_v3_path, dspark={"draft": str(draft)})
+
+
+# ---- dp = ep = 2 ----------------------------------------------------------------------------------
+
+def test_dp_ep_2_with_dspark_equals_one_rank_without(tmp_path_factory, tmp_path):
+    """Every rank drafts (a rank-local 1-layer draft), proposes and verifies its own requests; the
+    target's verify forwards meet in the MoE all-to-alls (real gloo processes). Greedy outputs and
+    logprobs equal dp = ep = 1 without DSpark; both ranks verified drafts."""
+    from parallel_helpers import assert_same, ep_checkpoint, make_llm, workload
+
+    ckpt = Path(ep_checkpoint(tmp_path_factory.getbasetemp()))
+    draft = tmp_path / "ep_draft"
+    _copy_files(ckpt, draft)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1  # layer 0 is dense
+    (draft / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(ckpt / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if k.startswith("model.layers.0.") or not k.startswith("model.layers.")},
+              str(draft / "model.safetensors"))
+    ps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0) for _ in range(6)]
+    prompts = workload(6)
+    ref_llm = make_llm(ckpt)
+    ref = ref_llm.generate(prompts, ps, use_tqdm=False)
+    ref_llm.shutdown()
+    llm = make_llm(ckpt, dp=2, ep=2, features=["dspark"],
+                   dspark={"draft": str(draft), "k": 3, "budget_policy": "fixed"})
+    try:
+        outs = llm.generate(prompts, ps, use_tqdm=False)
+        assert_same(outs, ref)
+        m = llm.metrics()
+        assert all(r["spec_verified"] > 0 for r in m["ranks"]), [r.get("spec_verified") for r in m["ranks"]]
+    finally:
+        llm.shutdown()

@@ -28,13 +28,24 @@ def cost_path(engine, feature) -> Path:
 
 
 def load_or_measure_cost(engine, feature) -> StepCost:
+    """The cached curve, else a measured one. With dp/ep > 1 every rank drafts and verifies its own
+    requests with a rank-local draft, but the measuring forwards of the target meet in the MoE
+    all-to-alls: the ranks agree to measure when any one of them lacks the curve."""
     path = cost_path(engine, feature)
+    cost = None
     try:
-        return StepCost.load(path)
+        cost = StepCost.load(path)
     except FileNotFoundError:
         pass
     except (ValueError, TypeError, KeyError) as exc:
         logger.warning("dspark: the step-time curve %s is unreadable (%s); measuring it again", path, exc)
+    if engine.comm is not None:
+        have = torch.tensor([float(cost is not None)], dtype=torch.float64)
+        have = engine.comm.all_reduce(have, "min")
+        if have.item() < 1.0:
+            cost = None
+    if cost is not None:
+        return cost
     cost = measure_step_cost(engine, feature)
     try:
         cost.save(path)

@@ -116,8 +116,6 @@ class DSpark(Drafter, Feature, Proposer):
     # ---- start-up -------------------------------------------------------------------------
     @hookimpl
     def engine_started(self, engine) -> None:
-        if engine.cfg.ep > 1:
-            raise ConfigError("[dspark] speculative decoding does not support expert parallelism (ep > 1) yet")
         self.engine = engine
         self.source = self._resolve_source(engine)
         head_path = getattr(self.source, "path", None)
