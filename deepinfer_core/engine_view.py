@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from deepinfer_core.models.interface import ArchConfig, CausalLM
     from deepinfer_core.parallel.expert_parallel import ExpertParallel
     from deepinfer_core.platform import Platform
+    from deepinfer_core.scheduler import SchedulerOutput
 
 
 @runtime_checkable
@@ -66,6 +67,14 @@ class EngineView(Protocol):
 
     def abort(self, request_id: str, reason: str = "abort", error: BaseException | None = None) -> None:
         """Finish a request now (``finish_reason`` = ``reason``; ``error`` for ``"error"``)."""
+
+    def probe_forward(self, out: SchedulerOutput, draft_tokens: dict[str, list[int]] | None = None,
+                      prepare_only: bool = False) -> None:
+        """Time-measurement forward: prepare (unless ``prepare_only``, also run) the target over the
+        scheduled requests ``out`` (synthetic ones whose KV blocks the caller allocated through
+        ``blocks`` and gives back) with ``draft_tokens`` per request id as lookahead tokens, then
+        wait for the device. Nothing is sampled, recorded or sent to hooks. With dp/ep > 1 the
+        forward meets the other ranks in the MoE all-to-alls: every rank calls it as often."""
 
     def load_stats(self) -> dict:
         """Gauges: ``running`` and ``waiting`` requests, ``kv_usage`` (0..1)."""

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tiny import load_corpus, to_deepseek_state_dict, write_config  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
-from deepinfer_core.engine.engine import model_fingerprint  # noqa: E402
+from deepinfer_core.engine.fingerprint import model_fingerprint  # noqa: E402
 from deepinfer_core.models.loader import EMBEDDED_MODEL, SafetensorsReader  # noqa: E402
 from plugins.dspark.confidence import EXTRA_FEATURES, FILENAME, ConfidenceHead  # noqa: E402
 

@@ -305,3 +305,18 @@ def test_feature_metrics_are_merged_over_ranks():
     assert out["dspark_mean_draft_depth"] == pytest.approx(2.0) and out["dspark_draft_time"] == pytest.approx(1.0)
     assert out["dspark_draft"] == "mtp"
     assert out["so_requests"] == 7 and out["so_mask_wait_s"] == pytest.approx(0.5)
+
+
+def test_plugins_read_only_what_engine_view_declares():
+    """Every ``engine.<name>`` a plugin reads (the hooks' and proposers' ``engine`` argument) is a
+    member of ``EngineView``: no plugin reaches into the runner, the scheduler or private state."""
+    declared = set(EngineView.__annotations__) | {n for n, v in vars(EngineView).items() if callable(v)}
+    root = Path(__file__).resolve().parents[1] / "plugins"
+    undeclared = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "engine"
+                    and node.attr not in declared):
+                undeclared.append(f"{path.relative_to(root)}:{node.lineno} engine.{node.attr}")
+    assert not undeclared, undeclared
+    assert "probe_forward" in declared

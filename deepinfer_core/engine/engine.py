@@ -40,7 +40,6 @@ their blocks and drops the step in flight (``_fail_step``); the engine keeps ser
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import math
 import secrets
@@ -54,6 +53,7 @@ from deepinfer_core.config import ConfigError, EngineConfig, check_number
 from deepinfer_core.engine.admission import EngineAdmission
 from deepinfer_core.engine.cost_model import CostModel, default_path
 from deepinfer_core.engine.detokenizer import stop_string_hit
+from deepinfer_core.engine.fingerprint import model_fingerprint
 from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.kv_cache_manager import KVCacheManager, allocate_caches, size_pools
 from deepinfer_core.engine.model_runner import ModelRunner
@@ -105,34 +105,6 @@ class EngineStats:
     @property
     def overhead_share(self) -> float:
         return 0.0 if self.step_time == 0 else 1.0 - self.forward_time / self.step_time
-
-
-def model_fingerprint(model_dir, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
-                      fp8_weights: bool = False) -> str:
-    """Stable id of the weights the engine computes with: config.json (quantisation included), the
-    dtype, whether FP8 weights stay FP8, and for ``load_format="random"`` the seed; else each
-    shard's name, size, header and 64 KiB samples of its data at the start, middle and end. Content,
-    not mtimes: copies of a checkpoint on other machines share a KV store. The KV store adds the
-    cache layout (``KVLayout.for_model``)."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    h.update(f"{dtype}|{load_format}".encode())
-    if fp8_weights:  # other numerics than the dequantised weights: other KV
-        h.update(b"|fp8-weights")
-    if load_format == "random":
-        h.update(f"|seed={seed}".encode())
-        return h.hexdigest()[:16]
-    sample = 1 << 16
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        size = shard.stat().st_size
-        h.update(f"|{shard.name}|{size}|".encode())
-        with open(shard, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            h.update(f.read(n))
-            start = 8 + n
-            for offset in (start, start + max(0, size - start - sample) // 2, max(start, size - sample)):
-                f.seek(offset)
-                h.update(f.read(sample))
-    return h.hexdigest()[:16]
 
 
 class LLMEngine:
@@ -470,6 +442,15 @@ class LLMEngine:
         """Cheap gauges for a serving front end: running and waiting requests, KV-cache usage (0..1)."""
         return {"running": self.scheduler.num_running(), "waiting": self.scheduler.num_waiting(),
                 "kv_usage": 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)}
+
+    def probe_forward(self, out: SchedulerOutput, draft_tokens: dict[str, list[int]] | None = None,
+                      prepare_only: bool = False) -> None:
+        """Prepare (unless ``prepare_only``, also run) a target forward over ``out`` and wait for
+        the device; nothing is sampled or recorded (step-time measurements, see ``EngineView``)."""
+        batch = self.runner.prepare(out, draft_tokens)
+        if not prepare_only:
+            self.runner.forward(batch)
+            self.platform.synchronize()
 
     def has_unfinished(self) -> bool:
         """Requests wait or run, or a launched step is still to be post-processed."""

@@ -113,7 +113,7 @@ def measure(llm, texts_dir: Path = HELDOUT_DIR, prompts_file: Path = PROMPTS, wi
 
     import torch
 
-    from deepinfer_core.engine.engine import model_fingerprint
+    from deepinfer_core.engine.fingerprint import model_fingerprint
 
     prompts = json.loads(Path(prompts_file).read_text())
     engine = llm.engine

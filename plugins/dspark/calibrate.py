@@ -66,7 +66,7 @@ def measure_step_cost(engine, feature, ctx: int = 128, sweeps: int = 3) -> StepC
     MoE layers route them to as many experts as real text does. Every point is timed in ``sweeps``
     interleaved sweeps and the fastest time kept, so a burst of other load on a shared machine
     does not bend the curve."""
-    blocks, runner = engine.blocks, engine.runner
+    blocks = engine.blocks
     q = feature.k + 1
     ctx = max(1, min(ctx, engine.max_model_len - q - 1))
     V = engine.model_config.vocab_size
@@ -101,16 +101,12 @@ def measure_step_cost(engine, feature, ctx: int = 128, sweeps: int = 3) -> StepC
                 out = SchedulerOutput(decodes=[ScheduledSeq(s, 1) for s in group])
                 plan = {s.request_id: rand(per - 1) for s in group} if per > 1 else None
 
-                def fwd(out=out, plan=plan):
-                    runner.forward(runner.prepare(out, plan))
-                    engine.platform.synchronize()
-
-                points.append(("verify", B * per, fwd))
+                points.append(("verify", B * per, lambda out=out, plan=plan: engine.probe_forward(out, plan)))
             for B in (1, 64):
                 group = make(B)
                 if len(group) == B:
                     out = SchedulerOutput(decodes=[ScheduledSeq(s, 1) for s in group])
-                    points.append(("prepare", B, lambda out=out: runner.prepare(out)))
+                    points.append(("prepare", B, lambda out=out: engine.probe_forward(out, prepare_only=True)))
             for B in (1, 8, 32, 64):
                 group = make(B)
                 if len(group) < B:

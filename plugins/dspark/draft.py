@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.config import ConfigError
-from deepinfer_core.engine.engine import model_fingerprint
+from deepinfer_core.engine.fingerprint import model_fingerprint
 from deepinfer_core.models.deepseek import DecoderLayer
 from deepinfer_core.models.loader import (
     SafetensorsReader,

@@ -47,7 +47,7 @@ import torch
 
 import deepinfer_core
 from deepinfer_core.config import ConfigError
-from deepinfer_core.engine.engine import model_fingerprint
+from deepinfer_core.engine.fingerprint import model_fingerprint
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.features import Feature
 from deepinfer_core.hookspecs import hookimpl
