@@ -59,6 +59,12 @@ class Proposer(ABC):
     #: True: the engine keeps every row's final hidden state of each step in ``batch.hidden``
     #: (a draft head reading the target's hidden states, e.g. MTP)
     needs_hidden: bool = False
+    #: True: drafting writes KV at the request's last token and draft positions (a draft model with
+    #: a cache group of its own): before ``propose`` the engine reserves the blocks for the last
+    #: token and ``max_drafts[i]`` drafts (cutting ``max_drafts`` to what memory allows; a request
+    #: whose last token gets no slot is not offered), and afterwards gives back what the kept drafts
+    #: do not use. Requests with no room for drafts are offered too (``max_drafts`` 0: catch up only).
+    writes_draft_kv: bool = False
 
     def __init__(self, section: dict) -> None:
         """``section``: the ``[speculative]`` keys other than ``proposer`` and ``k``; raise
@@ -87,7 +93,7 @@ class Proposer(ABC):
         :param engine: the engine.
         :param requests: requests ready to decode (every token known, all but the last computed).
         :param max_drafts: the most tokens each may get (>= 1: within ``k``, ``max_tokens`` and the
-            model's length).
+            model's length; with ``writes_draft_kv`` also within the reserved slots, and 0 possible).
         :param batch: the step just completed (``batch.hidden`` when ``needs_hidden``).
         :return: one Draft or None per request.
         """

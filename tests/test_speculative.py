@@ -76,6 +76,20 @@ class TooLong(Proposer):
         return [Draft([5] * (m + 1)) for m in max_drafts]
 
 
+class Reserving(Proposer):
+    """Writes draft KV (a draft model would): checks that the engine reserved the slots of the last
+    token and every offered draft, and proposes one draft only (the rest must be given back)."""
+    name = "reserving"
+    core_api_version = "1.0"
+    writes_draft_kv = True
+    seen = []
+
+    def propose(self, engine, requests, max_drafts, batch):
+        for r, m in zip(requests, max_drafts):
+            Reserving.seen.append((len(r.block_table) * engine.block_size >= r.num_tokens + m, m))
+        return [Draft([r.token_ids[-1]]) if m else None for r, m in zip(requests, max_drafts)]
+
+
 class Flaky(Proposer):
     """Raises on every 3rd call; returns a wrong-length list on every 3rd+1; else one valid draft and
     one out-of-vocabulary draft."""
@@ -111,6 +125,7 @@ def proposer_package(tmp_path_factory):
         too_long = toy_proposers:TooLong
         sometimes = toy_proposers:Sometimes
         flaky = toy_proposers:Flaky
+        reserving = toy_proposers:Reserving
         """))
     sys.path.insert(0, str(root))
     yield root
@@ -220,6 +235,18 @@ def test_preemption_mid_speculation_is_exact_and_leak_free(tiny_v3_path, propose
     assert tokens(outs) == tokens(reference)
     m = llm.engine.metrics()
     assert m["preemptions"] > 0 and m["spec_accepted"] > 0
+
+
+def test_a_proposer_writing_draft_kv_gets_its_slots_reserved_and_given_back(tiny_v3_path, proposer_package,
+                                                                           reference):
+    import toy_proposers
+
+    llm = make(tiny_v3_path, speculative={"proposer": "reserving", "k": 4})
+    outs = run(llm, [greedy(logprobs=2) for _ in PROMPTS])  # no leak: unused reserved slots came back
+    assert tokens(outs) == tokens(reference)
+    seen = toy_proposers.Reserving.seen
+    assert seen and all(ok for ok, _ in seen)
+    assert {m for _, m in seen} >= {0, 4}  # full room, and requests offered only to catch up
 
 
 @pytest.mark.parametrize("proposer", ["too_long", "flaky"])

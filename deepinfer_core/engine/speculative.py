@@ -241,19 +241,55 @@ class SpecDecoder:
             m = min(self.k, eng.max_model_len - seq.num_tokens - 1)
             if seq.params.max_tokens is not None:
                 m = min(m, seq.params.max_tokens - seq.num_output_tokens - 1)
-            if m > 0:
+            if m > 0 or self.proposer.writes_draft_kv:
                 ready.append(seq)
-                room.append(m)
+                room.append(max(m, 0))
+        if self.proposer.writes_draft_kv:
+            ready, room = self._reserve(out, ready, room)
         if not ready:
             return
         try:
             drafts = self.proposer.propose(eng, ready, room, batch)
         except Exception as exc:  # noqa: BLE001  (a proposer's bug costs its drafts, not the requests)
-            return self._broken(f"propose() raised {type(exc).__name__}: {exc}", exc)
+            drafts = None
+            self._broken(f"propose() raised {type(exc).__name__}: {exc}", exc)
+        self._check(ready, room, drafts)
+        if self.proposer.writes_draft_kv:  # give back the reserved slots no kept draft uses
+            for seq in ready:
+                eng.blocks.truncate(seq, seq.num_tokens + len(seq.spec_tokens))
+
+    def _reserve(self, out: SchedulerOutput, ready: list[Sequence], room: list[int]
+                 ) -> tuple[list[Sequence], list[int]]:
+        """KV blocks for each request's last token and its ``room`` drafts, for a proposer that
+        writes KV at the draft positions (``Proposer.writes_draft_kv``): fewer drafts when memory is
+        short (a block of headroom per live request is kept); a request without even its last
+        token's slot is left out."""
+        blocks = self.engine.blocks
+        n_live = sum(1 for s in out.prefills + out.decodes if not s.seq.is_finished)
+        got, got_room = [], []
+        for seq, m in zip(ready, room):
+            L = seq.num_tokens
+            if not blocks.can_allocate(seq, L):
+                continue
+            blocks.allocate(seq, L)
+            while m > 0:
+                extra = blocks.blocks_needed(seq, L + m)
+                if extra == 0 or (blocks.can_allocate(seq, L + m) and blocks.num_free - extra >= n_live):
+                    blocks.allocate(seq, L + m)
+                    break
+                m -= 1
+            got.append(seq)
+            got_room.append(m)
+        return got, got_room
+
+    def _check(self, ready: list[Sequence], room: list[int], drafts) -> None:
+        """Keep the drafts that meet the contract (``seq.spec_tokens``); drop the others, logged."""
+        if drafts is None:
+            return
         if not isinstance(drafts, list) or len(drafts) != len(ready):
             return self._broken(f"propose() must return a list of {len(ready)} drafts (one Draft or None per "
                                 f"request), got {type(drafts).__name__}")
-        V = eng.model_config.vocab_size
+        V = self.engine.model_config.vocab_size
         for seq, m, d in zip(ready, room, drafts):
             if d is None or (isinstance(d, Draft) and not d.tokens):
                 continue

@@ -8,7 +8,6 @@ import time
 import torch
 
 from deepinfer_core.engine.rejection import STREAM_DRAFT, draw, filtered_probs, stream
-from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, PrefillMeta
 from deepinfer_core.proposer import MAX_K
 from deepinfer_core.scheduler import SchedulerOutput
@@ -60,11 +59,9 @@ class Drafter:
             else:
                 lo, hi = st.done, (L if ready else C)
             cap = 0
-            if ready:
-                cap = min(self.k, engine.max_model_len - L, src.max_positions - L)
-                if seq.params.max_tokens is not None:
-                    cap = min(cap, seq.params.max_tokens - seq.num_output_tokens - 1)
-                cap = self._reserve(engine, seq, L, max(cap, 0), n_live)
+            if ready:  # the engine reserved the slots of the last token and `room` drafts
+                cap = self._room.get(seq.request_id, -1)
+                cap = min(cap, max(src.max_positions - L, 0)) if cap >= 0 else -1
                 if cap < 0:  # not even the last token's slot: sync what fits, no drafts
                     hi = min(hi, len(seq.block_table) * bs)
                     cap = 0
@@ -174,21 +171,6 @@ class Drafter:
                     st.recent_conf = 0.8 * st.recent_conf + 0.2 * self.mean_conf
         self.n["skipped_steps"] += 1
         return False
-
-    def _reserve(self, engine, seq: Sequence, L: int, cap: int, n_live: int) -> int:
-        """Allocate blocks for the last token and ``cap`` drafts (fewer when memory is short, keeping
-        a block of headroom per live request); -1 when even the last token's slot cannot be had."""
-        blocks = engine.blocks
-        if not blocks.can_allocate(seq, L):
-            return -1
-        blocks.allocate(seq, L)
-        while cap > 0:
-            extra = blocks.blocks_needed(seq, L + cap)
-            if extra == 0 or (blocks.can_allocate(seq, L + cap) and blocks.num_free - extra >= n_live):
-                blocks.allocate(seq, L + cap)
-                break
-            cap -= 1
-        return cap
 
     @staticmethod
     def _meta_tables(its: list, dev) -> torch.Tensor:
@@ -323,5 +305,3 @@ class Drafter:
             st.recent_conf = conf_m[i][0]
             if log:
                 st.feats = (h_m[i, :n].float().cpu(), lq_m[i, :n].cpu(), ent_m[i, :n].cpu())
-            if n < rows.caps[i]:
-                self.engine.blocks.truncate(seq, seq.num_tokens + n)  # blocks for drafts not made

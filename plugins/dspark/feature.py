@@ -77,6 +77,7 @@ def varlen_enabled() -> bool:
 class DSpark(Drafter, Feature, Proposer):
     name = "dspark"
     core_api_version = "1.0"
+    writes_draft_kv = True  # the draft's cache group is written at the drafts' positions
 
     def __init__(self, section: dict) -> None:
         o = self.check_keys(self.name, section, DEFAULTS)
@@ -103,6 +104,7 @@ class DSpark(Drafter, Feature, Proposer):
         self._pending: tuple | None = None  # the last decode step's times, until the next step starts
         self._drafted = (0, 0, 0.0)  # (rows, draft steps after the first token, their seconds) this step
         self._caught = 0  # rows of this step's draft catch-up forward
+        self._room: dict[str, int] = {}  # request id -> drafts whose KV slots the engine reserved
         self.outcome_log: list | None = None  # set to a list to log (features, accepted) per verified draft
         self.last_depth = 0
         self.mean_conf = 0.6  # running mean of the drafts' confidences (decides whether to draft at all)
@@ -220,6 +222,7 @@ class DSpark(Drafter, Feature, Proposer):
         """After a step: catch the draft up on what the target computed and draft for the next step;
         the lengths are cut by the policy (``_choose``)."""
         t0 = time.perf_counter()
+        self._room = dict(zip((r.request_id for r in requests), max_drafts))  # slots the engine reserved
         if self._pending is not None:  # the previous decode step's times, with its whole cycle
             *obs, start, contiguous, caught = self._pending
             self.live.observe(*obs, cycle_s=t0 - start if contiguous else None, catchup_rows=caught)
