@@ -123,6 +123,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--policy", default="throughput", help="[dspark] budget_policy of the varlen engine")
+    ap.add_argument("--min-confidence", type=float, default=0.2, help="[dspark] min_confidence (threshold policy)")
     ap.add_argument("--draft", default="auto", help="[dspark] draft: 'auto' (the shipped default), 'mtp' or a dir")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -134,7 +136,8 @@ def main(argv=None) -> None:
         "plain": LLM(**common),
         "fixed": LLM(features=["dspark"], dspark={"k": args.k, "budget_policy": "fixed", "draft": args.draft},
                      **common),
-        "varlen": LLM(features=["dspark"], dspark={"k": args.k, "draft": args.draft}, **common),
+        "varlen": LLM(features=["dspark"], dspark={"k": args.k, "draft": args.draft, "budget_policy": args.policy,
+                                                   "min_confidence": args.min_confidence}, **common),
     }
     prompts = heldout_prompts(engines["plain"].tokenizer, args.num_prompts, args.seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -9,6 +9,7 @@ configurations are config errors naming the problem.
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import sysconfig
@@ -664,3 +665,37 @@ def test_dp_ep_2_with_dspark_equals_one_rank_without(tmp_path_factory, tmp_path)
         assert all(r["spec_verified"] > 0 for r in m["ranks"]), [r.get("spec_verified") for r in m["ranks"]]
     finally:
         llm.shutdown()
+
+
+# ---- the threshold policy (the draft_lengths kernel op) -------------------------------------------
+
+def test_threshold_policy_is_greedy_exact_and_cuts_by_cumulative_confidence(tiny_v3_path, reference):
+    """``budget_policy = "threshold"``: the drafts offered are exactly those the ``draft_lengths``
+    op keeps (cumulative confidence >= min_confidence, budget respected); greedy output unchanged."""
+    llm = make(tiny_v3_path, dspark={"draft": tiny_v3_path, "k": 4, "budget_policy": "threshold",
+                                     "min_confidence": 0.5, "verify_budget": 6})
+    cheap_drafts(llm)
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    seen = []
+    orig = feat._threshold_lengths
+
+    def spy(engine, conf, budget):
+        out = orig(engine, conf, budget)
+        seen.append((conf, budget, out))
+        return out
+
+    feat._threshold_lengths = spy
+    outs = run(llm, PROMPTS, greedy(20, logprobs=0))
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert seen and llm.metrics()["dspark_verified"] > 0
+    for conf, budget, lengths in seen:
+        assert sum(lengths) <= budget
+        for c, m in zip(conf, lengths):
+            assert all(math.prod(c[: j + 1]) >= 0.5 - 1e-6 for j in range(m))
+    assert any(m < len(c) for conf, _, lengths in seen for c, m in zip(conf, lengths))  # something was cut
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_min_confidence_out_of_range(tiny_v3_path):
+    with pytest.raises(ConfigError, match="min_confidence"):
+        make(tiny_v3_path, dspark={"budget_policy": "threshold", "min_confidence": 1.5})

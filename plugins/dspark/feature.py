@@ -8,7 +8,11 @@ Enable with ``features=["dspark"]``; configure in its ``[dspark]`` section (vali
                                           target's tokenizer); or a dir holding ``mtp.safetensors``
     k                       int, 5        most draft tokens per request and step (1..16)
     budget_policy           str           "throughput" (default: confidence-scheduled variable
-                                          length) or "fixed" (always k, as far as memory allows)
+                                          length), "threshold" (the drafts whose cumulative
+                                          confidence reaches min_confidence, best first under the
+                                          budget: the ``draft_lengths`` kernel op) or "fixed"
+                                          (always k, as far as memory allows)
+    min_confidence          float, 0.2    the "threshold" policy's cut (0..1)
     confidence_temperature  float, 1.0    calibration temperature of the confidence head
     verify_budget           int, 0        most draft tokens verified per step over the batch
                                           (0: what the step's token budget leaves)
@@ -64,7 +68,7 @@ from plugins.dspark.state import KEY, _Rows, _State  # noqa: F401 (_Rows: tests,
 
 logger = logging.getLogger("deepinfer.dspark")
 DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_temperature": 1.0,
-            "verify_budget": 0}
+            "verify_budget": 0, "min_confidence": 0.2}
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
@@ -83,8 +87,12 @@ class DSpark(Drafter, Feature, Proposer):
         o = self.check_keys(self.name, section, DEFAULTS)
         if isinstance(o["k"], bool) or not 1 <= o["k"] <= MAX_K:
             raise ConfigError(f"[dspark] k must be an int in 1..{MAX_K}, got {o['k']!r}")
-        if o["budget_policy"] not in ("throughput", "fixed"):
-            raise ConfigError(f"[dspark] budget_policy must be 'throughput' or 'fixed', got {o['budget_policy']!r}")
+        if o["budget_policy"] not in ("throughput", "threshold", "fixed"):
+            raise ConfigError("[dspark] budget_policy must be 'throughput', 'threshold' or 'fixed', got "
+                              f"{o['budget_policy']!r}")
+        mc = o["min_confidence"]
+        if isinstance(mc, bool) or not (isinstance(mc, (int, float)) and 0 <= mc <= 1):
+            raise ConfigError(f"[dspark] min_confidence must be a number in 0..1, got {mc!r}")
         t = o["confidence_temperature"]
         if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise ConfigError(f"[dspark] confidence_temperature must be a positive number, got {t!r}")
@@ -94,7 +102,8 @@ class DSpark(Drafter, Feature, Proposer):
             raise ConfigError("[dspark] draft must be 'auto', 'mtp' or a draft checkpoint directory")
         self.opts = o
         self.k = o["k"]
-        self.varlen = o["budget_policy"] == "throughput" and varlen_enabled()
+        self.varlen = o["budget_policy"] in ("throughput", "threshold") and varlen_enabled()
+        self.threshold = o["budget_policy"] == "threshold"
         self.engine = None
         self._source_plan: tuple | None = None  # (kind, path) of the draft, decided in cache_groups
         self.source = None
@@ -273,7 +282,9 @@ class DSpark(Drafter, Feature, Proposer):
         budget = engine.cfg.max_num_batched_tokens - n_tokens
         if self.opts["verify_budget"]:
             budget = min(budget, self.opts["verify_budget"])
-        if self.varlen:
+        if self.varlen and self.threshold:
+            lengths = self._threshold_lengths(engine, [st.conf[:c] for (_, st), c in zip(cands, caps)], budget)
+        elif self.varlen:
             fixed = self.live.overhead(len(requests)) + self.live.drafting(len(cands), self.last_depth)
             lengths = choose_lengths([st.cum[:c] for (_, st), c in zip(cands, caps)], n_tokens, budget,
                                      self.live, fixed)
@@ -292,6 +303,19 @@ class DSpark(Drafter, Feature, Proposer):
             else:
                 st.drafts, st.q, st.feats = [], None, None
         return out
+
+    def _threshold_lengths(self, engine, conf: list[list[float]], budget: int) -> list[int]:
+        """The "threshold" policy through the ``draft_lengths`` kernel op (a TileLang kernel on
+        nvidia): per request, its drafts whose cumulative confidence reaches ``min_confidence``,
+        the likeliest first while the verify budget lasts."""
+        K = max(len(c) for c in conf)
+        mat = torch.zeros(len(conf), K, dtype=torch.float32)
+        for i, c in enumerate(conf):
+            mat[i, : len(c)] = torch.tensor(c, dtype=torch.float32)
+        caps = torch.tensor([len(c) for c in conf], dtype=torch.int64)
+        out = engine.kernels.draft_lengths(mat.to(engine.device), caps.to(engine.device), budget,
+                                           float(self.opts["min_confidence"]))
+        return out.tolist()
 
     def _state(self, seq: Sequence) -> _State | None:
         st = seq.feature_state.get(KEY)
