@@ -52,7 +52,6 @@ from deepinfer_core import plugins
 from deepinfer_core.config import ConfigError, EngineConfig, check_number
 from deepinfer_core.engine.admission import EngineAdmission
 from deepinfer_core.engine.cost_model import CostModel, default_path
-from deepinfer_core.engine.detokenizer import stop_string_hit
 from deepinfer_core.engine.fingerprint import model_fingerprint
 from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.kv_cache_manager import KVCacheManager, allocate_caches, size_pools
@@ -62,6 +61,7 @@ from deepinfer_core.engine.sampler import Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.speculative import SpecDecoder
 from deepinfer_core.engine.tokenizer import HFTokenizer
+from deepinfer_core.engine.tokens import TokenAccounting
 from deepinfer_core.features import load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
 from deepinfer_core.kv_cache_spec import CacheLayout, HitRule
@@ -74,7 +74,6 @@ from deepinfer_core.models.loader import (
     resolve_model_dir,
 )
 from deepinfer_core.models.registry import parse_config
-from deepinfer_core.outputs import Logprob
 from deepinfer_core.sampling_params import SamplingParams, rng_seed
 from deepinfer_core.scheduler import SchedulerBudget, SchedulerOutput
 from deepinfer_core.selection import select_platform
@@ -107,7 +106,7 @@ class EngineStats:
         return 0.0 if self.step_time == 0 else 1.0 - self.forward_time / self.step_time
 
 
-class LLMEngine:
+class LLMEngine(TokenAccounting):
     #: Local device index of this engine; a DP/EP rank engine sets its own before ``__init__``.
     device_index: int = 0
     #: A step that raises fails its requests and the engine keeps serving (``_fail_step``). A rank of
@@ -558,64 +557,6 @@ class LLMEngine:
         if not self.async_scheduling or self._sync_requests or speculate:
             return False
         return not any(self.pm.hook.step_needs_sync(engine=self))
-
-    def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]],
-                      tops: list[list] | None = None) -> list[tuple[Sequence, tuple]]:
-        """Append accepted tokens to requests (speculation: several per request), up to the first
-        that stops each. Returns the stops, ``(request, (reason, stop_reason))``: call
-        ``tokens_sampled`` for the appended tokens, then ``finish_stopped`` with them."""
-        now = time.perf_counter()
-        stops = []
-        for i, seq in enumerate(seqs):
-            if seq.num_pending_tokens:
-                raise RuntimeError(f"append_tokens: request {seq.request_id} has tokens still being sampled "
-                                   "(async scheduling); such steps must run synchronously")
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            for j, tok in enumerate(tokens[i]):
-                seq.token_ids.append(tok)
-                reason = self._accept_token(seq, tok, logprobs[i][j], tops[i][j] if tops else None)
-                if reason is not None:
-                    stops.append((seq, reason))
-                    break
-        return stops
-
-    def finish_stopped(self, stops: list[tuple[Sequence, tuple]]) -> None:
-        """Finish the requests that stopped on tokens just placed (after their ``tokens_sampled``);
-        one a hook finished meanwhile (e.g. aborted by a grammar) is left as it is."""
-        for seq, reason in stops:
-            if not seq.is_finished:
-                self._finish(seq, *reason)
-
-    def _accept_token(self, seq: Sequence, tok: int, logprob: float, top: list | None,
-                      rank: int | None = None) -> tuple | None:
-        """Account for a real token just placed in ``seq.token_ids``; returns ``(reason, stop_reason)``
-        if the request stops there (the caller finishes it after ``tokens_sampled``). ``rank``: the
-        token's rank in the full distribution, where known."""
-        seq.sum_logprob += logprob
-        self.stats.decode_tokens += 1
-        if seq.params.logprobs is not None:
-            entry = {tok: Logprob(logprob, rank)}
-            for r, (t, lp) in enumerate(top or [], start=1):
-                entry.setdefault(t, Logprob(lp)).rank = r  # the sampled token too
-            seq.output_logprobs.append(entry)
-        return self._stop_reason(seq, tok)
-
-    def _stop_reason(self, seq: Sequence, tok: int):
-        p = seq.params
-        if tok in seq.eos_token_ids:
-            return "stop", None
-        if tok in p.stop_token_ids:
-            return "stop", tok
-        if p.stop:
-            hit = stop_string_hit(seq, self.tokenizer)  # incremental: only the new text is searched
-            if hit is not None:
-                return "stop", hit
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            return "length", None
-        if seq.num_known_tokens >= self.max_model_len:
-            return "length", None
-        return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None, error: BaseException | None = None,
                 remove_from_scheduler: bool = True) -> None:
