@@ -3,7 +3,10 @@
 Greedy outputs through the router equal a colocated engine's; under a skewed workload the Prefill
 LB (uncached tokens) and the Decode LB (running requests) keep max/mean per-engine load <= 1.15;
 a decode engine drained mid-run forwards its requests with their KV and the router finishes them
-on the other decode engine, with identical outputs and none lost.
+on the other decode engine, with identical outputs and none lost (whole and streamed). Streamed
+completions and chat (whole and streamed) through the router equal the colocated engine's greedy
+text with valid SSE framing and usage; a client that leaves mid-stream frees the decode engine's
+request; n > 1 and list prompts are refused naming the field.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from tiny_models import rand_ids
 from deepinfer_core import LLM, SamplingParams
 
 BS = 4
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def skewed_workload(n: int = 64) -> list[tuple[list[int], int]]:
@@ -81,7 +86,7 @@ def router(prefill: list[str], decode: list[str], *options: str):
 def cluster(tiny_v3_path, tmp_path_factory):
     store = tmp_path_factory.mktemp("pd_store")
     ns = f"router-test-{uuid.uuid4().hex[:8]}"
-    common = ["--dtype", "float32", "-o", f"block_size={BS}", "-o", f'kv_transfer={{backend="shm", namespace="{ns}"}}']
+    common = ["--dtype", "float32", "--chat-template", CHAT_TEMPLATE, "-o", f"block_size={BS}", "-o", f'kv_transfer={{backend="shm", namespace="{ns}"}}']
     kv_store = ["-o", f'kv_store={{backend="3fs", path="{store}", offload_on_finish=true}}']
     with contextlib.ExitStack() as stack:
         p = [stack.enter_context(server(tiny_v3_path, *common, *kv_store, "-o", 'kv_role="prefill"'))
@@ -89,7 +94,8 @@ def cluster(tiny_v3_path, tmp_path_factory):
         d = [stack.enter_context(server(tiny_v3_path, *common, "-o", 'kv_role="decode"')) for _ in range(2)]
         # the router looks blocks up the moment they are written: no negative caching of misses
         lookups = ["-o", f'kv_store={{backend="3fs", path="{store}", negative_cache="0s"}}']
-        r = stack.enter_context(router(p, d, "--model", tiny_v3_path, "-o", f"block_size={BS}", *lookups))
+        r = stack.enter_context(router(p, d, "--model", tiny_v3_path, "--chat-template", CHAT_TEMPLATE,
+                                       "-o", f"block_size={BS}", *lookups))
         yield p, d, r
 
 
@@ -101,13 +107,40 @@ def reference(path: str, work) -> list[str]:
     return [o.outputs[0].text for o in outs]
 
 
-def run_all(base: str, work, concurrency: int = 16) -> list[dict]:
-    def one(item):
-        p, m = item
-        return post(base + "/v1/completions", {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True})
+def stream(url: str, body: dict) -> list[dict]:
+    """POST with stream=true; the SSE events' JSON payloads, checked for framing (``data: `` lines,
+    blank-line separated, ending with one ``[DONE]``)."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), raw
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+    frames = [json.loads(e[6:]) for e in events[:-1]]
+    assert all("error" not in f and "kv_transfer_params" not in f for f in frames), frames
+    assert len({f["id"] for f in frames}) == 1
+    return frames
+
+
+def streamed_text(frames: list[dict]) -> str:
+    return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for f in frames for c in f["choices"])
+
+
+def run_all(base: str, work, concurrency: int = 16, streamed: bool = False) -> list[dict]:
+    def one(i_item):
+        i, (p, m) = i_item
+        body = {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True}
+        if streamed and i % 2:
+            frames = stream(base + "/v1/completions", body)
+            assert not any(c["finish_reason"] == "forwarded" for f in frames for c in f["choices"])
+            return {"choices": [{"text": streamed_text(frames)}]}
+        return post(base + "/v1/completions", body)
 
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(one, work))
+        return list(pool.map(one, enumerate(work)))
 
 
 def test_router_identical_and_balanced(cluster, tiny_v3_path):
@@ -130,22 +163,81 @@ def test_router_identical_and_balanced(cluster, tiny_v3_path):
     assert stats["decode"]["in_flight"] <= 1.15, stats["decode"]
 
 
+def metric(base: str, name: str, label: str = "") -> float:
+    """A Prometheus sample of an engine's /metrics (summed over series whose labels contain ``label``)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name + "{") and label in x)
+
+
+def test_streams_chat_and_refusals(cluster, tiny_v3_path):
+    from deepinfer_core.engine.tokenizer import HFTokenizer
+    from deepinfer_core.serving.chat import ChatEncoder
+
+    p, d, r = cluster
+    work = [(prompt, 6 + i) for i, (prompt, _) in enumerate(skewed_workload(3))]
+    messages = [{"role": "user", "content": "the stone is red"}, {"role": "assistant", "content": "it is"},
+                {"role": "user", "content": "on the hill"}]
+    chat_ids = ChatEncoder(tiny_v3_path, HFTokenizer.load(tiny_v3_path, 0, 1), CHAT_TEMPLATE).encode(
+        messages, add_generation_prompt=True)
+    ref = reference(tiny_v3_path, [*work, (chat_ids, 9)])
+    for (prompt, m), want in zip(work, ref):
+        frames = stream(r + "/v1/completions", {"prompt": prompt, "max_tokens": m, "temperature": 0,
+                                                "ignore_eos": True, "stream_options": {"include_usage": True}})
+        assert streamed_text(frames) == want
+        assert [c["finish_reason"] for f in frames for c in f["choices"] if c["finish_reason"]] == ["length"]
+        assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == m
+        assert frames[-1]["usage"]["prompt_tokens"] == len(prompt)
+        assert all("usage" not in f for f in frames[:-1])
+    chat = {"messages": messages, "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    whole = post(r + "/v1/chat/completions", chat)
+    assert whole["object"] == "chat.completion" and "kv_transfer_params" not in whole
+    assert whole["choices"][0]["message"]["content"] == ref[-1]
+    assert whole["usage"]["prompt_tokens"] == len(chat_ids) and whole["usage"]["completion_tokens"] == 9
+    frames = stream(r + "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    assert frames[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(f["object"] == "chat.completion.chunk" for f in frames)
+    assert streamed_text(frames) == ref[-1] and frames[-1]["usage"]["completion_tokens"] == 9
+    # one prompt, one completion per request: the rest is refused naming the field
+    for body, param in [({"prompt": [1, 2], "n": 2}, "n"), ({"prompt": [1, 2], "best_of": 3}, "best_of"),
+                        ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [[1, 2], [3]]}, "prompt")]:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(r + "/v1/completions", body)
+        assert err.value.code == 400
+        e = json.loads(err.value.msg.split(": ", 1)[1])["error"]
+        assert e["param"] == param and e["type"] == "invalid_request_error" and param in e["message"]
+    # a client that leaves mid-stream: the decode engine aborts its request and frees its KV
+    kv0 = [metric(u, "deepinfer:kv_cache_usage_perc") for u in d]
+    aborted0 = sum(metric(u, "deepinfer:request_success_total", 'finished_reason="abort"') for u in d)
+    req = urllib.request.Request(r + "/v1/completions", json.dumps(
+        {"prompt": work[0][0], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        assert resp.readline().startswith(b"data: {")  # decoding has started
+    deadline = time.time() + 60
+    while sum(metric(u, "deepinfer:request_success_total", 'finished_reason="abort"') for u in d) < aborted0 + 1:
+        assert time.time() < deadline, "the decode engine did not abort the request of the client that left"
+        time.sleep(0.1)
+    assert [metric(u, "deepinfer:num_requests_running") for u in d] == [0, 0]
+    assert [metric(u, "deepinfer:kv_cache_usage_perc") for u in d] == kv0
+
+
 def test_drain_forwards_through_the_router(cluster, tiny_v3_path):
     p, d, r = cluster
     work = [(prompt, 64) for prompt, _ in skewed_workload(24)]
     ref = reference(tiny_v3_path, work)
     before = get(r + "/router/stats")["forwarded"]
     with ThreadPoolExecutor(1) as side:
-        pending = side.submit(run_all, r, work, 12)
+        pending = side.submit(run_all, r, work, 12, True)  # half of them streamed
         deadline = time.time() + 120
         while get(r + "/router/stats")["decode"]["running_per_engine"][0] < 3:  # decoding on the first engine
             assert time.time() < deadline, "no request reached the first decode engine"
             time.sleep(0.05)
         assert post(d[0] + "/v1/drain", {"grace_s": 0.2}) == {"draining": True}
         outs = pending.result(timeout=600)
-    assert [o["choices"][0]["text"] for o in outs] == ref  # 0 lost, identical
+    assert [o["choices"][0]["text"] for o in outs] == ref  # 0 lost, identical, no token twice in a stream
     stats = get(r + "/router/stats")
-    assert stats["forwarded"] > before
+    assert stats["forwarded"] > before and stats["forwarded_streams"] > 0
     with pytest.raises(urllib.error.HTTPError) as err:  # the drained engine admits nothing new
         post(d[0] + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
     assert err.value.code == 503

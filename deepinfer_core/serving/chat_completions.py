@@ -14,6 +14,7 @@ from deepinfer_core.serving.common import (
     ServerState,
     chunk_writer,
     failed,
+    handed_off,
     live_updates,
     merged,
     request_id,
@@ -117,7 +118,8 @@ async def _whole(state: ServerState, streams, rid: str, parser, top_n: int) -> d
                         "logprobs": {"content": chat_logprobs(c.token_ids, c.logprobs, top_n)}
                         if c.logprobs is not None else None})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-            "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens, update.num_cached_tokens)}
+            "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens, update.num_cached_tokens),
+            "kv_transfer_params": out.kv_transfer_params}
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, streams, rid: str, parser,
@@ -148,7 +150,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, rid: 
                                     "finish_reason": _finish_reason(d.finish_reason, bool(p.tool_calls)),
                                     "stop_reason": d.stop_reason})
             if choices:
-                yield chunk(choices)
+                yield chunk(choices, **handed_off(update))
             if update.finished and include_usage:
                 yield chunk([], usage(update.num_prompt_tokens, completion_tokens, update.num_cached_tokens))
     except APIError as exc:

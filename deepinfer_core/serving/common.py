@@ -142,16 +142,23 @@ async def live_updates(streams: list[RequestStream]) -> AsyncIterator[tuple[int,
 
 
 def chunk_writer(rid: str, obj: str, model: str):
-    """``chunk(choices, usage=None)``: one SSE frame of a streamed response of type ``obj``."""
+    """``chunk(choices, usage=None, **extra)``: one SSE frame of a streamed response of type ``obj``."""
     created = int(time.time())
 
-    def chunk(choices: list[dict], use: dict | None = None) -> str:
-        body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    def chunk(choices: list[dict], use: dict | None = None, **extra) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
         if use is not None:
             body["usage"] = use
         return sse(body)
 
     return chunk
+
+
+def handed_off(update: RequestUpdate) -> dict:
+    """``{"kv_transfer_params": ...}`` for the last frame of a request whose state was handed off
+    (a prefill engine's, or one forwarded by a draining engine): where a router continues it."""
+    out = update.output if update.finished else None
+    return {"kv_transfer_params": out.kv_transfer_params} if out is not None and out.kv_transfer_params else {}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

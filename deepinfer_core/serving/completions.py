@@ -11,6 +11,7 @@ from deepinfer_core.serving.common import (
     ServerState,
     chunk_writer,
     failed,
+    handed_off,
     live_updates,
     merged,
     request_id,
@@ -92,7 +93,7 @@ async def _stream(state: ServerState, req: CompletionRequest, streams, rid: str,
                     choices.append({"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
                                     "stop_reason": d.stop_reason})
             if choices:
-                yield chunk(choices)
+                yield chunk(choices, **handed_off(update))
         else:
             if include_usage:
                 yield chunk([], usage(prompt_tokens, completion_tokens, cached))
