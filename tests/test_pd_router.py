@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from server_helpers import ROOT, free_port, server
@@ -86,7 +87,8 @@ def router(prefill: list[str], decode: list[str], *options: str):
 def cluster(tiny_v3_path, tmp_path_factory):
     store = tmp_path_factory.mktemp("pd_store")
     ns = f"router-test-{uuid.uuid4().hex[:8]}"
-    common = ["--dtype", "float32", "--chat-template", CHAT_TEMPLATE, "-o", f"block_size={BS}", "-o", f'kv_transfer={{backend="shm", namespace="{ns}"}}']
+    common = ["--dtype", "float32", "--chat-template", CHAT_TEMPLATE, "-o", f"block_size={BS}",
+               "-o", f'kv_transfer={{backend="shm", namespace="{ns}"}}']
     kv_store = ["-o", f'kv_store={{backend="3fs", path="{store}", offload_on_finish=true}}']
     with contextlib.ExitStack() as stack:
         p = [stack.enter_context(server(tiny_v3_path, *common, *kv_store, "-o", 'kv_role="prefill"'))
@@ -133,7 +135,7 @@ def run_all(base: str, work, concurrency: int = 16, streamed: bool = False) -> l
     def one(i_item):
         i, (p, m) = i_item
         body = {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True}
-        if streamed and i % 2:
+        if streamed and i % 4:
             frames = stream(base + "/v1/completions", body)
             assert not any(c["finish_reason"] == "forwarded" for f in frames for c in f["choices"])
             return {"choices": [{"text": streamed_text(frames)}]}
@@ -178,7 +180,8 @@ def test_streams_chat_and_refusals(cluster, tiny_v3_path):
     work = [(prompt, 6 + i) for i, (prompt, _) in enumerate(skewed_workload(3))]
     messages = [{"role": "user", "content": "the stone is red"}, {"role": "assistant", "content": "it is"},
                 {"role": "user", "content": "on the hill"}]
-    chat_ids = ChatEncoder(tiny_v3_path, HFTokenizer.load(tiny_v3_path, 0, 1), CHAT_TEMPLATE).encode(
+    model_dir = Path(tiny_v3_path)
+    chat_ids = ChatEncoder(model_dir, HFTokenizer.load(model_dir, 0, [1]), CHAT_TEMPLATE).encode(
         messages, add_generation_prompt=True)
     ref = reference(tiny_v3_path, [*work, (chat_ids, 9)])
     for (prompt, m), want in zip(work, ref):
@@ -224,19 +227,20 @@ def test_streams_chat_and_refusals(cluster, tiny_v3_path):
 
 def test_drain_forwards_through_the_router(cluster, tiny_v3_path):
     p, d, r = cluster
-    work = [(prompt, 64) for prompt, _ in skewed_workload(24)]
+    work = [(prompt, 96) for prompt, _ in skewed_workload(24)]
     ref = reference(tiny_v3_path, work)
     before = get(r + "/router/stats")["forwarded"]
     with ThreadPoolExecutor(1) as side:
-        pending = side.submit(run_all, r, work, 12, True)  # half of them streamed
+        pending = side.submit(run_all, r, work, 12, True)  # three in four streamed
         deadline = time.time() + 120
         while get(r + "/router/stats")["decode"]["running_per_engine"][0] < 3:  # decoding on the first engine
             assert time.time() < deadline, "no request reached the first decode engine"
             time.sleep(0.05)
-        assert post(d[0] + "/v1/drain", {"grace_s": 0.2}) == {"draining": True}
+        assert post(d[0] + "/v1/drain", {"grace_s": 0.05}) == {"draining": True}
         outs = pending.result(timeout=600)
     assert [o["choices"][0]["text"] for o in outs] == ref  # 0 lost, identical, no token twice in a stream
     stats = get(r + "/router/stats")
+    print("router stats after the drain:", json.dumps(stats))
     assert stats["forwarded"] > before and stats["forwarded_streams"] > 0
     with pytest.raises(urllib.error.HTTPError) as err:  # the drained engine admits nothing new
         post(d[0] + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
