@@ -119,7 +119,7 @@ def test_mhc_comb_is_doubly_stochastic():
 
 
 def test_token_chunking_does_not_change_results(monkeypatch):
-    from deepinfer_core.testing.kernels import _cases_v4_indexer_topk, _cases_v4_sparse_attention
+    from deepinfer_core.testing.kernel_cases import _cases_v4_indexer_topk, _cases_v4_sparse_attention
 
     g = torch.Generator().manual_seed(0)
     cases = [(v4_ops.v4_sparse_attention, c) for c in _cases_v4_sparse_attention(g, torch.float32, 16)]
