@@ -21,6 +21,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "error" | "abort"
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (raw distribution)
+    kv_transfer_params: dict | None = None  # finish_reason "forwarded" (a drain): where this completion continues
 
 
 @dataclass

@@ -324,9 +324,10 @@ class LLMEngine(TokenAccounting):
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | dict | list, params: SamplingParams | dict | None,
-                    request_id: str | None = None) -> Sequence:
-        """Validate and queue a request. Bad input raises ValueError/TypeError naming the field."""
-        if self.draining:
+                    request_id: str | None = None, sibling: bool = False) -> Sequence:
+        """Validate and queue a request. Bad input raises ValueError/TypeError naming the field.
+        ``sibling``: another sample of an admitted request (``SampleGroup``), taken even while draining."""
+        if self.draining and not sibling:
             raise EngineDrainingError("this engine is draining (start_drain): it takes no new requests; send them "
                                       "to another")
         if request_id is None:

@@ -8,6 +8,13 @@ every prompt position computed), all children are queued at once.
 
 Child ``i`` samples with seed ``seed + i`` when the request has a seed (reproducible), else its own
 random seed. With ``best_of`` the ``n`` children with the highest cumulative logprob are returned.
+
+A request handed off by a prefill engine (``kv_transfer_params``) carries child 0's state: child 0
+receives it (its prompt's KV and first token), so the siblings, queued at once, share its prompt
+blocks through the prefix cache and compute only the prompt's last partial block, exactly as they
+would after a local prefill. A child forwarded by a draining engine keeps its own
+``kv_transfer_params`` (``CompletionOutput``); best_of then returns every child, unranked, since the
+forwarded ones finish elsewhere (the router ranks them).
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ def as_params(params: SamplingParams | dict | None, defaults: dict | None = None
 
 
 def child_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Child ``i``'s params: one sample, seed ``seed + i``; a hand-off is child 0's alone."""
     if params.num_samples == 1:
         return params
     seed = None if params.seq_seed is None else params.seq_seed + i
-    return dataclasses.replace(params, n=1, best_of=None, seq_seed=seed, seed=seed)
+    transfer = params.kv_transfer_params if i == 0 else None
+    return dataclasses.replace(params, n=1, best_of=None, seq_seed=seed, seed=seed, kv_transfer_params=transfer)
 
 
 class SampleGroup:
@@ -67,7 +76,9 @@ class SampleGroup:
         first = self.seqs[0]
         if not self.pending or (self._share and not (first.num_output_tokens or first.is_finished)):
             return []
-        added = [engine.add_request(self.prompt, p, rid)
+        # siblings of an admitted request join it even on a draining engine (they are forwarded with it)
+        kw = {"sibling": True} if getattr(engine, "draining", False) else {}
+        added = [engine.add_request(self.prompt, p, rid, **kw)
                  for p, rid in zip(self._child_params[1:], self._child_ids[1:])]
         for s in added:
             s.prompt = first.prompt
@@ -81,7 +92,8 @@ class SampleGroup:
     def output(self, tokenizer, texts: TokenTexts | None = None) -> RequestOutput:
         """The request's output (final once ``finished``)."""
         completions = [completion_output(s, tokenizer, i, texts) for i, s in enumerate(self.seqs)]
-        if self.params.best_of is not None and self.params.best_of > self.params.n:
+        forwarded = any(c.finish_reason == "forwarded" for c in completions)
+        if self.params.best_of is not None and self.params.best_of > self.params.n and not forwarded:
             completions.sort(key=lambda c: c.cumulative_logprob or 0.0, reverse=True)
             completions = completions[: self.params.n]
             for i, c in enumerate(completions):
@@ -100,8 +112,9 @@ def completion_output(seq: Sequence, tokenizer, index: int = 0, texts: TokenText
     logprobs = seq.output_logprobs if p.logprobs is not None else None
     if texts is not None:
         texts.fill(logprobs)
+    transfer = seq.kv_transfer_out if seq.finish_reason == "forwarded" else None
     return CompletionOutput(index, text, out_ids, logprobs, seq.finish_reason, seq.stop_reason,
-                            cumulative_logprob=seq.sum_logprob)
+                            cumulative_logprob=seq.sum_logprob, kv_transfer_params=transfer)
 
 
 def request_output(seq: Sequence, completions: list[CompletionOutput], finished: bool,

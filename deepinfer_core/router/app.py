@@ -1,19 +1,25 @@
 """The router's HTTP API: ``POST /v1/completions`` and ``/v1/chat/completions`` through a prefill
 then a decode engine.
 
-For each request: tokenize (so every engine and the prefix match see the same ids), ask the KV
-store how much of the prompt is cached (metadata only), send it to the prefill engine with the
-fewest uncached tokens in flight, then pass the returned ``kv_transfer_params`` to the decode
-engine with the fewest running requests. A decode engine that answers ``finish_reason ==
-"forwarded"`` (it is draining) handed the request's state off: the router sends it on to another
-decode engine, which continues from that KV. With ``stream = true`` the prefill leg is still
-whole (it returns ``kv_transfer_params``) and the decode leg is streamed and relayed as SSE
-(``relay.py``), continued on the next decode engine after a forward; a client that leaves closes
-the decode engine's connection, which aborts the request there. Chat requests go to the engines'
-own ``/v1/chat/completions`` (one chat encoder: the engines'); the router renders the prompt with
-the same encoder only to weigh it for the Prefill LB. One prompt and one completion per request:
-``n``/``best_of`` > 1 and list prompts are refused (400 naming the field), since one hand-off
-carries one sequence. The engines' errors are passed through with their status.
+For each prompt: tokenize (so every engine and the prefix match see the same ids), ask the KV
+store how much of it is cached (metadata only), send it to the prefill engine with the fewest
+uncached tokens in flight, then pass the returned ``kv_transfer_params`` to the decode engine with
+the fewest running requests (``decode.py``). Chat requests go to the engines' own
+``/v1/chat/completions`` (one chat encoder: the engines'); the router renders the prompt with the
+same encoder only to weigh it for the Prefill LB.
+
+The OpenAI API is the colocated server's:
+
+* ``n`` / ``best_of``: the prefill engine computes the prompt once and samples child 0's first
+  token (seed ``seed + 0``); the decode engine receives that state as child 0 and forks the other
+  samples from its prompt blocks (``engine/sample_group.py``), so the choices equal a colocated
+  engine's for the same seed.
+* A list of prompts: each is its own P/D request, its choices at ``index = prompt * n + sample``.
+* Whole or streamed (``stream = true``: the prefill leg is whole, the decode leg is relayed as SSE).
+
+A completion forwarded by a draining decode engine continues on another one (``decode.py``);
+hostile ``n`` / ``best_of`` / ``seed`` / ``prompt`` values are 400s naming the field before any
+engine is asked. The engines' errors are passed through with their status.
 
     deepinfer router --prefill http://p1:8001 http://p2:8002 --decode http://d1:8101 http://d2:8102 \\
         --config deepinfer.toml      # the engines' model, block_size and [kv_store] (for the match)
@@ -21,19 +27,18 @@ carries one sequence. The engines' errors are passed through with their status.
 
 # No "from __future__ import annotations": FastAPI reads the handlers' annotations as live objects.
 
-import json
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from deepinfer_core.router.balance import DecodeBalancer, PrefillBalancer
-from deepinfer_core.router.client import EngineHTTPError, request_json, stream_events
+from deepinfer_core.router.client import EngineHTTPError, request_json
+from deepinfer_core.router.decode import DecodeLegs, PromptLeg
 from deepinfer_core.router.prefix import PrefixMatcher
-from deepinfer_core.router.relay import Relay, forwarded
 
 logger = logging.getLogger("deepinfer.router")
-MAX_FORWARDS = 8
+MAX_SAMPLES = 128  # n and best_of at most: the engines' cap (serving/protocol.py)
 
 
 class BadField(ValueError):
@@ -42,34 +47,83 @@ class BadField(ValueError):
         self.param = param
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_samples(body: dict) -> tuple[int, int | None]:
+    """(n, best_of) of a request; BadField naming the field for a value the engines would refuse."""
+    n, best_of = body.get("n", 1), body.get("best_of")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_SAMPLES:
+        raise BadField("n", f"n must be an int in [1, {MAX_SAMPLES}], got {n!r}")
+    if best_of is not None:
+        if not _is_int(best_of) or not n <= best_of <= MAX_SAMPLES:
+            raise BadField("best_of", f"best_of must be an int in [n={n}, {MAX_SAMPLES}], got {best_of!r}")
+        if best_of > n and body.get("stream"):
+            raise BadField("best_of", "best_of > n cannot be streamed (the best completions are known only at "
+                                      "the end)")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise BadField("seed", f"seed must be an int, got {seed!r}")
+    for key in ("kv_transfer_params", "pd_accounting"):
+        if body.get(key) is not None:
+            raise BadField(key, f"{key} is set by the router for its engines, not by a client")
+    return n, best_of
+
+
 class Router:
     """Routing state; ``tokenizer``: the engines' (``HFTokenizer``); ``make_matcher(layout info)``:
     the store match, built once the first prefill engine told its KV layout; ``chat_encoder``: the
-    serving ``ChatEncoder`` of the engines' model (None: the model cannot chat)."""
+    serving ``ChatEncoder`` of the engines' model (None: the model cannot chat); ``vocab_size``: the
+    model's (prompt ids are checked against it before any engine is asked)."""
 
-    def __init__(self, prefill: list[str], decode: list[str], tokenizer, make_matcher, chat_encoder=None) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], tokenizer, make_matcher, chat_encoder=None,
+                 vocab_size: int | None = None) -> None:
         self.prefill, self.decode = PrefillBalancer(list(prefill)), DecodeBalancer(list(decode))
         self.tokenizer, self.make_matcher, self.chat_encoder = tokenizer, make_matcher, chat_encoder
+        self.vocab_size = vocab_size
         self.matcher: PrefixMatcher | None = None
+        self.max_model_len: int | None = None
         self.counts = {"requests": 0, "forwarded": 0, "prefix_cached_tokens": 0, "prompt_tokens": 0,
                        "forwarded_streams": 0}
+        self.legs = DecodeLegs(self)
 
-    def prompt_ids(self, body: dict, chat: bool) -> list[int]:
-        """The prompt's token ids as the engines see them (checks one prompt, one completion)."""
-        if body.get("n", 1) not in (None, 1):
-            raise BadField("n", "the router serves n = 1 only (one KV hand-off carries one sequence); send n "
-                                "requests")
-        if body.get("best_of") not in (None, 1):
-            raise BadField("best_of", "the router serves best_of = 1 only (one KV hand-off carries one sequence)")
+    def prompts(self, body: dict, chat: bool) -> list[list[int]]:
+        """The prompts' token ids as the engines see them (a chat request has one)."""
         if chat:
-            return self.chat_ids(body)
+            return [self.chat_ids(body)]
         p = body.get("prompt")
         if isinstance(p, str):
-            return self.tokenizer.encode(p)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return list(p)
-        raise BadField("prompt", "the router takes one prompt per request: a string or a list of token ids "
-                                 "(send a list of prompts as separate requests)")
+            return [self.tokenizer.encode(p)]
+        if isinstance(p, list) and p and all(_is_int(t) for t in p):
+            return [list(p)]
+        if not isinstance(p, list) or not p:
+            raise BadField("prompt", "prompt must be a string, a list of token ids, or a non-empty list of "
+                                     f"those, got {type(p).__name__} {str(p)[:80]}")
+        out = []
+        for i, x in enumerate(p):
+            if isinstance(x, str):
+                out.append(self.tokenizer.encode(x))
+            elif isinstance(x, list) and x and all(_is_int(t) for t in x):
+                out.append(list(x))
+            else:
+                raise BadField("prompt", f"prompt[{i}] must be a string or a non-empty list of token ids, got "
+                                         f"{type(x).__name__} {str(x)[:80]}")
+        return out
+
+    def check_ids(self, prompts: list[list[int]]) -> None:
+        many = len(prompts) > 1
+        for i, ids in enumerate(prompts):
+            where = f"prompt[{i}]" if many else "prompt"
+            if not ids:
+                raise BadField("prompt", f"{where} is empty")
+            bad = next((t for t in ids if not 0 <= t < (self.vocab_size or 1 << 62)), None)
+            if bad is not None:
+                raise BadField("prompt", f"{where} has token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+            if self.max_model_len is not None and len(ids) >= self.max_model_len:
+                raise BadField("prompt", f"{where} has {len(ids)} tokens; the model's maximum length is "
+                                         f"{self.max_model_len} (prompt plus at least one generated token)")
 
     def chat_ids(self, body: dict) -> list[int]:
         from pydantic import ValidationError
@@ -86,135 +140,39 @@ class Router:
         except (ValidationError, ChatTemplateError) as exc:
             raise BadField("messages", str(exc)) from exc
 
-    async def prefill_leg(self, path: str, body: dict, chat: bool) -> tuple[dict, dict]:
-        """(body for the decode leg, the prefill engine's whole reply)."""
-        ids = self.prompt_ids(body, chat)
+    async def prefill_legs(self, path: str, body: dict, chat: bool) -> list[PromptLeg]:
+        """Every prompt through a prefill engine (the first alone, so a request the engines refuse fails
+        before the others start), as the decode side's ``PromptLeg``s."""
+        n, best_of = check_samples(body)
         if self.matcher is None:
-            self.matcher = self.make_matcher(await request_json(self.prefill.urls[0] + "/v1/kv_layout", "GET"))
+            url = self.prefill.urls[0]
+            self.matcher = self.make_matcher(await request_json(url + "/v1/kv_layout", "GET"))
+            models = await request_json(url + "/v1/models", "GET")
+            self.max_model_len = (models.get("data") or [{}])[0].get("max_model_len")
+        prompts = self.prompts(body, chat)
+        self.check_ids(prompts)
+        # one sample on the prefill engine: child 0 (seed + 0), whose state the decode engine forks
+        one = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "n", "best_of")}
+        first = [await self.prefill_leg(path, one, chat, prompts[0])]
+        first += await asyncio.gather(*(self.prefill_leg(path, one, chat, ids) for ids in prompts[1:]))
+        return [PromptLeg(i, n, best_of, body if chat else {**body, "prompt": ids}, reply)
+                for i, (ids, reply) in enumerate(zip(prompts, first))]
+
+    async def prefill_leg(self, path: str, one: dict, chat: bool, ids: list[int]) -> dict:
+        """The prefill engine's whole reply for one prompt (one sample)."""
         cached = self.matcher.cached_tokens(ids)
         uncached = len(ids) - cached
         self.counts["requests"] += 1
         self.counts["prompt_tokens"] += len(ids)
         self.counts["prefix_cached_tokens"] += cached
-        if not chat:
-            body = {**body, "prompt": ids}
         url = self.prefill.pick(uncached)
         try:
-            whole = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-            first = await request_json(url + path, body=whole)
+            return await request_json(url + path, body=one if chat else {**one, "prompt": ids})
         finally:
             self.prefill.done(url, uncached)
-        return body, first
-
-    def kv_tokens(self, body: dict, first: dict) -> int:
-        return first["usage"]["prompt_tokens"] + int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
-
-    @staticmethod
-    def finished_at_first(body: dict, first: dict) -> bool:
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        return first.get("kv_transfer_params") is None and (first["choices"][0]["finish_reason"] != "length"
-                                                            or limit == 1)
-
-    async def complete(self, path: str, body: dict, chat: bool) -> dict:
-        body, first = await self.prefill_leg(path, body, chat)
-        if self.finished_at_first(body, first):
-            return first
-        transfer, kv, exclude = first.get("kv_transfer_params"), self.kv_tokens(body, first), None
-        for _ in range(MAX_FORWARDS):
-            url = self.decode.pick(1, kv, exclude=exclude)
-            try:
-                out = await request_json(url + path, body={**body, "kv_transfer_params": transfer})
-            except EngineHTTPError as exc:
-                if exc.status != 503:
-                    raise
-                self.decode.engine(url).draining = True  # draining or dead: try another decode engine
-                exclude = url
-                continue
-            finally:
-                self.decode.done(url, 1, kv)
-            if out["choices"][0]["finish_reason"] != "forwarded":
-                return out
-            self.counts["forwarded"] += 1
-            self.decode.engine(url).draining = True
-            transfer, exclude = out.get("kv_transfer_params"), url
-        raise RuntimeError(f"request forwarded {MAX_FORWARDS} times without finishing")
-
-    async def stream(self, path: str, body: dict, first: dict, rid: str) -> AsyncIterator[str]:
-        """SSE frames of the decode leg(s), after ``prefill_leg`` returned (``body``, ``first``)."""
-        if self.finished_at_first(body, first):
-            for frame in whole_as_frames(first, body, rid):
-                yield sse(frame)
-            yield sse("[DONE]")
-            return
-        transfer, kv, exclude, relay = first.get("kv_transfer_params"), self.kv_tokens(body, first), None, Relay()
-        try:
-            for _ in range(MAX_FORWARDS):
-                url, handed = self.decode.pick(1, kv, exclude=exclude), None
-                relay.next_engine()
-                events = stream_events(url + path, {**body, "stream": True, "kv_transfer_params": transfer})
-                try:
-                    async for data in events:
-                        if data == "[DONE]":
-                            break
-                        frame = json.loads(data)
-                        if handed is not None:
-                            continue  # the forwarded leg's usage: the next engine's counts all tokens
-                        if forwarded(frame):
-                            handed = frame.get("kv_transfer_params") or {}
-                            continue
-                        if "error" not in frame:
-                            frame = relay.frame({**frame, "id": rid})
-                        if frame is not None:
-                            yield sse(frame)
-                except EngineHTTPError as exc:
-                    if exc.status != 503:
-                        raise
-                    self.decode.engine(url).draining = True
-                    exclude = url
-                    continue
-                finally:
-                    await events.aclose()  # a client that left: the engine sees the connection close
-                    self.decode.done(url, 1, kv)
-                if handed is None:
-                    yield sse("[DONE]")
-                    return
-                self.counts["forwarded"] += 1
-                self.counts["forwarded_streams"] += 1
-                self.decode.engine(url).draining = True
-                transfer, exclude = handed, url
-            raise RuntimeError(f"request forwarded {MAX_FORWARDS} times without finishing")
-        except (EngineHTTPError, OSError, RuntimeError, ValueError) as exc:  # the status is sent: report in-stream
-            logger.exception("streaming failed")
-            body = exc.body if isinstance(exc, EngineHTTPError) and isinstance(exc.body, dict) else \
-                {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "router_error", "code": "engine_error"}}
-            yield sse(body)
-            yield sse("[DONE]")
 
     def stats(self) -> dict:
         return {**self.counts, "prefill": self.prefill.ratios(), "decode": self.decode.ratios()}
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def whole_as_frames(out: dict, body: dict, rid: str) -> list[dict]:
-    """A whole reply (a request that finished at its prefill token) as the frames of a stream."""
-    head = {"id": rid, "created": out.get("created", int(time.time())), "model": out.get("model")}
-    frames = []
-    for c in out["choices"]:
-        if "message" in c:
-            head["object"] = "chat.completion.chunk"
-            delta = {k: v for k, v in c["message"].items() if v is not None}
-            frames.append({**head, "choices": [{"index": c["index"], "delta": delta, "logprobs": c.get("logprobs"),
-                                                "finish_reason": c["finish_reason"]}]})
-        else:
-            head["object"] = "text_completion"
-            frames.append({**head, "choices": [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
-                                                "finish_reason": c["finish_reason"]}]})
-    if (body.get("stream_options") or {}).get("include_usage"):
-        frames.append({**head, "choices": [], "usage": out["usage"]})
-    return frames
 
 
 def build_app(router: Router):
@@ -235,10 +193,12 @@ def build_app(router: Router):
             body = await request.json()
             if not isinstance(body, dict):
                 raise BadField("body", "the request body must be a JSON object")
-            if body.get("stream"):  # the prefill leg before the response starts: its errors keep their status
-                body, first = await router.prefill_leg(path, body, chat)
-                return StreamingResponse(router.stream(path, body, first, rid), media_type="text/event-stream")
-            out = await router.complete(path, body, chat)
+            legs = await router.prefill_legs(path, body, chat)  # before the response starts: errors keep status
+            if body.get("stream"):
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return StreamingResponse(router.legs.stream(path, legs, rid, chat, usage),
+                                         media_type="text/event-stream")
+            out = await router.legs.whole(path, legs, chat)
         except EngineHTTPError as exc:
             return JSONResponse(exc.body if isinstance(exc.body, dict) else {"error": {"message": str(exc)}},
                                 status_code=exc.status)
@@ -249,10 +209,7 @@ def build_app(router: Router):
         except (OSError, RuntimeError) as exc:
             logger.exception("routing failed")
             return error(502, f"{type(exc).__name__}: {exc}", "engine_unreachable")
-        out.pop("kv_transfer_params", None)
-        out["id"] = rid
-        out["created"] = int(time.time())
-        return out
+        return {"id": rid, "created": int(time.time()), **out}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

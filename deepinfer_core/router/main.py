@@ -26,7 +26,7 @@ def make_router(prefill: list[str], decode: list[str], cfg, chat_template: str |
     except ChatTemplateError:
         chat_encoder = None  # chat requests are refused with this reason's 400 (the engines would refuse them too)
     return Router(prefill, decode, tokenizer, lambda info: PrefixMatcher(
-        open_store(cfg.kv_store, info["kv_store_layout"]), info["block_size"]), chat_encoder)
+        open_store(cfg.kv_store, info["kv_store_layout"]), info["block_size"]), chat_encoder, mc.vocab_size)
 
 
 def add_parser(sub, common) -> None:

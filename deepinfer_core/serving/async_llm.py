@@ -66,6 +66,7 @@ class CompletionDelta:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_transfer_params: dict | None = None  # finish_reason "forwarded": where this completion continues
 
 
 @dataclass
@@ -418,8 +419,8 @@ class AsyncLLM:
             stream.accepted.set_result(None)
         metrics = self.metrics
         ds = []
-        for i, text, ids, lps, reason, stop in deltas:
-            ds.append(CompletionDelta(i, text, ids, logprobs_from_wire(lps), reason, stop))
+        for i, text, ids, lps, reason, stop, transfer in deltas:
+            ds.append(CompletionDelta(i, text, ids, logprobs_from_wire(lps), reason, stop, transfer))
             if ids and metrics is not None:
                 first, last = stream.token_times.get(i, (None, None))
                 metrics.tokens_emitted(len(ids), now, stream.arrival, first, last)

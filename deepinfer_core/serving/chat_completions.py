@@ -12,6 +12,7 @@ from deepinfer_core.outputs import Logprob
 from deepinfer_core.serving.common import (
     APIError,
     ServerState,
+    choice_extras,
     chunk_writer,
     failed,
     handed_off,
@@ -86,14 +87,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     streams = await state.start([{"prompt_token_ids": ids}], params, rid, arrival)
     if req.stream:
         return _stream(state, req, streams, rid, parser, req.top_logprobs or 0)
-    return await _whole(state, streams, rid, parser, req.top_logprobs or 0)
+    return await _whole(state, streams, rid, parser, req.top_logprobs or 0, req.pd_accounting)
 
 
 def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-async def _whole(state: ServerState, streams, rid: str, parser, top_n: int) -> dict:
+async def _whole(state: ServerState, streams, rid: str, parser, top_n: int, accounting: bool = False) -> dict:
     update = None
     async for _, u in merged(streams):
         update = u
@@ -116,7 +117,8 @@ async def _whole(state: ServerState, streams, rid: str, parser, top_n: int) -> d
                                                                                           bool(p.tool_calls)),
                         "stop_reason": c.stop_reason,
                         "logprobs": {"content": chat_logprobs(c.token_ids, c.logprobs, top_n)}
-                        if c.logprobs is not None else None})
+                        if c.logprobs is not None else None,
+                        **choice_extras(c.kv_transfer_params, accounting, len(c.token_ids), c.cumulative_logprob)})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
             "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens, update.num_cached_tokens),
             "kv_transfer_params": out.kv_transfer_params}
@@ -127,7 +129,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, rid: 
     chunk = chunk_writer(rid, "chat.completion.chunk", state.model_name)
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     parsers: dict[int, MessageParser] = {}
-    completion_tokens = 0
+    completion_tokens, tokens = 0, {}  # in all, per choice
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(req.n)])
     try:
@@ -135,6 +137,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, rid: 
             choices = []
             for d in update.deltas:
                 completion_tokens += len(d.token_ids)
+                tokens[d.index] = tokens.get(d.index, 0) + len(d.token_ids)
                 p = parsers.setdefault(d.index, parser())
                 parsed = p.feed(d.text, final=d.finish_reason is not None)
                 delta: dict = {}
@@ -149,6 +152,8 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, rid: 
                     choices.append({"index": d.index, "delta": delta, "logprobs": lp,
                                     "finish_reason": _finish_reason(d.finish_reason, bool(p.tool_calls)),
                                     "stop_reason": d.stop_reason})
+                    if d.finish_reason is not None:
+                        choices[-1].update(choice_extras(d.kv_transfer_params, req.pd_accounting, tokens[d.index]))
             if choices:
                 yield chunk(choices, **handed_off(update))
             if update.finished and include_usage:

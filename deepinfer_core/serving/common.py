@@ -161,6 +161,17 @@ def handed_off(update: RequestUpdate) -> dict:
     return {"kv_transfer_params": out.kv_transfer_params} if out is not None and out.kv_transfer_params else {}
 
 
+def choice_extras(transfer: dict | None, accounting: bool, completion_tokens: int,
+                  cumulative_logprob: float | None = None) -> dict:
+    """A finished choice's P/D fields: ``kv_transfer_params`` of a completion forwarded by a drain (where
+    it continues), and with ``pd_accounting`` (a router's leg) ``pd``: its token count and cumulative
+    logprob, for the router's usage and best_of ranking across engines."""
+    out: dict = {} if transfer is None else {"kv_transfer_params": transfer}
+    if accounting:
+        out["pd"] = {"completion_tokens": completion_tokens, "cumulative_logprob": cumulative_logprob}
+    return out
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,

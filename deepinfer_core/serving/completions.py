@@ -9,6 +9,7 @@ from deepinfer_core.outputs import Logprob
 from deepinfer_core.serving.common import (
     APIError,
     ServerState,
+    choice_extras,
     chunk_writer,
     failed,
     handed_off,
@@ -44,10 +45,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, arrival:
     streams = await state.start(prompts, params, rid, arrival)
     if req.stream:
         return _stream(state, req, streams, rid, params.n)
-    return await _whole(state, streams, rid, params.n)
+    return await _whole(state, streams, rid, params.n, req.pd_accounting)
 
 
-async def _whole(state: ServerState, streams, rid: str, n: int) -> dict:
+async def _whole(state: ServerState, streams, rid: str, n: int, accounting: bool = False) -> dict:
     choices, prompt_tokens, completion_tokens, cached, transfer = [], 0, 0, 0, None
     async for i, update in merged(streams):
         if not update.finished:
@@ -64,7 +65,8 @@ async def _whole(state: ServerState, streams, rid: str, n: int) -> dict:
             choices.append({"index": i * n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason,
                             "logprobs": completion_logprobs(c.token_ids, c.logprobs, 0) if c.logprobs is not None
-                            else None})
+                            else None,
+                            **choice_extras(c.kv_transfer_params, accounting, len(c.token_ids), c.cumulative_logprob)})
     choices.sort(key=lambda c: c["index"])
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached),
@@ -76,6 +78,7 @@ async def _stream(state: ServerState, req: CompletionRequest, streams, rid: str,
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     prompt_tokens, completion_tokens, cached = 0, 0, 0
     offsets: dict[int, int] = {}
+    tokens: dict[int, int] = {}  # per choice
     try:
         async for i, update in live_updates(streams):
             if update.finished:
@@ -85,6 +88,7 @@ async def _stream(state: ServerState, req: CompletionRequest, streams, rid: str,
             for d in update.deltas:
                 index = i * n + d.index
                 completion_tokens += len(d.token_ids)
+                tokens[index] = tokens.get(index, 0) + len(d.token_ids)
                 lp = None
                 if d.logprobs is not None:
                     lp = completion_logprobs(d.token_ids, d.logprobs, offsets.get(index, 0))
@@ -92,6 +96,8 @@ async def _stream(state: ServerState, req: CompletionRequest, streams, rid: str,
                 if d.text or d.finish_reason is not None or lp:
                     choices.append({"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
                                     "stop_reason": d.stop_reason})
+                    if d.finish_reason is not None:
+                        choices[-1].update(choice_extras(d.kv_transfer_params, req.pd_accounting, tokens[index]))
             if choices:
                 yield chunk(choices, **handed_off(update))
         else:

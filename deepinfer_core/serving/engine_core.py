@@ -184,7 +184,8 @@ class EngineCore:
                             output, error, stats])
 
     def _child_delta(self, c: _Child, i: int, seq) -> list | None:
-        """``[index, text, token_ids, logprobs, finish_reason, stop_reason]`` added since the last frame."""
+        """``[index, text, token_ids, logprobs, finish_reason, stop_reason, kv_transfer_params]`` added since
+        the last frame (``kv_transfer_params``: a completion forwarded by a drain)."""
         if c.done:
             return None
         n = seq.num_output_tokens
@@ -193,7 +194,11 @@ class EngineCore:
         new_ids = seq.token_ids[seq.num_prompt_tokens + c.tokens : seq.num_known_tokens]
         c.detok.feed(new_ids)
         c.tokens = n
-        if seq.is_finished:
+        if seq.is_finished and seq.finish_reason == "forwarded":  # continued elsewhere: keep the held-back text
+            visible = len(c.detok.text) - max(0, seq.params.max_stop_len - 1)  # (a stop string may still match)
+            delta_text = c.detok.text[c.chars:visible] if visible > c.chars else ""
+            c.chars, c.done = max(c.chars, visible), True
+        elif seq.is_finished:
             text = completion_output(seq, self.tokenizer).text
             if not text.startswith(c.detok.text[: c.chars]):
                 logger.warning("request %s: incremental text diverged from the full decode", seq.request_id)
@@ -207,8 +212,9 @@ class EngineCore:
             logprobs = seq.output_logprobs[c.logprobs:]
             c.logprobs = len(seq.output_logprobs)
             self._texts.fill(logprobs)
+        transfer = seq.kv_transfer_out if c.done and seq.finish_reason == "forwarded" else None
         return [i, delta_text, new_ids, logprobs_to_wire(logprobs), seq.finish_reason if c.done else None,
-                seq.stop_reason if c.done else None]
+                seq.stop_reason if c.done else None, transfer]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=128)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
@@ -77,6 +77,9 @@ class _Sampling(_Strict):
     guided_grammar: str | None = None
     # P/D disaggregation: a prefill engine's kv_transfer_params (deepinfer_core/engine/handoff.py)
     kv_transfer_params: dict[str, Any] | None = None
+    # a router's leg: each finished choice carries "pd": {completion_tokens, cumulative_logprob}, what the
+    # router needs to count usage and rank best_of across engines (deepinfer_core/router/)
+    pd_accounting: bool = False
 
     def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request as SamplingParams; ``defaults`` are the model's generation_config values."""

@@ -136,14 +136,14 @@ def error_from_wire(err: list | None) -> BaseException | None:
 # ---- a finished request's output ---------------------------------------------------------------------
 def output_to_wire(out: RequestOutput) -> list:
     completions = [[c.index, c.text, c.token_ids, logprobs_to_wire(c.logprobs), c.finish_reason, c.stop_reason,
-                    c.cumulative_logprob] for c in out.outputs]
+                    c.cumulative_logprob, c.kv_transfer_params] for c in out.outputs]
     return [out.request_id, out.prompt, out.prompt_token_ids, logprobs_to_wire(out.prompt_logprobs), completions,
             out.finished, dataclasses.asdict(out.metrics), error_to_wire(out.error), out.kv_transfer_params]
 
 
 def output_from_wire(w: list) -> RequestOutput:
     rid, prompt, prompt_ids, prompt_lps, completions, finished, metrics, error, transfer = w
-    outs = [CompletionOutput(i, text, ids, logprobs_from_wire(lps), reason, stop, cum)
-            for i, text, ids, lps, reason, stop, cum in completions]
+    outs = [CompletionOutput(i, text, ids, logprobs_from_wire(lps), reason, stop, cum, transfer_i)
+            for i, text, ids, lps, reason, stop, cum, transfer_i in completions]
     return RequestOutput(rid, prompt, prompt_ids, logprobs_from_wire(prompt_lps), outs, finished,
                          RequestMetrics(**metrics), error_from_wire(error), transfer)
