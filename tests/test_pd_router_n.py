@@ -105,6 +105,19 @@ def close(a, b, tol: float = 1e-4) -> bool:
     return a == b
 
 
+def first_diff(a, b, path: str = "") -> str | None:
+    """Where ``close(a, b)`` fails first (for the assertion message)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(a)} != {sorted(b)}"
+        return next((d for k in a if (d := first_diff(a[k], b[k], f"{path}[{k!r}]"))), None)
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} entries != {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_diff(x, y, f"{path}[{i}]"))), None)
+    return None if close(a, b) else f"{path}: {a!r} != {b!r}"
+
+
 def same_usage(a: dict, b: dict) -> None:
     assert (a["prompt_tokens"], a["completion_tokens"], a["total_tokens"]) == \
         (b["prompt_tokens"], b["completion_tokens"], b["total_tokens"]), (a, b)
@@ -128,7 +141,7 @@ def test_whole_equals_colocated(engines, endpoint, body):
     _, _, r, colocated = engines
     body = {**body, "ignore_eos": True}
     want, got = post(colocated + endpoint, body), post(r + endpoint, body)
-    assert close(whole_choices(got), whole_choices(want)), (got["choices"], want["choices"])
+    assert close(whole_choices(got), whole_choices(want)), first_diff(whole_choices(got), whole_choices(want))
     assert sorted(whole_choices(got)) == list(range(len(want["choices"])))
     same_usage(got["usage"], want["usage"])
     assert "kv_transfer_params" not in got and got["object"] == want["object"]
@@ -140,7 +153,7 @@ def test_streamed_equals_colocated(engines, endpoint, body):
     _, _, r, colocated = engines
     body = {**body, "ignore_eos": True, "stream_options": {"include_usage": True}}
     want, got = assemble(sse(colocated + endpoint, body)), assemble(sse(r + endpoint, body))
-    assert close(got["choices"], want["choices"]), (got, want)
+    assert close(got["choices"], want["choices"]), first_diff(got["choices"], want["choices"])
     same_usage(got["usage"], want["usage"])
 
 
@@ -219,7 +232,7 @@ def test_drain_mid_n_request(engines, tiny_v3_path):
         assert sorted(g["choices"]) == sorted(w["choices"])
         for i in w["choices"]:
             assert len(g["choices"][i]["logprobs"]) == 80, (i, len(g["choices"][i]["logprobs"]))
-            assert close(g["choices"][i], w["choices"][i]), (i, g["choices"][i], w["choices"][i])
+            assert close(g["choices"][i], w["choices"][i]), first_diff(g["choices"][i], w["choices"][i], str(i))
         same_usage(g["usage"], w["usage"])
     assert close(whole_choices(got[1]), whole_choices(want[1]))
     same_usage(got[1]["usage"], want[1]["usage"])

@@ -92,7 +92,8 @@ async def _stream(state: ServerState, req: CompletionRequest, streams, rid: str,
                 lp = None
                 if d.logprobs is not None:
                     lp = completion_logprobs(d.token_ids, d.logprobs, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(d.text)
+                    if lp["tokens"]:  # offsets by the tokens' own text, as whole: not by how text was chunked
+                        offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1] or "")
                 if d.text or d.finish_reason is not None or lp:
                     choices.append({"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
                                     "stop_reason": d.stop_reason})
