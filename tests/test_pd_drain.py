@@ -8,7 +8,7 @@ import dataclasses
 import uuid
 
 import pytest
-from test_pd_handoff import PARAMS, kw, tokens, workload
+from test_pd_handoff import BS, PARAMS, kw, tokens, workload
 
 from deepinfer_core import LLM
 from deepinfer_core.config import ConfigError
@@ -67,3 +67,59 @@ def test_drain_needs_a_transport(tiny_v3_path):
         llm.engine.start_drain(0)
     with pytest.raises(ConfigError, match="drain_grace_s"):
         LLM(drain_grace_s=-1.0, **kw(tiny_v3_path))
+
+
+def test_n_samples_fork_the_hand_off_and_forward_one_by_one(tiny_v3_path, setup):
+    """n = 3 from a prefill engine's hand-off: the decode engine receives child 0's state and forks
+    the other two from its prompt blocks (no second prompt computed, no second hand-off read); a
+    drain forwards each unfinished child with its own kv_transfer_params; each continued alone
+    (n = 1, seed + i) gives the colocated n = 3 samples. A drain before child 0's first token (its
+    siblings not yet queued) queues and forwards the siblings too instead of failing the engine."""
+    _, _, section = setup
+    from deepinfer_core.engine.sample_group import SampleGroup
+
+    prompt = {"prompt_token_ids": workload(3)[2]["prompt_token_ids"] + [7, 8, 9]}
+    n3 = dataclasses.replace(LONG, n=3, temperature=0.9, seed=17)
+    ref = [c.token_ids for c in LLM(**kw(tiny_v3_path)).generate([prompt], n3, use_tqdm=False)[0].outputs]
+    assert len({tuple(t) for t in ref}) == 3  # three different samples
+    p = LLM(kv_transfer=section, kv_role="prefill", **kw(tiny_v3_path))
+    d1 = LLM(kv_transfer=section, **kw(tiny_v3_path))
+    d2 = LLM(kv_transfer=section, **kw(tiny_v3_path))
+    first = p.generate([prompt], dataclasses.replace(n3, n=1), use_tqdm=False)[0]
+    assert first.kv_transfer_params is not None and first.outputs[0].token_ids == ref[0][:1]
+    e = d1.engine
+    group = SampleGroup(e, prompt, dataclasses.replace(n3, kv_transfer_params=first.kv_transfer_params))
+    assert len(group.seqs) == 3 and group.seqs[0].num_output_tokens == 1  # siblings queued at once
+    for _ in range(4):
+        e.step()
+    full = (len(prompt["prompt_token_ids"]) - 1) // BS * BS
+    assert [s.metrics.num_cached_tokens_by_tier for s in group.seqs] == [
+        {"handoff": len(prompt["prompt_token_ids"])}, {"device": full}, {"device": full}]
+    assert e.handoff.counts["received"] == 1 and e.handoff.counts["recomputed"] == 0
+    e.start_drain(grace_s=0)
+    e.step()
+    out = group.output(e.tokenizer)
+    assert [c.finish_reason for c in out.outputs] == ["forwarded"] * 3
+    assert len({c.kv_transfer_params["key"] for c in out.outputs}) == 3
+    e.blocks.check_no_leaks()
+    cont = d2.generate([prompt] * 3, [dataclasses.replace(n3, n=1, seed=17 + c.index,
+                                                          kv_transfer_params=c.kv_transfer_params)
+                                      for c in out.outputs], use_tqdm=False)
+    assert tokens(cont) == ref
+
+    # a drain before child 0's first token: its siblings are queued anyway, then forwarded
+    d3 = LLM(kv_transfer=section, **kw(tiny_v3_path))
+    e = d3.engine
+    group = SampleGroup(e, prompt, n3)
+    assert len(group.seqs) == 1  # the siblings wait for child 0's prompt blocks
+    e.start_drain(grace_s=0)
+    e.step()
+    assert group.release(e) and len(group.seqs) == 3
+    e.step()
+    out = group.output(e.tokenizer)
+    assert [c.finish_reason for c in out.outputs] == ["forwarded"] * 3 and group.finished
+    e.blocks.check_no_leaks()
+    cont = d2.generate([prompt] * 3, [dataclasses.replace(n3, n=1, seed=17 + c.index,
+                                                          kv_transfer_params=c.kv_transfer_params)
+                                      for c in out.outputs], use_tqdm=False)
+    assert tokens(cont) == ref
