@@ -102,7 +102,7 @@ def test_n_samples_fork_the_hand_off_and_forward_one_by_one(tiny_v3_path, setup)
     assert [c.finish_reason for c in out.outputs] == ["forwarded"] * 3
     assert len({c.kv_transfer_params["key"] for c in out.outputs}) == 3
     e.blocks.check_no_leaks()
-    cont = d2.generate([prompt] * 3, [dataclasses.replace(n3, n=1, seed=17 + c.index,
+    cont = d2.generate([prompt] * 3, [dataclasses.replace(n3, n=1, seed=17 + c.index, seq_seed=17 + c.index,
                                                           kv_transfer_params=c.kv_transfer_params)
                                       for c in out.outputs], use_tqdm=False)
     assert tokens(cont) == ref
@@ -119,7 +119,7 @@ def test_n_samples_fork_the_hand_off_and_forward_one_by_one(tiny_v3_path, setup)
     out = group.output(e.tokenizer)
     assert [c.finish_reason for c in out.outputs] == ["forwarded"] * 3 and group.finished
     e.blocks.check_no_leaks()
-    cont = d2.generate([prompt] * 3, [dataclasses.replace(n3, n=1, seed=17 + c.index,
+    cont = d2.generate([prompt] * 3, [dataclasses.replace(n3, n=1, seed=17 + c.index, seq_seed=17 + c.index,
                                                           kv_transfer_params=c.kv_transfer_params)
                                       for c in out.outputs], use_tqdm=False)
     assert tokens(cont) == ref
