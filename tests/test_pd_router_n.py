@@ -155,6 +155,9 @@ def test_streamed_equals_colocated(engines, endpoint, body):
     want, got = assemble(sse(colocated + endpoint, body)), assemble(sse(r + endpoint, body))
     assert close(got["choices"], want["choices"]), first_diff(got["choices"], want["choices"])
     same_usage(got["usage"], want["usage"])
+    # and a stream says what the whole answer says (text_offset counted from the tokens, not the chunks)
+    whole = whole_choices(post(colocated + endpoint, {k: v for k, v in body.items() if k != "stream_options"}))
+    assert close(want["choices"], whole), first_diff(want["choices"], whole)
 
 
 def refused(url: str, body: dict) -> dict:
