@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,11 +52,18 @@ def engines(tiny_v3_path):
         yield p, [d0, d1], r, colocated
 
 
-def sse(url: str, body: dict) -> list[dict]:
+def sse(url: str, body: dict, started: threading.Event | None = None) -> list[dict]:
+    """The frames of a stream (checked: framing, no router-internal field); ``started`` is set at the
+    first frame that carries a token."""
     req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
                                  {"Content-Type": "application/json"})
+    raw = b""
     with urllib.request.urlopen(req, timeout=300) as r:
-        events = r.read().decode()[:-2].split("\n\n")
+        while line := r.readline():
+            raw += line
+            if started is not None and b'"logprobs": {' in line:
+                started.set()
+    events = raw.decode()[:-2].split("\n\n")
     assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
     frames = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all("error" not in f and "kv_transfer_params" not in f for f in frames), frames
@@ -204,25 +212,28 @@ def test_drain_mid_n_request(engines, tiny_v3_path):
     is), drained mid-decode: every completion is forwarded, continued on the other decode engine, and
     the answers equal the undisturbed ones; the stream's text and logprob entries appear once each."""
     p, d, r, colocated = engines
-    streamed = {"prompt": PROMPT, "n": 3, "temperature": 0.9, "seed": 21, "logprobs": 2, "max_tokens": 80,
+    m = 160  # tokens per completion: the drain lands mid-decode
+    streamed = {"prompt": PROMPT, "n": 3, "temperature": 0.9, "seed": 21, "logprobs": 2, "max_tokens": m,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
-    best = {"prompt": [PROMPT, OTHER], "n": 2, "best_of": 3, "temperature": 1.0, "seed": 4, "max_tokens": 80,
+    best = {"prompt": [PROMPT, OTHER], "n": 2, "best_of": 3, "temperature": 1.0, "seed": 4, "max_tokens": m,
             "ignore_eos": True}
     chat = {"messages": MESSAGES, "n": 2, "temperature": 0.8, "seed": 6, "logprobs": True, "top_logprobs": 2,
-            "max_tokens": 80, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "max_tokens": m, "ignore_eos": True, "stream_options": {"include_usage": True}}
     want = [assemble(sse(r + "/v1/completions", streamed)), post(r + "/v1/completions", best),
             assemble(sse(r + "/v1/chat/completions", chat))]  # undisturbed, through the router
     opts = ("--model", tiny_v3_path, "--chat-template", CHAT_TEMPLATE, "-o", f"block_size={BS}")
+    started = [threading.Event(), threading.Event()]
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(3) as pool:
         fresh = [stack.enter_context(router([p], d, *opts)) for _ in range(3)]
-        runs = [pool.submit(sse, fresh[0] + "/v1/completions", streamed),
+        runs = [pool.submit(sse, fresh[0] + "/v1/completions", streamed, started[0]),
                 pool.submit(post, fresh[1] + "/v1/completions", best),
-                pool.submit(sse, fresh[2] + "/v1/chat/completions", chat)]
+                pool.submit(sse, fresh[2] + "/v1/chat/completions", chat, started[1])]
         deadline = time.time() + 120
-        while not all(get(u + "/router/stats")["decode"]["running_per_engine"][0] >= 1 for u in fresh):
+        while not (all(e.is_set() for e in started) and  # both streams are decoding, all three on d[0]
+                   all(get(u + "/router/stats")["decode"]["running_per_engine"][0] >= 1 for u in fresh)):
             assert time.time() < deadline, "the requests did not reach the first decode engine"
-            time.sleep(0.05)
-        time.sleep(0.5)  # admitted and decoding there
+            assert not any(f.done() for f in runs), "a request finished before the drain"
+            time.sleep(0.02)
         assert post(d[0] + "/v1/drain", {"grace_s": 0}) == {"draining": True}
         got = [assemble(runs[0].result(timeout=300)), runs[1].result(timeout=300),
                assemble(runs[2].result(timeout=300))]
@@ -234,7 +245,7 @@ def test_drain_mid_n_request(engines, tiny_v3_path):
     for g, w in ((got[0], want[0]), (got[2], want[2])):
         assert sorted(g["choices"]) == sorted(w["choices"])
         for i in w["choices"]:
-            assert len(g["choices"][i]["logprobs"]) == 80, (i, len(g["choices"][i]["logprobs"]))
+            assert len(g["choices"][i]["logprobs"]) == m, (i, len(g["choices"][i]["logprobs"]))
             assert close(g["choices"][i], w["choices"][i]), first_diff(g["choices"][i], w["choices"][i], str(i))
         same_usage(g["usage"], w["usage"])
     assert close(whole_choices(got[1]), whole_choices(want[1]))
