@@ -196,6 +196,8 @@ def test_hostile_samples_and_prompts(engines):
             assert e["param"] == param and e["type"] == "invalid_request_error" and param in e["message"], (extra, e)
         e = refused(r + "/v1/chat/completions", {"messages": MESSAGES, "n": 0})
         assert e["param"] == "n"
+        for extra, param in [({"n": 129}, "n"), ({"best_of": 129}, "best_of")]:  # the same cap, colocated
+            assert refused(colocated + "/v1/completions", {"prompt": PROMPT, **extra})["param"] == param
         got = assemble(running.result(timeout=300))
     assert got["choices"] == assemble(sse(colocated + "/v1/completions", good))["choices"]
     assert all(get_running(u) == 0 for u in d)
