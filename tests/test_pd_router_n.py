@@ -212,13 +212,14 @@ def get_running(base: str) -> float:
 def test_drain_mid_n_request(engines, tiny_v3_path):
     """Three requests on the first decode engine (each through its own fresh router, whose first pick it
     is), drained mid-decode: every completion is forwarded, continued on the other decode engine, and
-    the answers equal the undisturbed ones; the stream's text and logprob entries appear once each."""
+    the answers equal the undisturbed ones: a stream's text and logprob entries appear once each, and
+    a whole best_of's candidates (logprobs included) are ranked as the engine ranks them."""
     p, d, r, colocated = engines
     m = 160  # tokens per completion: the drain lands mid-decode
     streamed = {"prompt": PROMPT, "n": 3, "temperature": 0.9, "seed": 21, "logprobs": 2, "max_tokens": m,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
     best = {"prompt": [PROMPT, OTHER], "n": 2, "best_of": 3, "temperature": 1.0, "seed": 4, "max_tokens": m,
-            "ignore_eos": True}
+            "logprobs": 2, "ignore_eos": True}
     chat = {"messages": MESSAGES, "n": 2, "temperature": 0.8, "seed": 6, "logprobs": True, "top_logprobs": 2,
             "max_tokens": m, "ignore_eos": True, "stream_options": {"include_usage": True}}
     want = [assemble(sse(r + "/v1/completions", streamed)), post(r + "/v1/completions", best),
