@@ -91,7 +91,13 @@ class DecodeLegs:
 
     # ---- whole ------------------------------------------------------------------------------
     async def whole(self, path: str, legs: list[PromptLeg], chat: bool) -> dict:
-        replies = await asyncio.gather(*(self._whole_prompt(path, leg) for leg in legs))
+        tasks = [asyncio.ensure_future(self._whole_prompt(path, leg)) for leg in legs]
+        try:
+            replies = await asyncio.gather(*tasks)
+        except BaseException:  # one prompt failed: the others' decode engines drop theirs (connection closed)
+            for t in tasks:
+                t.cancel()
+            raise
         choices = [public(c, leg.index * leg.n + c["index"]) for leg, (_, cs) in zip(legs, replies) for c in cs]
         head = replies[0][0]
         return {"object": "chat.completion" if chat else "text_completion", "model": head.get("model"),
