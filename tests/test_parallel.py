@@ -271,7 +271,7 @@ def test_offline_inference_example_under_torchrun_matches_single_rank(ckpt):
     ref_llm = make_llm(ckpt)
     ref = [t + o.outputs[0].text for t, o in zip(texts, ref_llm.generate(texts, sp, use_tqdm=False))]
     ref_llm.shutdown()
-    from deepinfer_core.parallel.launcher import _free_port
+    from deepinfer_core.parallel.ranks import _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
            "127.0.0.1", "--master-port", str(_free_port()), str(ROOT / "examples" / "offline_inference.py"),

@@ -88,7 +88,7 @@ def capacity_error(survivors: int, slots_per_rank: int, num_experts: int) -> str
 def reform(engine, lost: RanksLost) -> bool:
     """Re-form ``engine``'s (a ParallelEngine) group without ``lost.lost``; True when serving again.
     On False the engine has failed (every request finished with the WorkerFailure)."""
-    from deepinfer_core.parallel.launcher import _free_port, group_timeout_s
+    from deepinfer_core.parallel.ranks import _free_port, group_timeout_s
 
     t0 = time.perf_counter()
     dead = set(lost.lost)
