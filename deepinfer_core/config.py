@@ -252,9 +252,6 @@ def _validate(cfg: EngineConfig) -> None:
     if cfg.kv_role != "both" and not cfg.kv_transfer:
         raise ConfigError(f"kv_role={cfg.kv_role!r} needs a [kv_transfer] table naming the transport "
                           "(backend = 'shm', '3fs' or 'p2p')")
-    if cfg.kv_transfer and (cfg.dp > 1 or cfg.ep > 1):
-        raise ConfigError("[kv_transfer] (P/D hand-off, drain forwarding) runs on single-rank engines; with "
-                          f"dp={cfg.dp}, ep={cfg.ep} the ranks' hand-offs are not yet reported to the driver")
     if cfg.swa_prefix_policy not in SWA_PREFIX_POLICIES:
         raise ConfigError(f"config key 'swa_prefix_policy' must be one of {SWA_PREFIX_POLICIES}, "
                           f"got {cfg.swa_prefix_policy!r}")

@@ -37,6 +37,9 @@ class KVTransport(ABC):
 
     name: str = ""
     core_api_version: str = "1.0"
+    #: True when the section names one endpoint of its own (e.g. a rank in a group of engines), which
+    #: the dp/ep ranks of one engine cannot share: such a transport serves single-rank engines only.
+    one_endpoint_per_engine: bool = False
 
     def __init__(self, section: dict) -> None:
         if section:
@@ -55,17 +58,32 @@ class KVTransport(ABC):
         """Release the transport's resources (unconsumed payloads of this sender may be dropped)."""
 
 
-def load_transport(section: dict | None) -> KVTransport:
-    """The transport a ``[kv_transfer]`` table names (``backend``), built with its other keys."""
-    section = dict(section or {})
-    backend = section.pop("backend", None)
+def transport_class(section: dict | None) -> type:
+    """The class of the transport a ``[kv_transfer]`` table names (``backend``), not yet built."""
+    backend = (section or {}).get("backend")
     if not isinstance(backend, str):
         raise ConfigError(f"[kv_transfer] needs backend = one of {plugins.installed_names(GROUP)}, got {backend!r}")
     if backend not in plugins.installed_names(GROUP):
         raise ConfigError(f"[kv_transfer] backend {backend!r} is not installed; installed: "
                           f"{', '.join(plugins.installed_names(GROUP)) or 'none'}")
-    cls = plugins.load(GROUP, backend, what="KV transport")
-    transport = cls(section)
+    return plugins.load(GROUP, backend, what="KV transport")
+
+
+def load_transport(section: dict | None) -> KVTransport:
+    """The transport a ``[kv_transfer]`` table names (``backend``), built with its other keys."""
+    cls = transport_class(section)
+    transport = cls({k: v for k, v in section.items() if k != "backend"})
     if not isinstance(transport, KVTransport):
-        raise ConfigError(f"KV transport {backend!r} is not a deepinfer_core.kv_transfer.KVTransport")
+        raise ConfigError(f"KV transport {section['backend']!r} is not a deepinfer_core.kv_transfer.KVTransport")
     return transport
+
+
+def check_parallel_transport(section: dict | None, dp: int, ep: int) -> None:
+    """ConfigError when an engine of ``dp``/``ep`` ranks cannot use the transport (each rank sends
+    and receives its own requests' hand-offs, so they must share the transport's configuration)."""
+    cls = transport_class(section)
+    if getattr(cls, "one_endpoint_per_engine", False):
+        raise ConfigError(f"[kv_transfer] backend {section['backend']!r} names one endpoint per engine, which the "
+                          f"dp={dp}, ep={ep} ranks of this engine cannot share; use a transport every rank can "
+                          f"use ({', '.join(n for n in plugins.installed_names(GROUP) if n != section['backend'])}) "
+                          "or a single-rank engine")

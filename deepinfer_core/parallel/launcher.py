@@ -21,11 +21,13 @@ import dataclasses
 import logging
 import time
 
-from deepinfer_core.config import ConfigError, EngineConfig
-from deepinfer_core.engine.engine import LLMEngine
+from deepinfer_core.config import ConfigError, EngineConfig, check_number
+from deepinfer_core.engine.engine import EngineDrainingError, LLMEngine
+from deepinfer_core.engine.handoff import check_params
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.features import load_features, make_plugin_manager
+from deepinfer_core.kv_transfer import check_parallel_transport
 from deepinfer_core.models.config import ModelConfig
 from deepinfer_core.models.loader import load_model_config, resolve_model_dir
 from deepinfer_core.parallel.elastic import RanksLost, check_elastic, reform
@@ -114,6 +116,8 @@ class ParallelEngine(RankProcesses):
         tr = torchrun_env()
         self.world_size = cfg.ep
         local_world = tr["local_world_size"] if tr else self.world_size
+        if cfg.kv_transfer:
+            check_parallel_transport(cfg.kv_transfer, cfg.dp, cfg.ep)
         check_parallel_config(cfg, mc, self.platform, local_world, tr["world_size"] if tr else None)
         check_elastic(cfg, tr is not None)
         self.pm = pm = make_plugin_manager()
@@ -129,6 +133,8 @@ class ParallelEngine(RankProcesses):
         self._pending_add: list[list] = [[] for _ in range(self.world_size)]
         self._pending_abort: list[list[str]] = [[] for _ in range(self.world_size)]
         self._failed_seqs: list[Sequence] = []
+        self._drain: float | None = None  # start_drain()'s grace, sent with the next step
+        self.draining = False
         self._closed = False
         self._next_id = 0
         self.steps = 0
@@ -154,9 +160,14 @@ class ParallelEngine(RankProcesses):
             raise RuntimeError("the parallel engine is shut down")
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
+        if self.draining:
+            raise EngineDrainingError("this engine is draining (start_drain): it takes no new requests; send them "
+                                      "to another")
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = LLMEngine.new_sequence(self, prompt, params, request_id)  # needs no model, only its config
+        if self.cfg.kv_transfer and seq.params.kv_transfer_params is not None:
+            check_params(seq.params.kv_transfer_params)  # the rank that receives it would refuse it too
         sent = dataclasses.replace(seq.params, seq_seed=seq.seed, seed=seq.seed)  # the driver's seed, on every rank
         rank = self.balancer.pick()
         self._seqs[request_id] = seq
@@ -186,8 +197,10 @@ class ParallelEngine(RankProcesses):
             return out
         if not self._seqs:
             return []
-        msgs = [("step", {"add": self._pending_add[r], "abort": self._pending_abort[r]})
+        drain = None if self._drain is None else (self._drain,)
+        msgs = [("step", {"add": self._pending_add[r], "abort": self._pending_abort[r], "drain": drain})
                 for r in range(self.world_size)]
+        self._drain = None
         self._pending_add = [[] for _ in range(self.world_size)]
         self._pending_abort = [[] for _ in range(self.world_size)]
         try:
@@ -243,6 +256,7 @@ class ParallelEngine(RankProcesses):
             seq.status = Status.FINISHED
             seq.finish_reason, seq.stop_reason = up["finish_reason"], up["stop_reason"]
             seq.error = up["error"]
+            seq.kv_transfer_out = up.get("kv_transfer_out")  # a hand-off from the rank (P/D, drain)
             if seq.metrics.finished_time is None:
                 seq.metrics.finished_time = time.perf_counter()
 
@@ -257,6 +271,11 @@ class ParallelEngine(RankProcesses):
                     "dummy_steps", "spec_steps", "spec_verified", "spec_accepted", "spec_proposed"):
             if key in out:
                 out[key] = sum(m.get(key, 0) for m in per_rank)
+        for key in {k for m in per_rank for k in m}:  # KV hand-off counters and seconds (handoff.py), drain
+            if key.startswith(("handoff_", "drain_forwarded")):
+                out[key] = sum(m.get(key, 0) for m in per_rank)
+            elif key == "drain_forward_s":  # the ranks forward at once
+                out[key] = max(m.get(key, 0.0) for m in per_rank)
         if out.get("spec_verified"):
             out["spec_accept_rate"] = out["spec_accepted"] / out["spec_verified"]
         out["overhead_share"] = sum(m.get("overhead_share", 0.0) for m in per_rank) / len(per_rank)
@@ -271,6 +290,27 @@ class ParallelEngine(RankProcesses):
         out.update(merge_feature_metrics(self.pm, per_rank))
         out["ranks"] = [{k: v for k, v in m.items() if k != "ep_rank_pairs"} for m in per_rank]
         return out
+
+    def kv_layout_info(self) -> dict:
+        """Rank 0's ``LLMEngine.kv_layout_info()`` (every rank has the same layout), for a router."""
+        return self.worker_info[0]["kv_layout"]
+
+    def start_drain(self, grace_s: float | None = None) -> None:
+        """``LLMEngine.start_drain`` on every rank: no new requests now; after the grace period each
+        rank hands its unfinished requests off (``finish_reason == "forwarded"``, ``kv_transfer_params``)."""
+        if not self.cfg.kv_transfer:
+            raise ConfigError("drain with forwarding needs a [kv_transfer] transport to hand requests off through")
+        grace = self.cfg.drain_grace_s if grace_s is None else grace_s
+        check_number("drain grace_s", grace, 0)
+        self._drain = grace if self._drain is None else min(self._drain, grace)
+        self.draining = True
+
+    def check_no_leaks(self) -> None:
+        """AssertionError naming every rank whose KV blocks are not all free (tests, after all requests)."""
+        reports = self._roundtrip([("check_no_leaks",)] * self.world_size, float(self.cfg.worker_timeout_s))
+        leaks = [f"rank {r}: {rep}" for r, rep in enumerate(reports) if rep]
+        if leaks:
+            raise AssertionError("; ".join(leaks))
 
     def shutdown(self) -> None:
         """Stop every rank (gracefully when healthy) and make sure no worker process is left."""

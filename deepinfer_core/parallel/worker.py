@@ -11,6 +11,8 @@ Messages from the driver (tuples, first item the kind) and replies:
   ("init", payload)   -> ("ready", info)      build the process group (unless up) and the engine
   ("step", work)      -> ("ok", result)       add/abort requests, run one step, report progress
   ("metrics",)        -> ("ok", dict)
+  ("reform", payload) -> ("ready", info)      elastic EP: join the survivors' new group (elastic.py)
+  ("check_no_leaks",) -> ("ok", None | str)   what KV blocks leaked, if any
   ("shutdown",)       -> ("ok", None)         then the serving loop ends
 Any failure replies ("error", exception, traceback text).
 
@@ -173,7 +175,8 @@ class RankWorker:
         self.rank, self.world_size = rank, world_size
         self.local_rank, self.local_world_size, self.num_nodes = local_rank, local_world_size, num_nodes
         self.engine: RankEngine | None = None
-        self._reported: dict[str, tuple[int, int, int]] = {}
+        self._reported: dict[str, tuple[int, int, int]] = {}  # per request: tokens, logprobs the driver has
+        self._failed_adds: dict[str, BaseException] = {}
         self.doing = "idle"
         self.num_steps = 0
 
@@ -196,6 +199,8 @@ class RankWorker:
                 return ("ready", self.reform(msg[1]))
             if kind == "metrics":
                 return ("ok", self.engine.metrics())
+            if kind == "check_no_leaks":
+                return ("ok", self.leak_report())
             if kind == "shutdown":
                 self.close()
                 return ("ok", None)
@@ -230,6 +235,7 @@ class RankWorker:
         comm = platform.communicator()
         self.engine = RankEngine(cfg, comm, self.local_rank, self.num_nodes)
         return {"pid": os.getpid(), "kv_blocks": self.engine.blocks.num_blocks,
+                "kv_layout": self.engine.kv_layout_info(),
                 "slots_per_rank": {i: self.engine.expert_parallel.slots_per_rank(i)
                                    for i in self.engine.expert_parallel.moes}}
 
@@ -260,30 +266,44 @@ class RankWorker:
 
     def step(self, work: dict) -> dict:
         eng = self.engine
-        failed: dict[str, BaseException] = {}
         for rid, ids, params, *restore in work.get("add", ()):
+            restored = restore[0] if restore else None
             try:
                 seq = eng.add_request({"prompt_token_ids": ids}, params, request_id=rid)
-            except (ValueError, TypeError) as exc:
-                failed[rid] = exc
+            except (ValueError, TypeError) as exc:  # kept until a step's reply carries it (elastic EP)
+                self._failed_adds[rid] = exc
                 continue
-            if restore and restore[0]:  # re-routed (elastic EP): its emitted tokens, recomputed on admission
-                tokens, sum_logprob = restore[0]
+            if restored:  # re-routed (elastic EP): its emitted tokens, recomputed on admission
+                tokens, sum_logprob = restored
                 eng.append_tokens([seq], [tokens], [[sum_logprob] + [0.0] * (len(tokens) - 1)])
-            self._reported[rid] = (seq.num_tokens, len(seq.output_logprobs), len(seq.prompt_logprobs))
+            # what the driver has: the prompt, and a re-routed request's tokens; a received KV
+            # hand-off's tokens (appended by add_request) are news to it
+            self._reported[rid] = ((seq.num_tokens, len(seq.output_logprobs), len(seq.prompt_logprobs))
+                                   if restored else (len(ids), 0, 0))
         for rid in work.get("abort", ()):
             eng.abort(rid)
+        if work.get("drain") is not None:
+            eng.start_drain(work["drain"][0])
         finished = eng.step()
         self.num_steps += 1
         updates = self._updates(finished)
-        for rid, exc in failed.items():
+        for rid, exc in self._failed_adds.items():
             updates[rid] = {"tokens": [], "out_lp": [], "prompt_lp": [], "metrics": None, "sum_logprob": 0.0,
                             "finished": True, "finish_reason": "error", "stop_reason": None,
-                            "error": portable(exc)}
+                            "error": portable(exc), "kv_transfer_out": None}
+        self._failed_adds.clear()
         sched = eng.scheduler
         return {"updates": updates, "num_running": sched.num_running(),
                 "num_waiting": sched.num_waiting(),
                 "kv_usage": 1.0 - eng.blocks.num_free / max(1, eng.blocks.num_blocks)}
+
+    def leak_report(self) -> str | None:
+        """None when every KV block is free (no request left), else what leaked."""
+        try:
+            self.engine.blocks.check_no_leaks()
+        except AssertionError as exc:
+            return str(exc)
+        return None
 
     def _updates(self, finished: list[Sequence]) -> dict[str, dict]:
         seqs = {s.request_id: s for s in self.engine._seqs.values()}
@@ -301,7 +321,8 @@ class RankWorker:
                                   "prompt_lp": s.prompt_logprobs[n_plp:], "metrics": s.metrics,
                                   "sum_logprob": s.sum_logprob, "finished": s.is_finished}
             if s.is_finished:
-                up.update(finish_reason=s.finish_reason, stop_reason=s.stop_reason, error=portable(s.error))
+                up.update(finish_reason=s.finish_reason, stop_reason=s.stop_reason, error=portable(s.error),
+                          kv_transfer_out=s.kv_transfer_out)
                 del self._reported[rid]
             else:
                 self._reported[rid] = (known, len(s.output_logprobs), len(s.prompt_logprobs))

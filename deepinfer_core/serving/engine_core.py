@@ -64,7 +64,7 @@ def engine_info(engine) -> dict:
     return {"model_dir": str(engine.model_dir), "max_model_len": engine.max_model_len,
             "bos_token_id": mc.bos_token_id, "eos_token_id": mc.eos_token_id, "vocab_size": mc.vocab_size,
             "kv_layout": layout() if layout is not None else None,
-            "can_drain": hasattr(engine, "start_drain") and getattr(engine, "handoff", None) is not None}
+            "can_drain": hasattr(engine, "start_drain") and bool(engine.cfg.kv_transfer)}
 
 
 class EngineCore:

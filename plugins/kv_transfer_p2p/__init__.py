@@ -44,6 +44,7 @@ DEFAULTS = {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1", "master_port
 
 class P2PTransport(KVTransport):
     name = "p2p"
+    one_endpoint_per_engine = True  # the section's rank is this engine's place in the group
 
     def __init__(self, section: dict) -> None:
         s = Feature.check_keys("kv_transfer", section, DEFAULTS)
