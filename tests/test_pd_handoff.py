@@ -166,8 +166,8 @@ def test_role_and_params_errors(tiny_v3_path, tmp_path):
         LLM(kv_role="decoder", **kw(tiny_v3_path))
     with pytest.raises(ConfigError, match="backend 'nope' is not installed; installed: 3fs, p2p, shm"):
         LLM(kv_role="decode", kv_transfer={"backend": "nope"}, **kw(tiny_v3_path))
-    with pytest.raises(ConfigError, match="runs on single-rank engines; with dp=2, ep=2"):
-        LLM(kv_transfer={"backend": "shm"}, dp=2, ep=2, **kw(tiny_v3_path))
+    with pytest.raises(ConfigError, match="backend 'p2p' names one endpoint per engine, which the dp=2, ep=2"):
+        LLM(kv_transfer={"backend": "p2p"}, dp=2, ep=2, **kw(tiny_v3_path))
     with pytest.raises(ConfigError, match="knows only 'namespace'"):
         LLM(kv_role="decode", kv_transfer={"backend": "shm", "nmespace": "x"}, **kw(tiny_v3_path))
     d = LLM(kv_role="decode", kv_transfer=transfer_section("shm", tmp_path), **kw(tiny_v3_path))
