@@ -87,6 +87,8 @@ def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
         seqs = [eng.add_request(p, sp) for p, sp in zip(first[:6], sps)]
         kill_rank_mid_generate(eng, 0, seqs)
         seqs += [eng.add_request(p, SP) for p in first[6:]]
+        on_dead = [rid for rid, r in eng._owner.items() if r == 0]  # with the 2 new ones sent to rank 0
+        kept = [sum(r == old for r in eng._owner.values()) for old in (1, 2, 3)]
         run_to_end(eng)
         assert [s.finish_reason for s in seqs] == ["length"] * 8, [s.error for s in seqs]
         assert [s.output_token_ids for s in seqs] == ref[:8]
@@ -94,7 +96,7 @@ def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
         m = llm.metrics()
         (rf,) = m["elastic_reforms"]
         assert rf["lost_ranks"] == [0] and rf["old_ranks"] == [1, 2, 3] and rf["world_size"] == 3
-        assert rf["requests_rerouted"] == 8
+        assert rf["requests_rerouted"] == len(on_dead) and rf["requests_kept"] == kept  # survivors kept theirs
         # rank 0 held experts 0-7 (0-3 and replicas of 4-7); ranks 1 and 3 hold them too: nothing to read
         assert rf["experts_loaded"] == 0
         assert len(m["ranks"]) == 3 and m["ep"] == m["dp"] == 3
@@ -124,3 +126,43 @@ def test_rank_loss_reforms_the_group_and_no_request_is_lost(ckpt):
     finally:
         llm.shutdown()
     assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("async_scheduling", [True])
+def test_survivors_keep_their_requests_and_kv(ckpt, async_scheduling):
+    """Kill one of 4 ranks once every request decodes: only its requests are recomputed (on their new
+    owners, from prompt + emitted tokens); the survivors' requests continue from their KV (with
+    async scheduling, less the step that was in flight). Counted: the prefill tokens each survivor
+    computes after the re-form are exactly those of the requests re-routed to it."""
+    reqs = prompts(8, 500)
+    ref_llm = make_llm(ckpt)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(reqs, SP, use_tqdm=False)]
+    ref_llm.shutdown()
+    llm = make_llm(ckpt, dp=4, ep=4, features=["eplb"], elastic_ep=True, async_scheduling=async_scheduling,
+                   eplb={"redundant_experts_per_rank": 4, "rebalance_every": 0})
+    eng = llm.engine
+    try:
+        seqs = [eng.add_request(p, SP) for p in reqs]
+        while not all(s.output_token_ids for s in seqs):
+            eng.step()
+        eng.step()
+        owner = {s.request_id: eng._owner[s.request_id] for s in seqs}
+        emitted = {s.request_id: len(s.output_token_ids) for s in seqs}
+        os.kill(eng.worker_pids()[1], signal.SIGKILL)
+        eng.step()  # the step the death breaks off: the group re-forms
+        rf = llm.engine.reforms[0]
+        moved = {rid: eng._owner[rid] for rid, r in owner.items() if r == 1}
+        run_to_end(eng)
+        assert [s.finish_reason for s in seqs] == ["length"] * 8
+        assert [s.output_token_ids for s in seqs] == ref
+        assert rf["lost_ranks"] == [1] and rf["requests_rerouted"] == len(moved) == 2
+        assert rf["requests_kept"] == [2, 2, 2]
+        m = llm.metrics()
+        after = [r["prefill_tokens"] - before for r, before in zip(m["ranks"], rf["prefill_tokens_at_reform"])]
+        by_id = {s.request_id: s for s in seqs}
+        want = [sum(by_id[rid].num_prompt_tokens + emitted[rid] for rid, r in moved.items() if r == i)
+                for i in range(3)]
+        assert after == want and sum(want) > 0  # a survivor recomputing its own requests would add theirs
+        llm.engine.check_no_leaks()
+    finally:
+        llm.shutdown()

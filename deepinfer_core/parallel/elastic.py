@@ -19,11 +19,13 @@
    its normal rebalance path) lays the experts out over the survivors: experts a survivor still
    holds move over the new group's ``all_to_all``, experts only the dead rank held are read from
    the checkpoint.
-4. **Re-routing.** The step the death broke off left every rank's scheduler mid-way, so every rank
-   forgets its requests and KV blocks and the driver re-adds every unfinished request (the dead
-   rank's and the others') to the survivors, balanced anew, with the tokens it has already emitted:
-   the rank recomputes their KV (prompt + emitted tokens) and continues. No request is lost or
-   restarted from scratch; greedy outputs are those of an undisturbed run.
+4. **Re-routing.** Each survivor keeps its requests and their KV: the step the death broke off
+   changed no request state before its forward returned, so the survivor only undoes the step
+   still in flight (async scheduling) and unverified drafts (``RankEngine.undo_broken_step``),
+   and its tokens not yet reported reach the driver with the next step. The driver re-adds only
+   the dead ranks' unfinished requests to the survivors, balanced by their load, with the tokens
+   they had emitted: the new owner recomputes their KV (prompt + emitted tokens) and continues.
+   No request is lost or restarted from scratch; greedy outputs are those of an undisturbed run.
 """
 
 from __future__ import annotations
@@ -117,12 +119,14 @@ def reform(engine, lost: RanksLost) -> bool:
                         "timeout_s": group_timeout_s(engine.cfg)}) for i in range(W)]
     replies = engine._roundtrip(msgs, max(300.0, float(engine.cfg.worker_timeout_s)))  # a WorkerFailure fails all
     engine.worker_info = replies
-    rerouted = reroute(engine)
+    rerouted = reroute(engine, old_ranks)
     took = time.perf_counter() - t0
     record = {"lost_ranks": sorted(dead), "old_ranks": old_ranks, "world_size": W, "detected_at": lost.detected_at,
               "detect_to_serving_s": time.perf_counter() - lost.detected_at, "reform_s": took,
               "group_and_placement_s": max(r["seconds"] for r in replies),
-              "experts_loaded": sum(r["experts_loaded"] for r in replies), "requests_rerouted": rerouted}
+              "experts_loaded": sum(r["experts_loaded"] for r in replies), "requests_rerouted": rerouted,
+              "requests_kept": [r["requests_kept"] for r in replies],
+              "prefill_tokens_at_reform": [r["prefill_tokens"] for r in replies]}
     engine.reforms.append(record)
     logger.warning("elastic EP: lost rank(s) %s; re-formed with %d ranks (old ranks %s) in %.3f s, %d expert(s) "
                    "read from the checkpoint, %d request(s) re-routed", sorted(dead), W, old_ranks, took,
@@ -130,17 +134,29 @@ def reform(engine, lost: RanksLost) -> bool:
     return True
 
 
-def reroute(engine) -> int:
-    """Give every unfinished request to a survivor with the tokens it has emitted; returns how many."""
+def reroute(engine, old_ranks: list[int]) -> int:
+    """Survivor ``old_ranks[i]`` is rank i now and keeps its requests; every unfinished request of a
+    dead rank goes to a survivor with the tokens it has emitted. Returns how many were re-routed."""
     from deepinfer_core.parallel.launcher import DPLoadBalancer
 
     W = engine.world_size
-    aborted = {rid for ab in engine._pending_abort for rid in ab}
+    new_rank = {old: i for i, old in enumerate(old_ranks)}
+    aborted = {rid for ab in engine._pending_abort for rid in ab} | engine._sent_aborts
     engine.balancer = DPLoadBalancer(W)
     engine._pending_add = [[] for _ in range(W)]
     engine._pending_abort = [[] for _ in range(W)]
-    for rid, seq in engine._seqs.items():
+    orphans = []
+    for rid in engine._seqs:
+        r = new_rank.get(engine._owner[rid])
+        if r is None:
+            orphans.append(rid)
+        else:
+            engine._owner[rid] = r
+            engine.balancer.unfinished[r] += 1  # its adds and aborts were handled before the step broke
+    for rid in orphans:
+        seq = engine._seqs[rid]
         ids, params = engine._sent[rid]
+        params = dataclasses.replace(params, kv_transfer_params=None)  # recomputed: a hand-off is read once
         emitted = seq.token_ids[seq.num_prompt_tokens:]
         restore = None
         if emitted:  # the prompt is done: its prompt logprobs (if asked) are all in already
@@ -153,4 +169,4 @@ def reroute(engine) -> int:
         engine._pending_add[r].append((rid, ids, params, restore))
         if rid in aborted:
             engine._pending_abort[r].append(rid)
-    return len(engine._seqs)
+    return len(orphans)

@@ -133,6 +133,7 @@ class ParallelEngine(RankProcesses):
         self._pending_add: list[list] = [[] for _ in range(self.world_size)]
         self._pending_abort: list[list[str]] = [[] for _ in range(self.world_size)]
         self._failed_seqs: list[Sequence] = []
+        self._sent_aborts: set[str] = set()
         self._drain: float | None = None  # start_drain()'s grace, sent with the next step
         self.draining = False
         self._closed = False
@@ -201,6 +202,7 @@ class ParallelEngine(RankProcesses):
         msgs = [("step", {"add": self._pending_add[r], "abort": self._pending_abort[r], "drain": drain})
                 for r in range(self.world_size)]
         self._drain = None
+        self._sent_aborts = {rid for ab in self._pending_abort for rid in ab}  # re-sent after a re-form
         self._pending_add = [[] for _ in range(self.world_size)]
         self._pending_abort = [[] for _ in range(self.world_size)]
         try:

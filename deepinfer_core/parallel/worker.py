@@ -84,24 +84,47 @@ class RankEngine(LLMEngine):
     # ---- elastic EP: the group re-formed without a dead rank ------------------------------
     def regroup(self, comm, survivors: list[int]) -> None:
         """Continue in a smaller group: ``comm`` spans the survivors (``survivors[i]``: the old rank
-        of new rank i). Every request and KV block is forgotten (the step the death broke off left
-        them in an unknown state; the driver re-adds the unfinished requests with their tokens), and
-        the placement features lay the experts out anew over the survivors, reading the experts no
-        survivor holds from the checkpoint."""
+        of new rank i). This rank keeps its requests and their KV (:meth:`undo_broken_step` puts them
+        back where the last completed step left them; the driver re-routes only the dead ranks'
+        requests), and the placement features lay the experts out anew over the survivors, reading
+        the experts no survivor holds from the checkpoint."""
         ep = self.expert_parallel
         old_spr = {i: ep.slots_per_rank(i) for i in ep.moes}
         old = {i: [e for r in survivors for e in ep.phys_to_log[i][r * n : (r + 1) * n].tolist()]
                for i, n in old_spr.items()}
         self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
         ep.regroup(comm)
-        self.pipeline.drop()
-        self._step_seqs, self._seqs = [], {}
-        self._sync_requests.clear()
-        self._new_request_state()
+        self.undo_broken_step()
         self.experts_loaded = 0
         if not self.pm.hook.ep_group_resized(engine=self, old_placement=old, load_expert=self.load_expert):
             raise ValueError("the expert-parallel group shrank but no feature re-places the experts "
                              "(ep_group_resized); enable one with redundant slots (features = ['eplb'])")
+
+    def undo_broken_step(self) -> None:
+        """A peer died in a collective of this rank's step: put every request back where the last
+        completed step left it. A step changes a request's state only after its forward (which the
+        collective failure interrupted) returned, so: the step still in flight (async scheduling,
+        forward done but its results never read) is undone (its tokens' KV counts as not computed,
+        its placeholders go), drafts not yet verified are dropped with their KV slots. Blocks
+        registered in the prefix cache hold only KV of completed steps; requests that finished keep
+        their result for the next reply."""
+        step = self.pipeline.inflight
+        self.pipeline.drop()
+        if step is not None:
+            for s in step.batch.scheduled:
+                seq = s.seq
+                if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                    seq.metrics.num_computed_prompt_tokens -= s.num_new_tokens
+                seq.num_computed_tokens -= s.num_new_tokens
+        for seq in self._seqs.values():
+            if seq.is_finished:
+                continue
+            seq.drop_pending()
+            if seq.spec_tokens:
+                seq.spec_tokens, seq.spec_probs = [], None
+                self.blocks.truncate(seq, seq.num_tokens)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, max(0, seq.num_tokens - 1))
+        self._step_seqs = []
 
     def load_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         read = getattr(self.model, "read_expert", None)
@@ -251,18 +274,21 @@ class RankWorker:
             gc.collect()  # the group's connections close when its last reference goes
 
     def reform(self, p: dict) -> dict:
-        """Elastic EP: leave the broken group, join the survivors' new one, re-place the experts."""
+        """Elastic EP: leave the broken group, join the survivors' new one, re-place the experts; this
+        rank's requests stay (what the driver has not been told yet goes in the next step's reply)."""
         t0 = time.perf_counter()
         self.leave_group()  # normally already left when the step failed
         platform = select_platform(self.engine.cfg.accelerator)
         dist.init_process_group(platform.dist_backend, init_method=p["init_method"], rank=p["rank"],
                                 world_size=p["world_size"], timeout=datetime.timedelta(seconds=p["timeout_s"]))
         self.rank, self.world_size = p["rank"], p["world_size"]
-        self._reported.clear()
-        self.engine.regroup(platform.communicator(), p["survivors"])
-        ep = self.engine.expert_parallel
-        return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, "experts_loaded": self.engine.experts_loaded,
-                "slots_per_rank": {i: ep.slots_per_rank(i) for i in ep.moes}}
+        eng = self.engine
+        eng.regroup(platform.communicator(), p["survivors"])
+        ep = eng.expert_parallel
+        return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, "experts_loaded": eng.experts_loaded,
+                "slots_per_rank": {i: ep.slots_per_rank(i) for i in ep.moes},
+                "requests_kept": sum(not s.is_finished for s in eng._seqs.values()),
+                "prefill_tokens": eng.stats.prefill_tokens}
 
     def step(self, work: dict) -> dict:
         eng = self.engine
