@@ -8,8 +8,9 @@ few decode steps one rank holding requests is SIGKILLed. Reported:
 * kill -> detected: the driver sees the rank's pipe close (its exit status names SIGKILL);
 * re-form: survivors leave the broken group, form a new one on a new port, EPLB re-places the
   experts (moves over the new group, lost ones read from the checkpoint), requests re-routed;
-* kill -> first token: the first step after the re-form that emits tokens again (includes the
-  recompute of every re-routed request's prompt + emitted tokens);
+* kill -> first token: the first step after the re-form that emits tokens again (the survivors'
+  requests continue from their KV; the dead rank's, re-routed, recompute prompt + emitted tokens);
+* kill -> all re-routed requests caught up: every request of the dead rank emits again;
 * the greedy outputs compared with one undisturbed rank.
 """
 
@@ -62,11 +63,16 @@ def main() -> None:
         emitted = sum(len(s.output_token_ids) for s in seqs)
         os.kill(eng.worker_pids()[victim], signal.SIGKILL)
         t_kill = time.perf_counter()
-        first_token_s = None
+        on_victim = {s.request_id: len(s.output_token_ids) for s in seqs if eng._owner[s.request_id] == victim}
+        first_token_s = caught_up_s = None
         while eng.has_unfinished():
             eng.step()
+            now = time.perf_counter() - t_kill
             if first_token_s is None and eng.reforms and sum(len(s.output_token_ids) for s in seqs) > emitted:
-                first_token_s = time.perf_counter() - t_kill
+                first_token_s = now
+            if caught_up_s is None and all(len(s.output_token_ids) > on_victim[s.request_id] or s.is_finished
+                                           for s in seqs if s.request_id in on_victim):
+                caught_up_s = now
         m = llm.metrics()
         llm.shutdown()
 
@@ -81,7 +87,11 @@ def main() -> None:
           f"(re-form {rf['reform_s'] * 1e3:.1f} ms: new group + EPLB placement on the ranks "
           f"{rf['group_and_placement_s'] * 1e3:.1f} ms)")
     print(f"  kill -> first token again        {first_token_s * 1e3:8.1f} ms "
+          f"(survivors kept {sum(rf['requests_kept'])} requests with their KV)")
+    print(f"  kill -> re-routed ones emit again {caught_up_s * 1e3:8.1f} ms "
           f"(re-routed {rf['requests_rerouted']} requests, recomputed from prompt + emitted tokens)")
+    recomputed = sum(r["prefill_tokens"] - b for r, b in zip(m["ranks"], rf["prefill_tokens_at_reform"]))
+    print(f"  prefill tokens after the re-form  {recomputed} (the re-routed requests' prompt + emitted tokens)")
     print(f"  experts read from the checkpoint  {rf['experts_loaded']}")
     print(f"  requests lost {lost}; greedy outputs identical to one undisturbed rank: {same}")
 

@@ -279,6 +279,25 @@ def test_fp8_fp4_checkpoint_dequantises(reference, tmp_path):
     assert torch.equal(model.layers[0].ffn.gate, full.layers[0].ffn.gate)  # routers stay unquantised
 
 
+def test_read_expert_equals_the_loaded_expert(reference, tmp_path):
+    """Elastic EP re-reads a lost expert (``read_expert``): it equals what loading put in that slot, for
+    plain and FP4-packed experts, and an expert that does not exist is an error naming it."""
+    variant, path, *_ = reference
+    if variant != "mixed":
+        pytest.skip("one variant is enough")
+    q = to_official(path, tmp_path / "quant", fp8=True, fp4_experts=True)
+    for ckpt in (path, q):
+        model = load(ckpt)
+        reader = SafetensorsReader(ckpt)
+        for layer in (0, len(model.layers) - 1):
+            for e in (0, model.cfg.n_routed_experts - 1):
+                w13, w2 = model.read_expert(reader, layer, e)
+                assert torch.equal(w13, model.layers[layer].ffn.w13[e])
+                assert torch.equal(w2, model.layers[layer].ffn.w2[e])
+        with pytest.raises(ValueError, match=f"no routed expert {model.cfg.n_routed_experts} in layer 0"):
+            model.read_expert(reader, 0, model.cfg.n_routed_experts)
+
+
 def test_unexpected_tensor_is_an_error(reference, tmp_path):
     """A config that disagrees with its checkpoint (a layer the checkpoint has as CSA declared SWA)."""
     variant, path, *_ = reference

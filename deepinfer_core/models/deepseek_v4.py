@@ -358,6 +358,13 @@ class DeepseekV4ForCausalLM(CausalLM):
 
         load_v4_weights(self, reader)
 
+    def read_expert(self, reader, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed expert ``expert`` of layer ``layer`` from the checkpoint (FP4/FP8 dequantised), as one
+        slot of the fused (w13, w2) parameters (elastic EP reloads the experts a dead rank held)."""
+        from deepinfer_core.models.v4_weights import read_v4_expert
+
+        return read_v4_expert(self, reader, layer, expert)
+
     def cache_layout(self) -> CacheLayout:
         return cache_layout(self.cfg)
 

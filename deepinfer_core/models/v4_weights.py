@@ -187,6 +187,22 @@ def load_v4_weights(model, reader: SafetensorsReader) -> None:
                               f"{', '.join(unexpected[:5])}{more}")
 
 
+def read_v4_expert(model, reader: SafetensorsReader, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13, w2) of routed expert ``expert`` of layer ``layer``, read and dequantised as
+    :func:`load_v4_weights` reads it, in the dtype and on the device of the model's expert weights."""
+    cfg = model.cfg
+    if not 0 <= layer < len(model.layers) or not 0 <= expert < cfg.n_routed_experts:
+        raise ValueError(f"no routed expert {expert} in layer {layer}: the model has {len(model.layers)} layers "
+                         f"of {cfg.n_routed_experts} routed experts")
+    names = V4Names(reader)
+    I, C = cfg.moe_intermediate_size, cfg.hidden_size
+    e = f"layers.{layer}.ffn.experts.{expert}."
+    like = model.layers[layer].ffn.w2
+    w13 = torch.cat((names.get(e + "w1.weight", (I, C)), names.get(e + "w3.weight", (I, C))))
+    w2 = names.get(e + "w2.weight", (C, I))
+    return w13.to(like.device, like.dtype), w2.to(like.device, like.dtype)
+
+
 def _other_rank_expert(canonical: str, lo: int, hi: int) -> bool:
     if ".ffn.experts." not in canonical:
         return False
