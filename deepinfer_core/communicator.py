@@ -8,6 +8,8 @@ synchronisation). :class:`TorchDistCommunicator` implements it for any backend t
 
 from __future__ import annotations
 
+import logging
+import threading
 from abc import ABC, abstractmethod
 
 import torch
@@ -44,11 +46,22 @@ class Communicator(ABC):
     def barrier(self) -> None:
         """Wait until every rank arrives."""
 
+    @abstractmethod
+    def abort(self) -> None:
+        """Give the group up after a peer died (elastic EP re-forms without it): close this rank's
+        connections and communicators, so that collectives blocked on this rank, and on backends that
+        support it (NCCL, HCCL) this rank's own collectives blocked on the dead peer, end with an
+        error now instead of at the group's timeout. The communicator is unusable afterwards. Safe
+        from any thread and more than once."""
+
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 deprecates the *_tensor spellings (a FutureWarning on every call); older torch lacks *_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# aborts every backend of a group (NCCL communicators, gloo connections) and forgets it; torch >= 2.3
+_abort_process_group = getattr(dist.distributed_c10d, "_abort_process_group", None) or dist.destroy_process_group
+logger = logging.getLogger("deepinfer.communicator")
 
 
 class TorchDistCommunicator(Communicator):
@@ -61,6 +74,8 @@ class TorchDistCommunicator(Communicator):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        self._abort_lock = threading.Lock()
+        self.aborted = False
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op not in _OPS:
@@ -100,6 +115,22 @@ class TorchDistCommunicator(Communicator):
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def abort(self) -> None:
+        """torch's abort of the group: NCCL/HCCL abort their communicators (a collective blocked on a
+        dead peer returns with an error); gloo closes this rank's connections at once, which fails
+        the collectives of peers blocked on this rank (its own blocked ones fail when the dead
+        peer's connections reset, which the kernel does when that process dies)."""
+        with self._abort_lock:
+            if self.aborted:
+                return
+            self.aborted = True
+            if not dist.is_initialized():
+                return
+            try:
+                _abort_process_group(self.group)
+            except Exception as exc:  # already torn down by a concurrent failure: nothing left to close
+                logger.warning("aborting the %s process group: %s: %s", self.backend, type(exc).__name__, exc)
+
 
 class SingleRankCommunicator(Communicator):
     """The trivial communicator of a one-rank job (no process group needed)."""
@@ -123,4 +154,7 @@ class SingleRankCommunicator(Communicator):
         return x
 
     def barrier(self):
+        pass
+
+    def abort(self):
         pass

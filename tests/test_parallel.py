@@ -335,3 +335,66 @@ def test_no_leftover_worker_processes():
             return False
 
     assert [p for p in children_of(os.getpid()) if alive(p) and is_worker(p)] == []
+
+
+# ---- Communicator.abort --------------------------------------------------------------------------
+ABORT_RANK = textwrap.dedent("""
+    import datetime, sys, time, types
+    import torch, torch.distributed as dist
+    from multiprocessing.connection import Connection
+    from deepinfer_core.communicator import TorchDistCommunicator
+    from deepinfer_core.parallel.worker import RankWorker, start_probe_thread
+    rank, port, new_port, probe_fd = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=600))
+    comm = TorchDistCommunicator()
+    comm.all_reduce(torch.ones(1))
+    if rank == 0:  # waits in a collective rank 1 never joins
+        try:
+            comm.all_reduce(torch.ones(1))
+            print("rank 0: the collective returned", flush=True)
+        except RuntimeError as exc:
+            print(f"rank 0: the collective failed: {exc}"[:200], flush=True)
+    else:  # the driver's abort arrives on the probe pipe
+        worker = RankWorker(1, 2)
+        worker.engine, worker.generation = types.SimpleNamespace(comm=comm, expert_parallel=None), 1
+        worker.describe = lambda: "aborted" if comm.aborted else "idle"  # what the probe answers
+        start_probe_thread(Connection(probe_fd), worker)
+        while not comm.aborted:
+            time.sleep(0.01)
+        comm.abort()  # again: nothing left to do
+        assert not dist.is_initialized()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{new_port}", rank=0, world_size=1)
+        print("rank 1 aborted and joined a new group", flush=True)
+""")
+
+
+def test_probe_abort_ends_a_peers_blocked_collective():
+    """Elastic EP's abort path on gloo: the driver's ("abort", generation) on a rank's probe pipe
+    aborts its communicator (unless it names an older group; never answered, so probes still get
+    their own answers). Its connections close, so a peer blocked on it in a collective fails now
+    (the group's timeout is 600 s), and the rank can join a new group."""
+    import multiprocessing.connection as mpc
+
+    from deepinfer_core.parallel.ranks import _free_port
+
+    port, new_port = str(_free_port()), str(_free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    ours, theirs = mpc.Pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", ABORT_RANK, str(r), port, new_port, str(theirs.fileno())],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              pass_fds=(theirs.fileno(),)) for r in range(2)]
+    theirs.close()
+    try:
+        ours.send(("probe",))
+        assert ours.recv() == ("alive", "idle")  # rank 1 is up, its probe thread answers
+        ours.send(("abort", 0))  # an older group's: ignored (handled before the next probe is answered)
+        ours.send(("probe",))
+        assert ours.recv() == ("alive", "idle")
+        ours.send(("abort", 1))
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert "rank 0: the collective failed" in outs[0], outs[0][-2000:]
+    assert "rank 1 aborted and joined a new group" in outs[1], outs[1][-2000:]

@@ -115,8 +115,10 @@ def reform(engine, lost: RanksLost) -> bool:
     engine._chans, engine.world_size = survivors, W
     engine._rebase = [False] * W
     init = f"tcp://127.0.0.1:{_free_port()}"
+    engine.generation += 1
     msgs = [("reform", {"init_method": init, "rank": i, "world_size": W, "survivors": old_ranks,
-                        "timeout_s": group_timeout_s(engine.cfg)}) for i in range(W)]
+                        "generation": engine.generation, "timeout_s": group_timeout_s(engine.cfg)})
+            for i in range(W)]
     replies = engine._roundtrip(msgs, max(300.0, float(engine.cfg.worker_timeout_s)))  # a WorkerFailure fails all
     engine.worker_info = replies
     rerouted = reroute(engine, old_ranks)

@@ -78,6 +78,13 @@ class _Remote:
         except OSError:
             return False
 
+    def send_abort(self, generation: int) -> None:
+        """Ask the rank's probe thread to abort its process group (a peer died; elastic EP)."""
+        try:
+            self.probe.send(("abort", generation))
+        except OSError:
+            pass
+
     def exit_status(self) -> str | None:
         if self.proc is None or self.proc.poll() is None:
             return None
@@ -160,6 +167,7 @@ class RankProcesses:
         self._chans: list = []
         self._rebase = [False] * self.world_size  # ranks on another host: their clocks differ
         self.worker_info: list[dict] = []
+        self.generation = 0  # the ranks' process group: 0, then one more per elastic re-form
         self._finalizer = weakref.finalize(self, _reap, self._procs)  # also at interpreter exit
         try:
             if tr is None:
@@ -279,6 +287,7 @@ class RankProcesses:
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         detected = float("inf")  # when the first loss was seen (elastic EP's failure-to-serving time)
+        aborted = False  # elastic EP: the survivors were told to abort the broken group
         completed = False
         try:
             for ch in self._chans:
@@ -325,6 +334,11 @@ class RankProcesses:
                         pending.discard(r)
                         detected = min(detected, time.perf_counter())
                         errors[r] = f"died ({status})"
+                if detected < float("inf") and not aborted and self.cfg.elastic_ep and msgs[0][0] == "step":
+                    aborted = True  # a peer is gone: the others' collectives must not wait for it
+                    for r in pending:
+                        if isinstance(self._chans[r], _Remote):
+                            self._chans[r].send_abort(self.generation)
             completed = True
         finally:
             if not completed:  # interrupted (Ctrl-C) or an exception mid-exchange: ranks are out of step

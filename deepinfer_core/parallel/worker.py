@@ -202,6 +202,7 @@ class RankWorker:
         self._failed_adds: dict[str, BaseException] = {}
         self.doing = "idle"
         self.num_steps = 0
+        self.generation = 0  # process groups this rank has joined since its first (elastic EP re-forms)
 
     def describe(self) -> str:
         """What the main thread is doing (answered to the driver's liveness probe)."""
@@ -263,9 +264,11 @@ class RankWorker:
                                    for i in self.engine.expert_parallel.moes}}
 
     def leave_group(self) -> None:
-        """A step failed: this rank's collectives are out of step for good. Closing its connections at
-        once fails the collectives of peers still blocked on it (e.g. in an all_gather ring behind a
-        dead rank) within milliseconds, instead of at the process group's timeout."""
+        """A step failed: this rank's collectives are out of step for good. Aborting its communicator
+        (closing its connections) at once fails the collectives of peers still blocked on it (e.g. in
+        an all_gather ring behind a dead rank) within milliseconds, instead of at the group's timeout."""
+        if self.engine is not None:
+            self.engine.comm.abort()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -282,6 +285,7 @@ class RankWorker:
         dist.init_process_group(platform.dist_backend, init_method=p["init_method"], rank=p["rank"],
                                 world_size=p["world_size"], timeout=datetime.timedelta(seconds=p["timeout_s"]))
         self.rank, self.world_size = p["rank"], p["world_size"]
+        self.generation = p["generation"]
         eng = self.engine
         eng.regroup(platform.communicator(), p["survivors"])
         ep = eng.expert_parallel
@@ -322,6 +326,15 @@ class RankWorker:
         return {"updates": updates, "num_running": sched.num_running(),
                 "num_waiting": sched.num_waiting(),
                 "kv_usage": 1.0 - eng.blocks.num_free / max(1, eng.blocks.num_blocks)}
+
+    def abort_group(self, generation: int) -> None:
+        """The driver saw a peer of this rank's group die mid-step (elastic EP): abort the communicator
+        (from the probe thread) so that a collective blocked on the dead peer ends now: NCCL and HCCL
+        would otherwise wait for it until the group's timeout. Ignored for an older group."""
+        eng = self.engine
+        if eng is not None and generation == self.generation:
+            logger.warning("rank %d: a peer died; aborting the process group", self.rank)
+            eng.comm.abort()
 
     def leak_report(self) -> str | None:
         """None when every KV block is free (no request left), else what leaked."""
@@ -383,10 +396,14 @@ def serve(conn, worker: RankWorker) -> bool:
 
 def serve_probes(conn, worker: RankWorker) -> None:
     """Answer the driver's liveness probes from a thread: a rank blocked in a collective (waiting
-    for a peer) still answers, a stopped or wedged one does not."""
+    for a peer) still answers, a stopped or wedged one does not. ("abort", generation) aborts the
+    rank's process group (elastic EP, a peer died) and is not answered."""
     while True:
         try:
-            conn.recv()
+            msg = conn.recv()
+            if msg[0] == "abort":  # not answered: the driver's next probe must get its own answer
+                worker.abort_group(msg[1])
+                continue
             conn.send(("alive", worker.describe()))
         except (EOFError, OSError):
             return
