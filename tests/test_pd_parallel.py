@@ -83,6 +83,7 @@ def test_prefill_one_rank_to_decode_dp2_ep2(ckpt, prompts, colocated, backend, t
         assert m["handoff_received"] == len(prompts) and m.get("handoff_recomputed", 0) == 0
         assert [r["handoff_received"] for r in m["ranks"]] == [8, 8]  # both ranks received their own
         assert m["prefill_tokens"] == len(prompts)  # one token per request: the prompt KV came from P
+        assert d.engine.kv_layout_info() == p.engine.kv_layout_info()  # what a router reads (/v1/kv_layout)
         check_no_leaks(d)
         check_no_leaks(p)
     finally:

@@ -140,6 +140,7 @@ class ParallelEngine(RankProcesses):
         self._next_id = 0
         self.steps = 0
         self._init_ranks(tr)
+        self._kv_layout = self.worker_info[0]["kv_layout"]  # every rank's (the same), kept across re-forms
 
     def _fail_requests(self, failure: WorkerFailure) -> None:
         """The job failed: every unfinished request finishes with ``failure``."""
@@ -295,7 +296,7 @@ class ParallelEngine(RankProcesses):
 
     def kv_layout_info(self) -> dict:
         """Rank 0's ``LLMEngine.kv_layout_info()`` (every rank has the same layout), for a router."""
-        return self.worker_info[0]["kv_layout"]
+        return self._kv_layout
 
     def start_drain(self, grace_s: float | None = None) -> None:
         """``LLMEngine.start_drain`` on every rank: no new requests now; after the grace period each
