@@ -38,6 +38,7 @@ logger = logging.getLogger("deepinfer.parallel")
 STARTUP_TIMEOUT_MIN_S = 300.0  # model loading may take longer than a step
 PROBE_TIMEOUT_S = 1.0  # a live rank's probe thread answers well within this
 
+
 class WorkerFailure(RuntimeError):
     """A rank died, hung or failed; ``ranks`` names the culprits."""
 
