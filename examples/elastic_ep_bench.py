@@ -88,6 +88,9 @@ def main() -> None:
           f"{rf['group_and_placement_s'] * 1e3:.1f} ms)")
     print(f"  kill -> first token again        {first_token_s * 1e3:8.1f} ms "
           f"(survivors kept {sum(rf['requests_kept'])} requests with their KV)")
+    reformed_s = rf["detected_at"] - t_kill + rf["detect_to_serving_s"]
+    print(f"  re-formed -> first token again   {(first_token_s - reformed_s) * 1e3:8.1f} ms "
+          "(the first step: survivors decode, re-routed requests recompute)")
     print(f"  kill -> re-routed ones emit again {caught_up_s * 1e3:8.1f} ms "
           f"(re-routed {rf['requests_rerouted']} requests, recomputed from prompt + emitted tokens)")
     recomputed = sum(r["prefill_tokens"] - b for r, b in zip(m["ranks"], rf["prefill_tokens_at_reform"]))
