@@ -84,6 +84,16 @@ def test_prefill_one_rank_to_decode_dp2_ep2(ckpt, prompts, colocated, backend, t
         assert [r["handoff_received"] for r in m["ranks"]] == [8, 8]  # both ranks received their own
         assert m["prefill_tokens"] == len(prompts)  # one token per request: the prompt KV came from P
         assert d.engine.kv_layout_info() == p.engine.kv_layout_info()  # what a router reads (/v1/kv_layout)
+        # n = 2: child 0 continues the hand-off, child 1 (seeded sampling) computes the prompt itself
+        two = dataclasses.replace(PARAMS, n=2, temperature=0.8, seq_seed=5)
+        ref = LLM(**kw(ckpt))
+        want = [[c.token_ids for c in o.outputs] for o in ref.generate(prompts[:2], two, use_tqdm=False)]
+        ref.shutdown()
+        again = p.generate(prompts[:2], dataclasses.replace(two, n=1), use_tqdm=False)
+        outs = d.generate(prompts[:2], [dataclasses.replace(two, kv_transfer_params=o.kv_transfer_params)
+                                        for o in again], use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == want
+        assert d.metrics()["handoff_received"] == len(prompts) + 2
         check_no_leaks(d)
         check_no_leaks(p)
     finally:
@@ -139,12 +149,13 @@ def test_corrupt_handoff_on_a_decode_rank_recomputes(ckpt, prompts, colocated, t
 
 
 def test_drain_forwards_from_every_rank(ckpt, prompts, colocated, tmp_path):
-    """start_drain on a dp = 2 engine: new requests are refused, each rank forwards its unfinished
-    requests with their KV, and a one-rank engine finishes them with identical tokens."""
+    """start_drain on a dp = 2 engine: new requests are refused (a sibling sample of an admitted one
+    is taken), each rank forwards its unfinished requests with their KV, and a one-rank engine
+    finishes them with identical tokens."""
     sec = section("shm", tmp_path)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = LLM(**kw(ckpt))
-    want = tokens(ref.generate(prompts[:6], params, use_tqdm=False))
+    want = tokens(ref.generate(prompts[:7], params, use_tqdm=False))
     ref.shutdown()
     a = LLM(kv_transfer=sec, dp=2, ep=2, **kw(ckpt))
     try:
@@ -155,19 +166,20 @@ def test_drain_forwards_from_every_rank(ckpt, prompts, colocated, tmp_path):
         eng.start_drain(0.0)
         with pytest.raises(ValueError, match="draining"):
             eng.add_request(prompts[0], params)
+        seqs.append(eng.add_request(prompts[6], params, sibling=True))  # e.g. child 1 of an n = 2 request
         while eng.has_unfinished():
             eng.step()
         assert {s.finish_reason for s in seqs} == {"forwarded"}
         assert all(s.kv_transfer_out for s in seqs)
-        assert a.metrics()["drain_forwarded"] == 6
+        assert a.metrics()["drain_forwarded"] == 7
         check_no_leaks(a)
     finally:
         a.shutdown()
     b = LLM(kv_transfer=sec, **kw(ckpt))
     cont = [dataclasses.replace(params, kv_transfer_params=s.kv_transfer_out) for s in seqs]
-    outs = b.generate(prompts[:6], cont, use_tqdm=False)
+    outs = b.generate(prompts[:7], cont, use_tqdm=False)
     assert tokens(outs) == want
-    assert b.metrics()["handoff_received"] == 6
+    assert b.metrics()["handoff_received"] == 7
     b.shutdown()
 
 

@@ -168,7 +168,7 @@ def reroute(engine, old_ranks: list[int]) -> int:
             seq.prompt_logprobs[:] = seq.prompt_logprobs[:1] if seq.params.prompt_logprobs is not None else []
         r = engine.balancer.pick()
         engine._owner[rid] = r
-        engine._pending_add[r].append((rid, ids, params, restore))
+        engine._pending_add[r].append((rid, ids, params, restore, True))  # admitted: taken while draining
         if rid in aborted:
             engine._pending_abort[r].append(rid)
     return len(orphans)

@@ -153,16 +153,17 @@ class ParallelEngine(RankProcesses):
 
     # ---- the LLMEngine interface -----------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | dict | None,
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None, sibling: bool = False) -> Sequence:
         """Validate a request and give it to a rank (sent with the next step). Returns its handle,
-        a :class:`Sequence` the driver updates from the rank's results."""
+        a :class:`Sequence` the driver updates from the rank's results. ``sibling``: another sample
+        of an admitted request, taken even while draining (``LLMEngine.add_request``)."""
         if self._failure is not None:
             raise self._failure
         if self._closed:
             raise RuntimeError("the parallel engine is shut down")
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
-        if self.draining:
+        if self.draining and not sibling:
             raise EngineDrainingError("this engine is draining (start_drain): it takes no new requests; send them "
                                       "to another")
         if request_id in self._seqs:
@@ -175,7 +176,7 @@ class ParallelEngine(RankProcesses):
         self._seqs[request_id] = seq
         self._owner[request_id] = rank
         self._sent[request_id] = (seq.prompt_token_ids, sent)
-        self._pending_add[rank].append((request_id, seq.prompt_token_ids, sent))
+        self._pending_add[rank].append((request_id, seq.prompt_token_ids, sent, None, sibling))
         return seq
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

@@ -296,10 +296,9 @@ class RankWorker:
 
     def step(self, work: dict) -> dict:
         eng = self.engine
-        for rid, ids, params, *restore in work.get("add", ()):
-            restored = restore[0] if restore else None
-            try:
-                seq = eng.add_request({"prompt_token_ids": ids}, params, request_id=rid)
+        for rid, ids, params, restored, admitted in work.get("add", ()):
+            try:  # admitted: a sibling or re-routed request, taken even while draining
+                seq = eng.add_request({"prompt_token_ids": ids}, params, request_id=rid, sibling=admitted)
             except (ValueError, TypeError) as exc:  # kept until a step's reply carries it (elastic EP)
                 self._failed_adds[rid] = exc
                 continue
