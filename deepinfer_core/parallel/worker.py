@@ -305,10 +305,10 @@ class RankWorker:
             if restored:  # re-routed (elastic EP): its emitted tokens, recomputed on admission
                 tokens, sum_logprob = restored
                 eng.append_tokens([seq], [tokens], [[sum_logprob] + [0.0] * (len(tokens) - 1)])
-            # what the driver has: the prompt, and a re-routed request's tokens; a received KV
-            # hand-off's tokens (appended by add_request) are news to it
+            # what the driver has: the prompt (and its first, empty, prompt-logprob entry), and a re-routed
+            # request's tokens; a received KV hand-off's tokens (appended by add_request) are news to it
             self._reported[rid] = ((seq.num_tokens, len(seq.output_logprobs), len(seq.prompt_logprobs))
-                                   if restored else (len(ids), 0, 0))
+                                   if restored else (len(ids), 0, min(1, len(seq.prompt_logprobs))))
         for rid in work.get("abort", ()):
             eng.abort(rid)
         if work.get("drain") is not None:
