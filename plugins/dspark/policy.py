@@ -226,7 +226,7 @@ def fixed_lengths(available: list[int], budget: int) -> list[int]:
 
 def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tokens_so_far: float,
                    expected_tokens: float, cost: StepCost, fixed_s: float, max_more: int,
-                   start_s: float = 0.0) -> bool:
+                   start_s: float = 0.0, margin: float = 0.0) -> bool:
     """Whether drafting deeper pays for itself: the step's expected tokens per second if drafting
     stops now, against its best value after 1..``max_more`` more draft steps. Each row's future
     conditional confidences are forecast as its latest one, so P_{j+t} = P_j * c_j**t.
@@ -236,7 +236,9 @@ def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tok
     compute with the drafts so far; ``expected_tokens``: its expected tokens; ``fixed_s``: step time
     spent so far outside the verify forward (overhead and draft steps); ``start_s``: a one-off cost
     that only drafting deeper pays, not stopping now (before a step's first draft: the catch-up beyond
-    one draft step, so a plain step is not charged for a catch-up it would not run)."""
+    one draft step, so a plain step is not charged for a catch-up it would not run); ``margin``: the
+    relative gain drafting deeper must promise (hysteresis: resuming drafting asks for more than
+    continuing it)."""
     if not cum_last or max_more <= 0:
         return False
     n = len(cum_last)
@@ -247,6 +249,17 @@ def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tok
         gain += sum(powers)
         value = (expected_tokens + gain) / max(fixed_s + start_s + d * cost.draft(rows)
                                                + cost.verify(tokens_so_far + d * n), 1e-9)
-        if value > best:
+        if value > best * (1.0 + margin):
             return True
     return False
+
+
+def drafting_can_pay(rows: int, cost: LiveCost, k: int, conf: float) -> bool:
+    """Whether drafting could pay at all for a batch of ``rows`` decoding requests if every draft
+    were accepted with probability ``conf`` (an optimistic bound): by the step-time curve, the
+    expected tokens per second of drafting 1..k deep against a plain step. When even that bound
+    loses, drafting is off at this batch size and not worth an exploratory step either."""
+    if rows <= 0:
+        return True
+    return worth_drafting([1.0] * rows, [conf] * rows, rows, rows, rows, cost, cost.overhead(rows), k,
+                          start_s=cost.catchup(rows) - cost.draft(rows))
