@@ -536,9 +536,10 @@ def test_fast_confidence_matches_head():
     g = torch.Generator().manual_seed(0)
     head = ConfidenceHead(torch.randn(16, generator=g), torch.randn(len(EXTRA_FEATURES), generator=g), 0.3, 1.3)
     h, logq, ent = torch.randn(6, 16, generator=g), -torch.rand(6, generator=g) * 40, torch.rand(6, generator=g)
+    logq2 = logq - torch.rand(6, generator=g)
     greedy_rows = torch.tensor([True, False, True, True, False, False])
-    torch.testing.assert_close(head.fast(h, logq, ent, greedy_rows, head.per_row(greedy_rows)),
-                               head(h, logq, ent, greedy_rows))
+    torch.testing.assert_close(head.fast(h, logq, ent, greedy_rows, head.per_row(greedy_rows), logq2),
+                               head(h, logq, ent, greedy_rows, logq2))
 
 
 # ---- calibration of the shipped draft's confidence head --------------------------------------------------

@@ -160,19 +160,37 @@ class ConfidenceHead:
                  logq2: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
         return torch.sigmoid(self.logit(hidden, logq, entropy, greedy, logq2, target) / self.temperature)
 
-    def per_row(self, greedy: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The bias plus each row's target term (constant over a step's draft depths), for ``fast``
-        (None for the fallback head)."""
+    def per_row(self, greedy: torch.Tensor, target: torch.Tensor | None = None) -> tuple | None:
+        """The greedy flag and the target term folded into per-row coefficients, computed once per
+        step for ``fast`` (None for the fallback head)."""
         if self.w_hidden is None:
             return None
-        c = torch.full(greedy.shape, self.bias, dtype=torch.float32, device=greedy.device)
-        return c if target is None else c + target
+        g, w = greedy.float(), self.w_extra
+        c = g * w[3] + self.bias
+        if target is not None:
+            c = c + target
+        if self.names == LEGACY_FEATURES:
+            return w[0] + g * w[4], w[1] + g * w[5], c
+        # per row: coefficients of (log q(d), q(d), H, margin, log q(top-2)), and its greedy q-bin weights
+        coef = torch.stack((w[0] + g * w[4], w[1] + g * w[5], w[2].expand_as(g), w[6] + g * w[8], w[7].expand_as(g)),
+                           dim=-1)
+        return coef, c, g[:, None] * w[9:][None, :]
 
     def fast(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor,
-             rows: torch.Tensor | None, logq2: torch.Tensor | None = None) -> torch.Tensor:
-        """``self(...)`` with the per-row constant ``rows = self.per_row(greedy, target)`` computed once per step."""
+             rows: tuple | None, logq2: torch.Tensor | None = None) -> torch.Tensor:
+        """``self(...)`` in fewer ops, with ``rows = self.per_row(greedy, target)`` computed once per step."""
         if rows is None:
             return self(hidden, logq, entropy, greedy, logq2)
-        extra = extra_features(self.names, logq, entropy, greedy, logq2)
-        z = torch.addmv(rows, hidden.float(), self.w_hidden) + extra @ self.w_extra
+        logq = logq.float()
+        q = logq.exp()
+        if self.names == LEGACY_FEATURES:
+            a_lq, a_q, c = rows
+            z = torch.addmv(c, hidden.float(), self.w_hidden)
+            z = z + logq.clamp(min=-30.0) * a_lq + q * a_q + entropy.float() * self.w_extra[2]
+            return torch.sigmoid(z / self.temperature)
+        coef, c, bins = rows
+        lq2 = logq2.float().clamp(min=-30.0)
+        x = torch.stack((logq.clamp(min=-30.0), q, entropy.float(), (q - lq2.exp()).clamp(min=0.0), lq2), -1)
+        z = torch.addmv(c, hidden.float(), self.w_hidden) + (x * coef).sum(-1)
+        z = z + bins.gather(1, (q * Q_BINS).long().clamp(0, Q_BINS - 1)[:, None])[:, 0]
         return torch.sigmoid(z / self.temperature)
