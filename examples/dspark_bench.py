@@ -92,10 +92,10 @@ def interleaved_decode_rates(llms: dict[str, LLM], prompts, params: SamplingPara
                              ) -> dict[str, tuple[int, float]]:
     """Per engine (decode tokens, seconds), the engines stepping in turn: every engine runs the same
     wave of ``concurrency`` requests, and after every request's prefill the engines take one step each,
-    round-robin (the order rotating every round), each step timed alone. On a shared machine a burst of
-    other load then lands on every engine's steps alike (a step is milliseconds; alternating whole
-    waves left each engine seconds of its own noise). On a CPU a step runs its forward inline, so the
-    engines never overlap."""
+    round-robin (the order rotating, and reversed every other round), each step timed alone. On a
+    shared machine a burst of other load then lands on every engine's steps alike (a step is
+    milliseconds; alternating whole waves left each engine seconds of its own noise). On a CPU a step
+    runs its forward inline, so the engines never overlap."""
     for llm in llms.values():
         llm.engine.scheduler.budget.max_num_seqs = concurrency
     totals = {n: [0, 0.0] for n in llms}
@@ -108,7 +108,10 @@ def interleaved_decode_rates(llms: dict[str, LLM], prompts, params: SamplingPara
         start = {n: sum(s.num_output_tokens for s in ss) for n, ss in seqs.items()}
         names, r = list(llms), 0
         while names:
-            for n in names[r % len(names):] + names[: r % len(names)]:
+            # rotated, and reversed every other round: each engine follows every other one equally often
+            # (a step after another engine's larger step runs on colder caches)
+            order = names[(r // 2) % len(names):] + names[: (r // 2) % len(names)]
+            for n in (order if r % 2 == 0 else order[::-1]):
                 t = time.perf_counter()
                 llms[n].engine.step()
                 totals[n][1] += time.perf_counter() - t
@@ -127,6 +130,10 @@ def spec_metrics(llm: LLM) -> dict:
             "dspark_mean_draft_depth", "dspark_decode_steps", "dspark_draft_time", "dspark_verify_time",
             "dspark_schedule_time", "dspark_cost_verify_scale", "dspark_cost_draft_scale", "dspark_cost_extra_overhead")
     return {k.removeprefix("dspark_"): (round(m[k], 4) if isinstance(m[k], float) else m[k]) for k in keys}
+
+
+def llm_metric(llm: LLM, key: str):
+    return llm.metrics().get(key)
 
 
 def confidence_cuts(log: list) -> list[dict]:
@@ -206,6 +213,9 @@ def main(argv=None) -> None:
     #    wave by wave (--timing waves); one request at a time at concurrency 1
     for c in concs:
         ps = prompts[: args.rate_prompts] if c == 1 else prompts[:c]
+        for llm in engines.values():
+            if feature(llm):
+                feature(llm).reset_metrics()
         totals = {n: [0, 0.0] for n in engines}
         per_round = {n: [] for n in engines}
         for r in range(args.rounds):
@@ -233,6 +243,11 @@ def main(argv=None) -> None:
             "rounds": {n: [round(x, 1) for x in v] for n, v in per_round.items()},
             "speedup_varlen_median_round": round(statistics.median(
                 a / b for a, b in zip(per_round["varlen"], per_round["plain"])), 3),
+            # what the varlen engine did in the timed steps (drafting or dormant)
+            "varlen_spec": {k: v for k, v in spec_metrics(engines["varlen"]).items()
+                            if k in ("decode_steps", "verified_per_step", "tokens_per_step")}
+                           | {"steps_without_drafts": llm_metric(engines["varlen"], "dspark_steps_without_drafts"),
+                              "blocked_explorations": llm_metric(engines["varlen"], "dspark_blocked_explorations")},
         }
 
     results["draft"] = feature(engines["fixed"]).source.kind
@@ -261,7 +276,7 @@ def main(argv=None) -> None:
                         for x in s["confidence_cut"]))
         d = results["decode_tok_s"][f"c{c}"]
         print(f"decode tok/s: plain {d['plain']:.1f}  fixed {d['fixed']:.1f} ({d['speedup_fixed']:.2f}x)  "
-              f"varlen {d['varlen']:.1f} ({d['speedup_varlen']:.2f}x)")
+              f"varlen {d['varlen']:.1f} ({d['speedup_varlen']:.2f}x); varlen in the timed steps: {d['varlen_spec']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     for llm in engines.values():
