@@ -23,6 +23,8 @@ MAX_KEPT = 512  # most positions of target hidden states an MTP request keeps wh
 # on held-out prompts), so whether to draft at all is forecast this far from the running mean towards it.
 SKIP_FORECAST_BLEND = 0.5
 RESUME_MARGIN = 0.03  # relative gain in tokens/s that drafting must promise to resume after not drafting
+PROBE_STEPS = 8  # plain steps measured at a batch size where drafting ran and plain decoding never did
+TRIAL_STEPS = 8  # drafting steps of a trial where drafting measured slower before
 
 
 class Drafter:
@@ -159,11 +161,27 @@ class Drafter:
         worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live, self.live.overhead(n_live), self.k,
                                start_s=self.live.catchup(R) - self.live.draft(R),
                                margin=RESUME_MARGIN if resuming else 0.0)
+        if worth and not self.trial_left:  # the measured rates may veto the forecast
+            verdict = self.rates.verdict(R, RESUME_MARGIN if resuming else 0.0)
+            if verdict is False:
+                worth = False
+                self.n["measured_vetoes"] += 1
+            elif self.rates.needs_plain_probe(R):  # measure plain decoding here (first, or again)
+                worth, self.resume_after = False, PROBE_STEPS
+                self.n["plain_probes"] += 1
         if worth:
-            self.skipped, self.exploring, self.explore_every = 0, False, 64
+            if not self.trial_left:
+                self.exploring = False
+            self.skipped, self.explore_every = 0, 64
             return True
         if self.exploring:  # the last exploratory draft did not make drafting pay: wait longer
             self.exploring, self.explore_every = False, min(self.explore_every * 2, 4096)
+        if self.skipped >= self.explore_every and self._may_explore(R) and \
+                self.rates.verdict(R) is False and self.resume_after is None:
+            # measured slower here before: a short trial of real drafting refreshes the measurement
+            self.skipped, self.exploring, self.trial_left = 0, True, TRIAL_STEPS
+            self.n["trials"] += 1
+            return True
         if self.skipped >= self.explore_every and self._may_explore(R):
             self.skipped, self.exploring = 0, True
             order = sorted(range(R), key=lambda i: ready[i].num_tokens - (states[i].done if states[i] else 0))

@@ -63,7 +63,14 @@ from plugins.dspark import confidence as conf_mod
 from plugins.dspark.calibrate import load_or_measure_cost
 from plugins.dspark.draft import CACHE_GROUP, DraftModel, MTPDraft, has_mtp, is_mtp_dir
 from plugins.dspark.drafter import Drafter
-from plugins.dspark.policy import LiveCost, StepCost, choose_lengths, drafting_can_pay, fixed_lengths
+from plugins.dspark.policy import (
+    LiveCost,
+    MeasuredRates,
+    StepCost,
+    choose_lengths,
+    drafting_can_pay,
+    fixed_lengths,
+)
 from plugins.dspark.state import KEY, _Rows, _State  # noqa: F401 (_Rows: tests, tools)
 
 logger = logging.getLogger("deepinfer.dspark")
@@ -122,8 +129,13 @@ class DSpark(Drafter, Feature, Proposer):
         self.skipped = 0  # consecutive steps without drafting
         self.explore_every = 64  # skipped steps between exploratory drafts (doubles while they do not pay)
         self.exploring = False
+        self.rates = MeasuredRates()  # tokens/s measured drafting and not, per batch size: a veto on the forecast
+        self.resume_after: int | None = None  # a plain-rate probe: dormant steps before looking again
+        self.trial_left = 0  # drafting steps of a trial (the measured veto is off while they refresh the rate)
+        self._cycle_t: float | None = None  # start of the last contiguous step cycle (propose or dormant step)
+        self._step_acc = self._step_ver = 0  # accepted / verified drafts of the step being completed
         self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0,
-                      plans=0, blocked_explorations=0)
+                      plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0)
         self.t = dict(draft=0.0, verify=0.0, schedule=0.0)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -224,10 +236,18 @@ class DSpark(Drafter, Feature, Proposer):
         (the "never slower than plain decoding" floor at high concurrency)."""
         if self.skipped == 0:
             return True
+        now, running = time.perf_counter(), engine.load_stats()["running"]
+        if self.skipped > 1 and self._cycle_t is not None:  # the last step was a plain one: its rate
+            self.rates.observe(False, running, running, now - self._cycle_t)
+        self._cycle_t = now
         self.skipped += 1
         self.n["skipped_steps"] += 1
-        if self.skipped > self.explore_every:
-            if self._may_explore(engine.load_stats()["running"]):
+        if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ends
+            self.resume_after, self._cycle_t = None, None
+            return True
+        if self.skipped > self.explore_every and self.resume_after is None:
+            if self._may_explore(running):
+                self._cycle_t = None
                 return True
             self.skipped = 1
         self._pending = None  # the step-time observations resume with contiguous speculative steps
@@ -257,6 +277,13 @@ class DSpark(Drafter, Feature, Proposer):
             self._pending = None
         scheduled = SchedulerOutput(prefills=batch.scheduled[: batch.num_prefills],
                                     decodes=batch.scheduled[batch.num_prefills :])
+        if self._cycle_t is not None and self._step_ver and scheduled.decodes and not scheduled.prefills:
+            # a drafting step's whole cycle (from the last propose) and the tokens it emitted
+            n = len(scheduled.decodes)
+            self.rates.observe(True, n, n + self._step_acc, t0 - self._cycle_t)
+        self._cycle_t, self._step_acc, self._step_ver = t0, 0, 0
+        if self.trial_left:
+            self.trial_left -= 1
         for s in scheduled.decodes:
             st = s.seq.feature_state.get(KEY)
             if st:
@@ -358,6 +385,8 @@ class DSpark(Drafter, Feature, Proposer):
                 st.done = seq.num_computed_tokens - a + min(a, st.fed)
             st.verified += m
             st.accepted += a
+            self._step_ver += m
+            self._step_acc += a
             self.n["verified"] += m
             self.n["accepted"] += a
             self.n["spec_steps"] += 1
@@ -412,7 +441,8 @@ class DSpark(Drafter, Feature, Proposer):
             "dspark_mean_draft_depth": n["depth"] / n["proposals"] if n["proposals"] else 0.0,
             "dspark_proposals": n["proposals"], "dspark_draft_depth_total": n["depth"],
             "dspark_steps_without_drafts": n["skipped_steps"],
-            "dspark_blocked_explorations": n["blocked_explorations"],
+            "dspark_blocked_explorations": n["blocked_explorations"], "dspark_measured_vetoes": n["measured_vetoes"],
+            "dspark_plain_probes": n["plain_probes"], "dspark_trials": n["trials"],
             "dspark_draft_time": self.t["draft"], "dspark_verify_time": self.t["verify"],
             "dspark_schedule_time": self.t["schedule"],
             "dspark_cost_verify_scale": self.live.verify_scale, "dspark_cost_draft_scale": self.live.draft_scale,
@@ -427,7 +457,8 @@ class DSpark(Drafter, Feature, Proposer):
             return None
         out = dict(ranks[0])
         out = {k: v for k, v in out.items() if k.startswith("dspark_")}
-        for key in ("decode_steps", "verified", "accepted", "steps_without_drafts", "blocked_explorations", "proposals",
+        for key in ("decode_steps", "verified", "accepted", "steps_without_drafts", "blocked_explorations",
+                    "measured_vetoes", "plain_probes", "trials", "proposals",
                     "draft_depth_total", "draft_time", "verify_time", "schedule_time"):
             out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks)
         for key in ("cost_verify_scale", "cost_draft_scale", "cost_extra_overhead"):

@@ -263,3 +263,55 @@ def drafting_can_pay(rows: int, cost: LiveCost, k: int, conf: float) -> bool:
         return True
     return worth_drafting([1.0] * rows, [conf] * rows, rows, rows, rows, cost, cost.overhead(rows), k,
                           start_s=cost.catchup(rows) - cost.draft(rows))
+
+
+class MeasuredRates:
+    """Decode tokens per second as measured, while drafting and while not, per batch-size bucket
+    (``rows.bit_length()``: 1, 2-3, 4-7, ...): the check on the step-time curve. The curve and the
+    confidences forecast whether drafting pays; these say whether it did. Each rate is a running
+    mean of whole step cycles (drafting, verification, bookkeeping, async overlap or its absence),
+    samples clipped to a factor of two of the current value."""
+
+    ALPHA = 0.2
+    PROBE_AFTER = 16  # drafting steps at a bucket before its plain rate is measured (if unknown)
+    REPROBE_AFTER = 512  # drafting steps before a close call (spec < CLOSE x plain) measures plain again
+    CLOSE = 1.25
+
+    def __init__(self) -> None:
+        self.spec: dict[int, float] = {}
+        self.plain: dict[int, float] = {}
+        self.spec_steps: dict[int, int] = {}  # drafting steps measured since plain decoding last was
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return max(int(rows), 1).bit_length()
+
+    def observe(self, drafting: bool, rows: int, tokens: float, seconds: float) -> None:
+        """One step cycle of ``seconds`` that emitted ``tokens`` for ``rows`` decoding requests."""
+        if seconds <= 0 or tokens <= 0 or rows <= 0:
+            return
+        table, b, rate = (self.spec if drafting else self.plain), self.bucket(rows), tokens / seconds
+        old = table.get(b)
+        table[b] = rate if old is None else old + self.ALPHA * (min(max(rate, 0.5 * old), 2.0 * old) - old)
+        if drafting:
+            self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
+        else:
+            self.spec_steps[b] = 0
+
+    def verdict(self, rows: int, margin: float = 0.0) -> bool | None:
+        """Whether drafting measured faster than plain decoding by ``margin`` at this batch size;
+        None while either is unmeasured."""
+        b = self.bucket(rows)
+        spec, plain = self.spec.get(b), self.plain.get(b)
+        if spec is None or plain is None:
+            return None
+        return spec > plain * (1.0 + margin)
+
+    def needs_plain_probe(self, rows: int) -> bool:
+        """Drafting ran here a while and plain decoding never (or long ago, and the call is close, so
+        the load may have moved it): a few plain steps should be measured."""
+        b = self.bucket(rows)
+        n = self.spec_steps.get(b, 0)
+        if b not in self.plain:
+            return n >= self.PROBE_AFTER
+        return n >= self.REPROBE_AFTER and self.spec.get(b, 0.0) < self.CLOSE * self.plain[b]
