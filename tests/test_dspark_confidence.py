@@ -243,3 +243,52 @@ def test_engine_never_drafts_when_the_curve_says_it_costs_more(tiny_v3_path, tin
     assert m["dspark_verified"] == 0 and m["dspark_proposals"] == 0
     assert m["dspark_blocked_explorations"] > 0 and m["dspark_steps_without_drafts"] > 0
     llm.engine.blocks.check_no_leaks()
+
+
+# ---- measured rates: the check on the curve --------------------------------------------------------------
+
+def test_measured_rates_veto_and_probe():
+    """Rates per batch-size bucket: no verdict until both are measured; a plain probe is asked after
+    16 drafting steps; drafting measured slower vetoes; a close call measured long ago is probed again."""
+    from plugins.dspark.policy import MeasuredRates
+
+    r = MeasuredRates()
+    assert r.bucket(1) != r.bucket(2) and r.bucket(32) == r.bucket(63) != r.bucket(64)
+    for _ in range(15):
+        r.observe(True, 32, 32 * 1.2, 0.05)  # 768 tok/s drafting at 32 requests
+    assert r.verdict(32) is None and not r.needs_plain_probe(32)
+    r.observe(True, 32, 32 * 1.2, 0.05)
+    assert r.needs_plain_probe(32) and not r.needs_plain_probe(1)
+    for _ in range(8):
+        r.observe(False, 32, 32, 0.032)  # 1000 tok/s plain
+    assert r.verdict(32) is False and not r.needs_plain_probe(32)
+    assert r.verdict(40) is False and r.verdict(1) is None  # same bucket / another bucket
+    assert r.plain[r.bucket(32)] == pytest.approx(1000.0) and r.spec[r.bucket(32)] == pytest.approx(768.0)
+    for _ in range(40):  # drafting got faster (the load moved): the running mean follows within tens of steps
+        r.observe(True, 32, 32 * 1.2, 0.032)
+    assert r.verdict(32) is True and not r.verdict(32, margin=0.25)
+    for _ in range(r.REPROBE_AFTER):
+        r.observe(True, 32, 32 * 1.2, 0.032)
+    assert r.needs_plain_probe(32)  # 1200 < 1.25 x 1000: a close call, measured long ago
+
+
+def test_engine_goes_dormant_when_drafting_measured_slower(tiny_v3_path, tiny_mtp_dir, reference):  # noqa: F811
+    """The curve says drafting pays, but the measured rates at this batch size say plain decoding was
+    faster: the engine stops drafting (vetoes counted), output equals plain decoding."""
+    from test_dspark import PROMPTS
+
+    from plugins.dspark.policy import MeasuredRates
+
+    llm = make(tiny_v3_path, dspark={"draft": tiny_mtp_dir, "k": 4}, async_scheduling=True)
+    feat = _feature(llm)
+    feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1e-6, 1e-5]), adapt=False)  # pays
+    rates = MeasuredRates()
+    for b in range(1, 6):  # every batch size up to 16: plain decoding measured 10x faster than drafting
+        rates.spec[b], rates.plain[b] = 100.0, 1000.0
+    rates.observe = lambda *a, **k: None  # keep them
+    feat.rates = rates
+    outs = run(llm, PROMPTS, greedy(20))
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    m = llm.metrics()
+    assert m["dspark_measured_vetoes"] > 0 and m["dspark_verified"] == 0
+    llm.engine.blocks.check_no_leaks()
