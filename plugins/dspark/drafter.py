@@ -152,6 +152,8 @@ class Drafter:
         if not ready:
             return False
         R = len(ready)
+        if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ended
+            self.resume_after = None
         states = [seq.feature_state.get(KEY) for seq in ready]
         mean = self.mean_conf
         conf = [mean + SKIP_FORECAST_BLEND * (st.recent_conf - mean) if st and st.recent_conf is not None else mean

@@ -132,8 +132,9 @@ class DSpark(Drafter, Feature, Proposer):
         self.rates = MeasuredRates()  # tokens/s measured drafting and not, per batch size: a veto on the forecast
         self.resume_after: int | None = None  # a plain-rate probe: dormant steps before looking again
         self.trial_left = 0  # drafting steps of a trial (the measured veto is off while they refresh the rate)
-        self._cycle_t: float | None = None  # start of the last contiguous step cycle (propose or dormant step)
-        self._step_acc = self._step_ver = 0  # accepted / verified drafts of the step being completed
+        self._step_ver = 0  # drafts verified in the step being completed
+        self._obs: tuple[bool, int] | None = None  # (drafting, decoding requests) of the step now running
+        self._last_stats: tuple[float, int] | None = None  # the engine's (step_time, decode_tokens) at the last step
         self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0,
                       plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0)
         self.t = dict(draft=0.0, verify=0.0, schedule=0.0)
@@ -234,24 +235,33 @@ class DSpark(Drafter, Feature, Proposer):
         unless the step-time curve says that at the present batch size even drafts accepted with
         probability ``OPTIMISTIC_CONF`` would not pay: then it stays dormant, with no exploratory step
         (the "never slower than plain decoding" floor at high concurrency)."""
+        self._obs = None
         if self.skipped == 0:
             return True
-        now, running = time.perf_counter(), engine.load_stats()["running"]
-        if self.skipped > 1 and self._cycle_t is not None:  # the last step was a plain one: its rate
-            self.rates.observe(False, running, running, now - self._cycle_t)
-        self._cycle_t = now
+        running = engine.load_stats()["running"]
         self.skipped += 1
         self.n["skipped_steps"] += 1
         if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ends
-            self.resume_after, self._cycle_t = None, None
+            self.resume_after = None
             return True
         if self.skipped > self.explore_every and self.resume_after is None:
             if self._may_explore(running):
-                self._cycle_t = None
                 return True
             self.skipped = 1
+        if self.skipped > 2:  # a plain step after plain steps (async: it completes the one before): measured
+            self._obs = (False, running)
         self._pending = None  # the step-time observations resume with contiguous speculative steps
         return False
+
+    @hookimpl
+    def step_finished(self, engine, step_stats) -> None:
+        """The step's own time and decode tokens (the engine's counters: other work in the process,
+        e.g. another engine, is not counted) feed the measured rates."""
+        now = (step_stats.step_time, step_stats.decode_tokens)
+        if self._obs is not None and self._last_stats is not None:
+            drafting, rows = self._obs
+            self.rates.observe(drafting, rows, now[1] - self._last_stats[1], now[0] - self._last_stats[0])
+        self._obs, self._last_stats = None, now
 
     def _may_explore(self, rows: int) -> bool:
         """Whether an exploratory draft can find drafting paying at ``rows`` decoding requests: by the
@@ -277,11 +287,12 @@ class DSpark(Drafter, Feature, Proposer):
             self._pending = None
         scheduled = SchedulerOutput(prefills=batch.scheduled[: batch.num_prefills],
                                     decodes=batch.scheduled[batch.num_prefills :])
-        if self._cycle_t is not None and self._step_ver and scheduled.decodes and not scheduled.prefills:
-            # a drafting step's whole cycle (from the last propose) and the tokens it emitted
-            n = len(scheduled.decodes)
-            self.rates.observe(True, n, n + self._step_acc, t0 - self._cycle_t)
-        self._cycle_t, self._step_acc, self._step_ver = t0, 0, 0
+        # measured at its end (``step_finished``): a drafting step (it verified drafts), or a step of
+        # plain decoding through this path (no async scheduling: every step comes here)
+        decoding = bool(scheduled.decodes) and not scheduled.prefills
+        self._obs = (bool(self._step_ver), len(scheduled.decodes)) if decoding and (self._step_ver or self.skipped) \
+            else None
+        self._step_ver = 0
         if self.trial_left:
             self.trial_left -= 1
         for s in scheduled.decodes:
@@ -386,7 +397,6 @@ class DSpark(Drafter, Feature, Proposer):
             st.verified += m
             st.accepted += a
             self._step_ver += m
-            self._step_acc += a
             self.n["verified"] += m
             self.n["accepted"] += a
             self.n["spec_steps"] += 1
