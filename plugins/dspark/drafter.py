@@ -24,6 +24,10 @@ MAX_KEPT = 512  # most positions of target hidden states an MTP request keeps wh
 SKIP_FORECAST_BLEND = 0.5
 RESUME_MARGIN = 0.03  # relative gain in tokens/s that drafting must promise to resume after not drafting
 PROBE_STEPS = 8  # plain steps measured at a batch size where drafting ran and plain decoding never did
+# drafting must measure this much faster than plain decoding to go on (resume): a rate measured over a
+# few dozen steps of a shared machine is off by several percent, and a tie must fall to plain decoding
+MEASURED_KEEP_MARGIN = 0.08
+MEASURED_RESUME_MARGIN = 0.15
 TRIAL_STEPS = 8  # drafting steps of a trial where drafting measured slower before
 
 
@@ -164,7 +168,7 @@ class Drafter:
                                start_s=self.live.catchup(R) - self.live.draft(R),
                                margin=RESUME_MARGIN if resuming else 0.0)
         if worth and not self.trial_left:  # the measured rates may veto the forecast
-            verdict = self.rates.verdict(R, RESUME_MARGIN if resuming else 0.0)
+            verdict = self.rates.verdict(R, MEASURED_RESUME_MARGIN if resuming else MEASURED_KEEP_MARGIN)
             if verdict is False:
                 worth = False
                 self.n["measured_vetoes"] += 1
