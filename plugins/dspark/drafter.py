@@ -27,6 +27,10 @@ PROBE_STEPS = 8  # plain steps measured at a batch size where drafting ran and p
 # drafting must measure this much faster than plain decoding to go on (resume): a rate measured over a
 # few dozen steps of a shared machine is off by several percent, and a tie must fall to plain decoding
 MEASURED_KEEP_MARGIN = 0.08
+# the measured check applies from this many decoding requests: a step's tokens vary from 1 to k + 1 per
+# request, so at a few requests dozens of steps measure the rate too loosely to overrule the forecast
+# (which there is rarely a close call: at one request drafting pays 1.3-1.6x on this CPU)
+MEASURED_MIN_ROWS = 8
 MEASURED_RESUME_MARGIN = 0.15
 TRIAL_STEPS = 8  # drafting steps of a trial where drafting measured slower before
 
@@ -167,7 +171,7 @@ class Drafter:
         worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live, self.live.overhead(n_live), self.k,
                                start_s=self.live.catchup(R) - self.live.draft(R),
                                margin=RESUME_MARGIN if resuming else 0.0)
-        if worth and not self.trial_left:  # the measured rates may veto the forecast
+        if worth and not self.trial_left and R >= MEASURED_MIN_ROWS:  # the measured rates may veto the forecast
             verdict = self.rates.verdict(R, MEASURED_RESUME_MARGIN if resuming else MEASURED_KEEP_MARGIN)
             if verdict is False:
                 worth = False
@@ -182,7 +186,7 @@ class Drafter:
             return True
         if self.exploring:  # the last exploratory draft did not make drafting pay: wait longer
             self.exploring, self.explore_every = False, min(self.explore_every * 2, 4096)
-        if self.skipped >= self.explore_every and self._may_explore(R) and \
+        if self.skipped >= self.explore_every and R >= MEASURED_MIN_ROWS and self._may_explore(R) and \
                 self.rates.verdict(R) is False and self.resume_after is None:
             # measured slower here before: a short trial of real drafting refreshes the measurement
             self.skipped, self.exploring, self.trial_left = 0, True, TRIAL_STEPS

@@ -132,8 +132,8 @@ class DSpark(Drafter, Feature, Proposer):
         self.rates = MeasuredRates()  # tokens/s measured drafting and not, per batch size: a veto on the forecast
         self.resume_after: int | None = None  # a plain-rate probe: dormant steps before looking again
         self.trial_left = 0  # drafting steps of a trial (the measured veto is off while they refresh the rate)
-        self._step_ver = 0  # drafts verified in the step being completed
-        self._obs: tuple[bool, int] | None = None  # (drafting, decoding requests) of the step now running
+        self._regime: bool | None = None  # whether the step now running is a speculative one (from active())
+        self._prev_regime: bool | None = None  # the same of the last step
         self._last_stats: tuple[float, int] | None = None  # the engine's (step_time, decode_tokens) at the last step
         self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0,
                       plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0)
@@ -235,33 +235,34 @@ class DSpark(Drafter, Feature, Proposer):
         unless the step-time curve says that at the present batch size even drafts accepted with
         probability ``OPTIMISTIC_CONF`` would not pay: then it stays dormant, with no exploratory step
         (the "never slower than plain decoding" floor at high concurrency)."""
-        self._obs = None
+        self._regime = True
         if self.skipped == 0:
             return True
-        running = engine.load_stats()["running"]
         self.skipped += 1
         self.n["skipped_steps"] += 1
         if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ends
             self.resume_after = None
             return True
         if self.skipped > self.explore_every and self.resume_after is None:
-            if self._may_explore(running):
+            if self._may_explore(engine.load_stats()["running"]):
                 return True
             self.skipped = 1
-        if self.skipped > 2:  # a plain step after plain steps (async: it completes the one before): measured
-            self._obs = (False, running)
+        self._regime = False
         self._pending = None  # the step-time observations resume with contiguous speculative steps
         return False
 
     @hookimpl
     def step_finished(self, engine, step_stats) -> None:
-        """The step's own time and decode tokens (the engine's counters: other work in the process,
-        e.g. another engine, is not counted) feed the measured rates."""
+        """Each step's own time and decode tokens (the engine's counters: work outside the engine's
+        steps, e.g. another engine in the process, is not counted) feed the measured rate of its
+        regime, drafting or not (tokens verified in a step may be counted one step late, which a
+        run of steps of one regime evens out; the first step of a run is left out)."""
         now = (step_stats.step_time, step_stats.decode_tokens)
-        if self._obs is not None and self._last_stats is not None:
-            drafting, rows = self._obs
-            self.rates.observe(drafting, rows, now[1] - self._last_stats[1], now[0] - self._last_stats[0])
-        self._obs, self._last_stats = None, now
+        drafting = self._regime if self._regime is not None else self.skipped == 0  # no async: no active()
+        if self._last_stats is not None and drafting == self._prev_regime:
+            self.rates.observe(drafting, engine.load_stats()["running"], now[1] - self._last_stats[1],
+                               now[0] - self._last_stats[0])
+        self._regime, self._prev_regime, self._last_stats = None, drafting, now
 
     def _may_explore(self, rows: int) -> bool:
         """Whether an exploratory draft can find drafting paying at ``rows`` decoding requests: by the
@@ -287,12 +288,6 @@ class DSpark(Drafter, Feature, Proposer):
             self._pending = None
         scheduled = SchedulerOutput(prefills=batch.scheduled[: batch.num_prefills],
                                     decodes=batch.scheduled[batch.num_prefills :])
-        # measured at its end (``step_finished``): a drafting step (it verified drafts), or a step of
-        # plain decoding through this path (no async scheduling: every step comes here)
-        decoding = bool(scheduled.decodes) and not scheduled.prefills
-        self._obs = (bool(self._step_ver), len(scheduled.decodes)) if decoding and (self._step_ver or self.skipped) \
-            else None
-        self._step_ver = 0
         if self.trial_left:
             self.trial_left -= 1
         for s in scheduled.decodes:
@@ -396,7 +391,6 @@ class DSpark(Drafter, Feature, Proposer):
                 st.done = seq.num_computed_tokens - a + min(a, st.fed)
             st.verified += m
             st.accepted += a
-            self._step_ver += m
             self.n["verified"] += m
             self.n["accepted"] += a
             self.n["spec_steps"] += 1

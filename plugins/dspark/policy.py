@@ -269,8 +269,8 @@ class MeasuredRates:
     """Decode tokens per second as measured, while drafting and while not, per batch-size bucket
     (``rows.bit_length()``: 1, 2-3, 4-7, ...): the check on the step-time curve. The curve and the
     confidences forecast whether drafting pays; these say whether it did. Each rate is a running
-    mean of whole step cycles (drafting, verification, bookkeeping, async overlap or its absence),
-    samples clipped to a factor of two of the current value."""
+    mean of tokens per step over a running mean of seconds per step (drafting, verification,
+    bookkeeping, async overlap or its absence), seconds clipped to a factor of two of the current mean."""
 
     ALPHA = 0.2
     PROBE_AFTER = 16  # drafting steps at a bucket before its plain rate is measured (if unknown)
@@ -278,8 +278,9 @@ class MeasuredRates:
     CLOSE = 1.25
 
     def __init__(self) -> None:
-        self.spec: dict[int, float] = {}
+        self.spec: dict[int, float] = {}  # tokens per second: running mean tokens over running mean seconds
         self.plain: dict[int, float] = {}
+        self._means: dict[tuple[bool, int], list[float]] = {}  # (drafting, bucket) -> [tokens, seconds] per step
         self.spec_steps: dict[int, int] = {}  # drafting steps measured since plain decoding last was
 
     @staticmethod
@@ -288,11 +289,16 @@ class MeasuredRates:
 
     def observe(self, drafting: bool, rows: int, tokens: float, seconds: float) -> None:
         """One step cycle of ``seconds`` that emitted ``tokens`` for ``rows`` decoding requests."""
-        if seconds <= 0 or tokens <= 0 or rows <= 0:
+        if seconds <= 0 or tokens < 0 or rows <= 0:
             return
-        table, b, rate = (self.spec if drafting else self.plain), self.bucket(rows), tokens / seconds
-        old = table.get(b)
-        table[b] = rate if old is None else old + self.ALPHA * (min(max(rate, 0.5 * old), 2.0 * old) - old)
+        b = self.bucket(rows)
+        m = self._means.get((drafting, b))
+        if m is None:
+            m = self._means[drafting, b] = [float(tokens), seconds]
+        else:  # a ratio of means: a mean of per-step rates would be biased by steps of few tokens
+            m[0] += self.ALPHA * (tokens - m[0])
+            m[1] += self.ALPHA * (min(max(seconds, 0.5 * m[1]), 2.0 * m[1]) - m[1])
+        (self.spec if drafting else self.plain)[b] = m[0] / m[1]
         if drafting:
             self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
         else:
