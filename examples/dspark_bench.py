@@ -8,8 +8,10 @@ Every engine runs with async scheduling on (the baseline: plain decoding with as
    prompts (snippets of the standard library's held-out files).
 2. Verified and accepted draft tokens per decode step, fixed k against variable length, at each
    concurrency (DeepSeek's reference: 5.00 -> 3.3 verified, 3.29 -> 3.20 accepted).
-3. Decode tokens/s at each concurrency, steady state after every request's prefill, measured in
-   alternating rounds so that the noise of a shared machine hits all engines alike.
+3. Decode tokens/s at each concurrency, steady state after every request's prefill. The three
+   engines run the same wave side by side and take one step each in turn, every step timed alone, so
+   that the noise of a shared machine hits all engines alike (``--timing waves``: whole waves
+   alternate instead, as before).
 
     python examples/dspark_bench.py                      # 64 prompts, concurrency 1 and 32
     python examples/dspark_bench.py --json out.json
@@ -86,6 +88,42 @@ def decode_rate(llm: LLM, prompts, params: SamplingParams, concurrency: int) -> 
     return tokens, seconds
 
 
+def interleaved_decode_rates(llms: dict[str, LLM], prompts, params: SamplingParams, concurrency: int
+                             ) -> dict[str, tuple[int, float]]:
+    """Per engine (decode tokens, seconds), the engines stepping in turn: every engine runs the same
+    wave of ``concurrency`` requests, and after every request's prefill the engines take one step each,
+    round-robin (the order rotating, and reversed every other round), each step timed alone. On a
+    shared machine a burst of other load then lands on every engine's steps alike (a step is
+    milliseconds; alternating whole waves left each engine seconds of its own noise). On a CPU a step
+    runs its forward inline, so the engines never overlap."""
+    for llm in llms.values():
+        llm.engine.scheduler.budget.max_num_seqs = concurrency
+    totals = {n: [0, 0.0] for n in llms}
+    for w in range(0, len(prompts), concurrency):
+        seqs = {n: [llm.engine.add_request({"prompt_token_ids": p}, params) for p in prompts[w : w + concurrency]]
+                for n, llm in llms.items()}
+        for n, llm in llms.items():
+            while any(s.num_output_tokens == 0 for s in seqs[n]):
+                llm.engine.step()
+        start = {n: sum(s.num_output_tokens for s in ss) for n, ss in seqs.items()}
+        names, r = list(llms), 0
+        while names:
+            # rotated, and reversed every other round: each engine follows every other one equally often
+            # (a step after another engine's larger step runs on colder caches)
+            order = names[(r // 2) % len(names):] + names[: (r // 2) % len(names)]
+            for n in (order if r % 2 == 0 else order[::-1]):
+                t = time.perf_counter()
+                llms[n].engine.step()
+                totals[n][1] += time.perf_counter() - t
+            names = [n for n in names if llms[n].engine.has_unfinished()]
+            r += 1
+        for n, ss in seqs.items():
+            totals[n][0] += sum(s.num_output_tokens for s in ss) - start[n]
+    for llm in llms.values():
+        llm.engine.blocks.check_no_leaks()
+    return {n: (t[0], t[1]) for n, t in totals.items()}
+
+
 def spec_metrics(llm: LLM) -> dict:
     m = llm.metrics()
     keys = ("dspark_verified_per_step", "dspark_mean_accepted_len", "dspark_accept_rate", "dspark_tokens_per_step",
@@ -94,11 +132,15 @@ def spec_metrics(llm: LLM) -> dict:
     return {k.removeprefix("dspark_"): (round(m[k], 4) if isinstance(m[k], float) else m[k]) for k in keys}
 
 
+def llm_metric(llm: LLM, key: str):
+    return llm.metrics().get(key)
+
+
 def confidence_cuts(log: list) -> list[dict]:
     """What cutting the fixed-k drafts at a cumulative-confidence threshold would have given, from the
     logged verifications (greedy verification of a kept prefix accepts exactly as before): for each
     threshold, the change of verified and of accepted draft tokens against verifying all k."""
-    steps = [(cum, a) for *_, cum, a in log]
+    steps = [(rec[7], rec[8]) for rec in log]  # (P_1..P_m, accepted count)
     full_v = sum(len(cum) for cum, _ in steps)
     full_a = sum(a for _, a in steps)
     out = []
@@ -120,6 +162,8 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--rate-prompts", type=int, default=8, help="requests per decode-rate round at concurrency 1")
     ap.add_argument("--rounds", type=int, default=2, help="alternating timing rounds per engine")
+    ap.add_argument("--timing", choices=("interleaved", "waves"), default="interleaved",
+                    help="decode-rate timing: the engines step in turn (each step timed), or whole waves alternate")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -165,14 +209,23 @@ def main(argv=None) -> None:
         spec["accepted_len_drop"] = round(1 - v["mean_accepted_len"] / max(f["mean_accepted_len"], 1e-9), 4)
         spec["tokens_per_step_drop"] = round(1 - v["tokens_per_step"] / max(f["tokens_per_step"], 1e-9), 4)
 
-    # 3: decode tokens/s, the engines alternating wave by wave (one request at concurrency 1)
+    # 3: decode tokens/s, the engines stepping in turn (--timing interleaved, the default) or alternating
+    #    wave by wave (--timing waves); one request at a time at concurrency 1
     for c in concs:
         ps = prompts[: args.rate_prompts] if c == 1 else prompts[:c]
+        for llm in engines.values():
+            if feature(llm):
+                feature(llm).reset_metrics()
         totals = {n: [0, 0.0] for n in engines}
         per_round = {n: [] for n in engines}
         for r in range(args.rounds):
             round_tot = {n: [0, 0.0] for n in engines}
             for w in range(0, len(ps), c):
+                if args.timing == "interleaved":
+                    for name, (n, s) in interleaved_decode_rates(engines, ps[w : w + c], greedy, c).items():
+                        round_tot[name][0] += n
+                        round_tot[name][1] += s
+                    continue
                 order = list(engines) if (r + w // c) % 2 == 0 else list(reversed(engines))
                 for name in order:
                     n, s = decode_rate(engines[name], ps[w : w + c], greedy, c)
@@ -190,6 +243,11 @@ def main(argv=None) -> None:
             "rounds": {n: [round(x, 1) for x in v] for n, v in per_round.items()},
             "speedup_varlen_median_round": round(statistics.median(
                 a / b for a, b in zip(per_round["varlen"], per_round["plain"])), 3),
+            # what the varlen engine did in the timed steps (drafting or dormant)
+            "varlen_spec": {k: v for k, v in spec_metrics(engines["varlen"]).items()
+                            if k in ("decode_steps", "verified_per_step", "tokens_per_step")}
+                           | {"steps_without_drafts": llm_metric(engines["varlen"], "dspark_steps_without_drafts"),
+                              "blocked_explorations": llm_metric(engines["varlen"], "dspark_blocked_explorations")},
         }
 
     results["draft"] = feature(engines["fixed"]).source.kind
@@ -218,7 +276,7 @@ def main(argv=None) -> None:
                         for x in s["confidence_cut"]))
         d = results["decode_tok_s"][f"c{c}"]
         print(f"decode tok/s: plain {d['plain']:.1f}  fixed {d['fixed']:.1f} ({d['speedup_fixed']:.2f}x)  "
-              f"varlen {d['varlen']:.1f} ({d['speedup_varlen']:.2f}x)")
+              f"varlen {d['varlen']:.1f} ({d['speedup_varlen']:.2f}x); varlen in the timed steps: {d['varlen_spec']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     for llm in engines.values():

@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,7 +52,17 @@ from train_tiny import load_corpus, to_deepseek_state_dict, write_config  # noqa
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.engine.fingerprint import model_fingerprint  # noqa: E402
 from deepinfer_core.models.loader import EMBEDDED_MODEL, SafetensorsReader  # noqa: E402
-from plugins.dspark.confidence import EXTRA_FEATURES, FILENAME, ConfidenceHead  # noqa: E402
+from plugins.dspark.confidence import EXTRA_FEATURES, FILENAME, TARGET_FEATURES  # noqa: E402
+from plugins.dspark.head_fit import (  # noqa: E402
+    calibration,
+    cut_trade,
+    fit_head,
+    fit_temperature,
+    fold_temperature,
+    log_loss,
+    outcomes,
+    predict,
+)
 
 TOPK = 16
 MAX_DIR_BYTES = 10 * 1024 * 1024
@@ -239,59 +248,6 @@ def log_outcomes(draft_dir: Path, prompts: list[list[int]], gen_tokens: int, max
     return records
 
 
-def outcome_matrix(records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden [N, C], (log q, entropy, greedy) [N, 3], accepted [N]) from the feature's outcome log."""
-    hs, ex, ys = [], [], []
-    for h, lq, ent, greedy, _, acc, *_ in records:
-        n = len(acc)
-        hs.append(h[:n].float().clone())
-        ex.append(torch.stack((lq[:n].float().clone(), ent[:n].float().clone(), torch.full((n,), float(greedy))),
-                              dim=-1))
-        ys.append(torch.tensor(acc))
-    return torch.cat(hs), torch.cat(ex), torch.cat(ys)
-
-
-def head_inputs(h: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """The head's input vector: hidden state and the extra features of (log q, entropy, greedy)."""
-    return torch.cat((h, ConfidenceHead.extra_features(raw[:, 0], raw[:, 1], raw[:, 2] > 0.5)), dim=-1)
-
-
-def fit_head(h: torch.Tensor, extra: torch.Tensor, y: torch.Tensor, l2: float) -> ConfidenceHead:
-    X = head_inputs(h, extra).double()
-    mu, sd = X.mean(0), X.std(0).clamp(min=1e-6)
-    Z = (X - mu) / sd
-    w = torch.zeros(X.shape[1], dtype=torch.float64, requires_grad=True)
-    b = torch.zeros(1, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=300, line_search_fn="strong_wolfe")
-    yd = y.double()
-
-    def closure():
-        opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(Z @ w + b, yd) + l2 * (w * w).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    w_raw = (w.detach() / sd)
-    b_raw = float(b.detach() - (w.detach() * mu / sd).sum())
-    C = h.shape[1]
-    return ConfidenceHead(w_raw[:C].float(), w_raw[C:].float(), b_raw)
-
-
-def calibration(head: ConfidenceHead, h, extra, y, bins: int = 10) -> dict:
-    pred = head(h, extra[:, 0], extra[:, 1], extra[:, 2] > 0.5)
-    order = pred.argsort()
-    rows = []
-    for chunk in order.chunk(bins):
-        rows.append((float(pred[chunk].mean()), float(y[chunk].float().mean()), len(chunk)))
-    worst = max(abs(p - o) for p, o, _ in rows)
-    ece = sum(abs(p - o) * n for p, o, n in rows) / max(len(y), 1)
-    brier = float(((pred - y.float()) ** 2).mean())
-    return {"deciles": [{"predicted": round(p, 4), "observed": round(o, 4), "n": n} for p, o, n in rows],
-            "max_decile_gap": round(worst, 4), "ece": round(ece, 4), "brier": round(brier, 4),
-            "positions": len(y), "observed_accept_rate": round(float(y.float().mean()), 4)}
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None,
@@ -312,15 +268,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-only", action="store_true",
                    help="keep the draft already in --out and fit its confidence head again (phases 3-4)")
     return p.parse_args()
-
-
-def fit_temperature(head: ConfidenceHead, h, extra, y) -> float:
-    """The calibration temperature minimising log-loss on outcomes the head was not fitted on."""
-    logit = head.logit(h, extra[:, 0], extra[:, 1], extra[:, 2] > 0.5).double()
-    yd = y.double()
-    grid = [0.5 + 0.02 * i for i in range(126)]  # 0.5 .. 3.0
-    losses = [float(F.binary_cross_entropy_with_logits(logit / t, yd)) for t in grid]
-    return grid[min(range(len(grid)), key=losses.__getitem__)]
 
 
 def main() -> None:
@@ -395,28 +342,33 @@ def main() -> None:
     t_head = time.time()
     torch.set_num_threads(1)
     n_fit = len(outcome_prompts) * 3 // 4
-    h, extra, y = outcome_matrix(log_outcomes(tmp, outcome_prompts[:n_fit], 96, args.max_num_seqs))
-    log(f"outcomes: {len(y)} verified draft positions, accept rate {float(y.mean()):.3f}", t0)
+    fit_o = outcomes(log_outcomes(tmp, outcome_prompts[:n_fit], 96, args.max_num_seqs))
+    use_target = fit_o.target is not None  # an MTP draft logs the target's confidence features
+    log(f"outcomes: {int(fit_o.decided.sum())} decided draft positions, accept rate "
+        f"{float(fit_o.y[fit_o.decided].mean()):.3f}, target features {use_target}", t0)
     g = torch.Generator().manual_seed(args.seed)
-    perm = torch.randperm(len(y), generator=g)
-    val, fit = perm[: len(y) // 5], perm[len(y) // 5 :]
+    steps = int(fit_o.step.max()) + 1
+    val = torch.isin(fit_o.step, torch.randperm(steps, generator=g)[: steps // 5])  # by verification step
     scores = {}
     for l2 in (1e-4, 1e-3, 1e-2, 1e-1):
-        cand = fit_head(h[fit], extra[fit], y[fit], l2)
-        pv = cand(h[val], extra[val, 0], extra[val, 1], extra[val, 2] > 0.5).double().clamp(1e-6, 1 - 1e-6)
-        scores[l2] = float(F.binary_cross_entropy(pv, y[val].double()))
+        scores[l2] = log_loss(fit_head(fit_o.subset(~val), l2, use_target), fit_o.subset(val))
     l2 = min(scores, key=scores.get)
     log(f"confidence head L2 {l2} (validation log-loss {scores})", t0)
-    head = fit_head(h, extra, y, l2)
-    th, te, ty = outcome_matrix(log_outcomes(tmp, outcome_prompts[n_fit:], 96, args.max_num_seqs))
-    temp = fit_temperature(head, th, te, ty)
-    head = ConfidenceHead(head.w_hidden / temp, head.w_extra / temp, head.bias / temp)  # folded in
-    log(f"calibration temperature {temp:.2f} (fitted on {len(ty)} positions of other prompts)", t0)
-    head.save(tmp / FILENAME, hidden_size=str(h.shape[1]), fitted_temperature=str(temp))
-    train_cal = calibration(head, h, extra, y)
-    hh, he, hy = outcome_matrix(log_outcomes(tmp, heldout_prompts, 64, args.max_num_seqs))
-    held_cal = calibration(head, hh, he, hy)
-    log(f"held-out calibration: max decile gap {held_cal['max_decile_gap']}, ECE {held_cal['ece']}", t0)
+    head = fit_head(fit_o, l2, use_target)
+    temp_o = outcomes(log_outcomes(tmp, outcome_prompts[n_fit:], 96, args.max_num_seqs))
+    temp = fit_temperature(head, temp_o)
+    head = fold_temperature(head, temp)
+    log(f"calibration temperature {temp:.2f} (fitted on {int(temp_o.decided.sum())} positions of other prompts)", t0)
+    head.save(tmp / FILENAME, hidden_size=str(fit_o.hidden.shape[1]), fitted_temperature=str(temp))
+    train_cal = calibration(head, fit_o)
+    held_o = outcomes(log_outcomes(tmp, heldout_prompts, 64, args.max_num_seqs))
+    held_cal = calibration(head, held_o)
+    greedy = held_o.raw[:, 2] > 0.5
+    replay = {"greedy": cut_trade(predict(head, held_o.subset(greedy)), held_o.subset(greedy)),
+              "all": cut_trade(predict(head, held_o), held_o)}
+    log(f"held-out calibration: max decile gap {held_cal['max_decile_gap']}, ECE {held_cal['ece']}; cut at -25% "
+        f"verified drafts: accepted -{replay['greedy']['accepted_drop'] * 100:.2f}% (greedy), "
+        f"-{replay['all']['accepted_drop'] * 100:.2f}% (all)", t0)
 
     out.mkdir(parents=True, exist_ok=True)
     for f in tmp.iterdir():
@@ -429,12 +381,13 @@ def main() -> None:
         "torch_version": torch.__version__,
         "target": str(target_dir),
         "target_fingerprint": target_fingerprint,
-        "confidence_head_features": ["hidden", *EXTRA_FEATURES],
+        "confidence_head_features": ["hidden", *EXTRA_FEATURES, *(TARGET_FEATURES if use_target else ())],
         "confidence_head_l2": l2,
         "confidence_head_validation_logloss": scores,
         "confidence_head_temperature": temp,
         "calibration_train": train_cal,
         "calibration_heldout": held_cal,
+        "cut_replay_heldout": replay,
         "head_seconds": round(time.time() - t_head, 1),
         "wall_seconds": round(time.time() - t0, 1),
         "files": {p.name: p.stat().st_size for p in files},

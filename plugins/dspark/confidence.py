@@ -1,19 +1,31 @@
 """The confidence head: per draft position, the probability that the target accepts the draft
 token given that every earlier draft token was accepted.
 
-    logit = w_h . h + w_x . x(q, d, greedy) + b
+    logit = w_h . h + w_x . x(q, d, greedy) + w_t . f_T + b
     confidence = sigmoid(logit / confidence_temperature)
 
 ``h`` is the draft's final normalised hidden state at the position that proposed d (the input of
-its LM head); ``x`` are six scalars of the draft's raw (temperature 1) next-token distribution q
-there: log q(d), q(d), the entropy H(q), ``greedy`` (1 for temperature-0 requests), greedy * log q(d)
-and greedy * q(d) (acceptance is a sharper function of q(d) for greedy requests, whose drafts are
-q's argmax, than for sampled ones). It is a single linear layer, trained by
-``examples/train_dspark_draft.py`` (logistic regression on logged accept/reject outcomes of the
-target) and stored as safetensors next to the draft (``confidence_head.safetensors``).
+its LM head). ``x`` are scalars of the draft's raw (temperature 1) next-token distribution q there
+(``EXTRA_FEATURES``): log q(d), q(d), the entropy H(q), ``greedy`` (1 for temperature-0 requests),
+greedy * log q(d), greedy * q(d) (acceptance is a sharper function of q(d) for greedy requests, whose
+drafts are q's argmax, than for sampled ones), then the margin q(top-1) - q(top-2), log q(top-2),
+greedy * margin, and ten greedy-only bins of q(d) (a piecewise calibration of the greedy case).
+Heads saved before the margin and bins (``LEGACY_FEATURES``, the shipped draft model's) still load.
 
-Without trained weights (e.g. an MTP draft), the confidence is the draft's own probability of its
-token, ``q(d)``, with the same temperature applied to its log-odds.
+``f_T`` (``TARGET_FEATURES``, optional: MTP drafts, which are fed the target's hidden states) is
+the target's own state at the request's last verified position, the same for every draft depth of
+a step: log p_T(top-1), p_T(top-1), H(p_T), the margin p_T(top-1) - p_T(top-2) of the target's
+next-token distribution there (its logits, recomputed from its final hidden state by the shared LM
+head), and the fraction of the request's drafts the target accepted at its last verification (with a
+flag for "none yet"). How predictable the text is just before the drafts is something the draft's
+own distribution sees only in part.
+
+A single linear layer, trained by ``examples/train_dspark_draft.py`` (logistic regression on logged
+accept/reject outcomes of the target, temperature fitted on other prompts) and stored as
+safetensors next to the draft (``confidence_head.safetensors``; the feature names in its metadata).
+
+Without trained weights (e.g. a checkpoint's own MTP layer), the confidence is the draft's own
+probability of its token, ``q(d)``, with the same temperature applied to its log-odds.
 """
 
 from __future__ import annotations
@@ -25,20 +37,69 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 FILENAME = "confidence_head.safetensors"
-EXTRA_FEATURES = ("draft_logprob", "draft_prob", "draft_entropy", "greedy", "greedy_x_logprob", "greedy_x_prob")
+LEGACY_FEATURES = ("draft_logprob", "draft_prob", "draft_entropy", "greedy", "greedy_x_logprob", "greedy_x_prob")
+Q_BINS = 10
+EXTRA_FEATURES = (*LEGACY_FEATURES, "draft_margin", "draft_logprob_2nd", "greedy_x_margin",
+                  *(f"greedy_q_bin{i}" for i in range(Q_BINS)))
+TARGET_FEATURES = ("target_top1_logprob", "target_top1_prob", "target_entropy", "target_margin", "prev_accept_frac",
+                   "no_prev")
+
+
+def draft_stats(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log q(token), entropy of q, log q of q's top-2 token) of the raw draft distribution, per row."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return logp.gather(1, tokens[:, None])[:, 0], ent, logp.topk(2, dim=-1).values[:, 1]
+
+
+def extra_features(names: tuple[str, ...], logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor,
+                   logq2: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, len(names)] draft features (``names``: ``EXTRA_FEATURES`` or ``LEGACY_FEATURES``).
+    ``logq2``: log q of the top-2 token (needed by ``EXTRA_FEATURES``). For greedy rows d is q's
+    argmax, so the margin is q(d) - q(top-2); for sampled rows it is q(top-1) - q(top-2) only when d
+    is the top-1, which the sampled rows' weights absorb."""
+    q, g = logq.float().exp(), greedy.float()
+    lq = logq.float().clamp(min=-30.0)
+    cols = [lq, q, entropy.float(), g, g * lq, g * q]
+    if names == LEGACY_FEATURES:
+        return torch.stack(cols, dim=-1)
+    lq2 = logq2.float().clamp(min=-30.0)
+    margin = (q - lq2.exp()).clamp(min=0.0)
+    bins = torch.nn.functional.one_hot((q * Q_BINS).long().clamp(0, Q_BINS - 1), Q_BINS).float() * g[:, None]
+    return torch.cat((torch.stack((*cols, margin, lq2, g * margin), dim=-1), bins), dim=-1)
+
+
+def target_features(target_logits: torch.Tensor, prev_frac: torch.Tensor) -> torch.Tensor:
+    """[R, len(TARGET_FEATURES)] from the target's logits at each request's last verified position
+    and the fraction of its drafts accepted at its last verification (NaN: none yet)."""
+    logp = torch.log_softmax(target_logits.float(), dim=-1)
+    top = logp.topk(2, dim=-1).values
+    p = top.exp()
+    ent = -(logp.exp() * logp).sum(-1)
+    none = torch.isnan(prev_frac)
+    return torch.stack((top[:, 0].clamp(min=-30.0), p[:, 0], ent, p[:, 0] - p[:, 1],
+                        torch.where(none, torch.zeros_like(prev_frac), prev_frac), none.float()), dim=-1)
 
 
 class ConfidenceHead:
     def __init__(self, w_hidden: torch.Tensor | None, w_extra: torch.Tensor | None, bias: float,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, w_target: torch.Tensor | None = None,
+                 names: tuple[str, ...] = EXTRA_FEATURES) -> None:
         self.w_hidden = w_hidden  # [C] float32, or None for the fallback
-        self.w_extra = w_extra  # [len(EXTRA_FEATURES)] float32
+        self.w_extra = w_extra  # [len(names)] float32
         self.bias = float(bias)
         self.temperature = float(temperature)
+        self.w_target = w_target  # [len(TARGET_FEATURES)] float32, or None: no target features
+        self.names = names
 
     @property
     def trained(self) -> bool:
         return self.w_hidden is not None
+
+    @property
+    def uses_target(self) -> bool:
+        """The head reads the target's features (only an MTP draft is fed them)."""
+        return self.w_target is not None
 
     @classmethod
     def fallback(cls, temperature: float = 1.0) -> ConfidenceHead:
@@ -49,64 +110,87 @@ class ConfidenceHead:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         names = tuple(meta.get("extra_features", "").split(",")) if meta.get("extra_features") else ()
-        if names != EXTRA_FEATURES:
+        if names not in (EXTRA_FEATURES, LEGACY_FEATURES):
             raise ValueError(f"{path}: confidence head features {names} != {EXTRA_FEATURES}")
+        tnames = tuple(meta["target_features"].split(",")) if meta.get("target_features") else None
+        if tnames is not None and tnames != TARGET_FEATURES:
+            raise ValueError(f"{path}: confidence head target features {tnames} != {TARGET_FEATURES}")
         t = load_file(str(path))
         w = t["w_hidden"].float()
         if w.shape != (hidden_size,):
             raise ValueError(f"{path}: w_hidden has shape {tuple(w.shape)}, the draft's hidden size is "
                              f"{hidden_size}")
+        we = t["w_extra"].float()
+        if we.shape != (len(names),):
+            raise ValueError(f"{path}: w_extra has shape {tuple(we.shape)}, expected ({len(names)},)")
         dev = device or "cpu"
-        return cls(w.to(dev), t["w_extra"].float().to(dev), float(t["bias"].item()), temperature)
+        wt = None
+        if tnames is not None:
+            wt = t["w_target"].float()
+            if wt.shape != (len(TARGET_FEATURES),):
+                raise ValueError(f"{path}: w_target has shape {tuple(wt.shape)}, expected ({len(TARGET_FEATURES)},)")
+            wt = wt.to(dev)
+        return cls(w.to(dev), we.to(dev), float(t["bias"].item()), temperature, wt, names)
 
     def save(self, path: Path, **meta: str) -> None:
-        save_file({"w_hidden": self.w_hidden.float().contiguous().cpu(),
+        tensors = {"w_hidden": self.w_hidden.float().contiguous().cpu(),
                    "w_extra": self.w_extra.float().contiguous().cpu(),
-                   "bias": torch.tensor([self.bias], dtype=torch.float32)},
-                  str(path), metadata={"extra_features": ",".join(EXTRA_FEATURES), "format": "pt",
-                                       **{k: str(v) for k, v in meta.items()}})
+                   "bias": torch.tensor([self.bias], dtype=torch.float32)}
+        info = {"extra_features": ",".join(self.names), "format": "pt"}
+        if self.uses_target:
+            tensors["w_target"] = self.w_target.float().contiguous().cpu()
+            info["target_features"] = ",".join(TARGET_FEATURES)
+        save_file(tensors, str(path), metadata={**info, **{k: str(v) for k, v in meta.items()}})
 
-    @staticmethod
-    def features(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log q(token), entropy of q) of the raw draft distribution, per row."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        return logp.gather(1, tokens[:, None])[:, 0], ent
+    def target_term(self, target_feats: torch.Tensor) -> torch.Tensor | None:
+        """The per-row logit term of the target features ([R]); None when the head reads none."""
+        return None if self.w_target is None else target_feats.float() @ self.w_target
 
-    @staticmethod
-    def extra_features(logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-        """[N, len(EXTRA_FEATURES)] from log q(d), H(q) and the greedy flag."""
-        q, g = logq.float().exp(), greedy.float()
-        logq = logq.float().clamp(min=-30.0)
-        return torch.stack((logq, q, entropy.float(), g, g * logq, g * q), dim=-1)
-
-    def logit(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor,
-              greedy: torch.Tensor) -> torch.Tensor:
+    def logit(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor,
+              logq2: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
+        """``target``: the per-row ``target_term`` (None: the head reads no target features)."""
         if self.w_hidden is None:
             q = logq.exp().clamp(1e-6, 1 - 1e-6)
             return torch.log(q) - torch.log1p(-q)
-        extra = self.extra_features(logq, entropy, greedy)
-        return hidden.float() @ self.w_hidden + extra @ self.w_extra + self.bias
+        extra = extra_features(self.names, logq, entropy, greedy, logq2)
+        z = hidden.float() @ self.w_hidden + extra @ self.w_extra + self.bias
+        return z if target is None else z + target
 
-    def __call__(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor,
-                 greedy: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.logit(hidden, logq, entropy, greedy) / self.temperature)
+    def __call__(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor,
+                 logq2: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.logit(hidden, logq, entropy, greedy, logq2, target) / self.temperature)
 
-    def per_row(self, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The greedy flag folded into per-row coefficients of log q(d), q(d) and the bias, for
-        ``fast`` (None for the fallback head)."""
+    def per_row(self, greedy: torch.Tensor, target: torch.Tensor | None = None) -> tuple | None:
+        """The greedy flag and the target term folded into per-row coefficients, computed once per
+        step for ``fast`` (None for the fallback head)."""
         if self.w_hidden is None:
             return None
         g, w = greedy.float(), self.w_extra
-        return w[0] + g * w[4], w[1] + g * w[5], g * w[3] + self.bias
+        c = g * w[3] + self.bias
+        if target is not None:
+            c = c + target
+        if self.names == LEGACY_FEATURES:
+            return w[0] + g * w[4], w[1] + g * w[5], c
+        # per row: coefficients of (log q(d), q(d), H, margin, log q(top-2)), and its greedy q-bin weights
+        coef = torch.stack((w[0] + g * w[4], w[1] + g * w[5], w[2].expand_as(g), w[6] + g * w[8], w[7].expand_as(g)),
+                           dim=-1)
+        return coef, c, g[:, None] * w[9:][None, :]
 
     def fast(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor,
-             rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """``self(hidden, logq, entropy, greedy)`` in fewer ops, with ``rows = self.per_row(greedy)``."""
+             rows: tuple | None, logq2: torch.Tensor | None = None) -> torch.Tensor:
+        """``self(...)`` in fewer ops, with ``rows = self.per_row(greedy, target)`` computed once per step."""
         if rows is None:
-            return self(hidden, logq, entropy, greedy)
-        a_lq, a_q, c = rows
+            return self(hidden, logq, entropy, greedy, logq2)
         logq = logq.float()
-        z = torch.addmv(c, hidden.float(), self.w_hidden)
-        z = z + logq.clamp(min=-30.0) * a_lq + logq.exp() * a_q + entropy.float() * self.w_extra[2]
+        q = logq.exp()
+        if self.names == LEGACY_FEATURES:
+            a_lq, a_q, c = rows
+            z = torch.addmv(c, hidden.float(), self.w_hidden)
+            z = z + logq.clamp(min=-30.0) * a_lq + q * a_q + entropy.float() * self.w_extra[2]
+            return torch.sigmoid(z / self.temperature)
+        coef, c, bins = rows
+        lq2 = logq2.float().clamp(min=-30.0)
+        x = torch.stack((logq.clamp(min=-30.0), q, entropy.float(), (q - lq2.exp()).clamp(min=0.0), lq2), -1)
+        z = torch.addmv(c, hidden.float(), self.w_hidden) + (x * coef).sum(-1)
+        z = z + bins.gather(1, (q * Q_BINS).long().clamp(0, Q_BINS - 1)[:, None])[:, 0]
         return torch.sigmoid(z / self.temperature)

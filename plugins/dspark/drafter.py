@@ -22,6 +22,17 @@ MAX_KEPT = 512  # most positions of target hidden states an MTP request keeps wh
 # A request's last first-draft confidence predicts its next one only weakly (lag-1 autocorrelation 0.16
 # on held-out prompts), so whether to draft at all is forecast this far from the running mean towards it.
 SKIP_FORECAST_BLEND = 0.5
+RESUME_MARGIN = 0.03  # relative gain in tokens/s that drafting must promise to resume after not drafting
+PROBE_STEPS = 8  # plain steps measured at a batch size where drafting ran and plain decoding never did
+# drafting must measure this much faster than plain decoding to go on (resume): a rate measured over a
+# few dozen steps of a shared machine is off by several percent, and a tie must fall to plain decoding
+MEASURED_KEEP_MARGIN = 0.08
+# the measured check applies from this many decoding requests: a step's tokens vary from 1 to k + 1 per
+# request, so at a few requests dozens of steps measure the rate too loosely to overrule the forecast
+# (which there is rarely a close call: at one request drafting pays 1.3-1.6x on this CPU)
+MEASURED_MIN_ROWS = 8
+MEASURED_RESUME_MARGIN = 0.15
+TRIAL_STEPS = 8  # drafting steps of a trial where drafting measured slower before
 
 
 class Drafter:
@@ -92,18 +103,18 @@ class Drafter:
         dev = engine.device
         self._caught = len(ids)
         ids_t, pos_t = torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev)
+        prev = torch.cat(hid_parts) if mtp else None
         if not pre and ids and hasattr(src, "decode"):  # lean path: short catch-up spans only
             table = context_slot_table(self._meta_tables(dec, dev), bs)
             which = torch.tensor([i for i, it in enumerate(dec) for _ in range(it[3] - it[2])], device=dev)
             S = max(it[3] for it in dec)
             args = (ids_t, pos_t, torch.tensor(slots, dtype=torch.long, device=dev), table[which, :S])
             if mtp:
-                carry, normed = src.decode(*args, masked=len(ids) > 1, prev_hidden=torch.cat(hid_parts))
+                carry, normed = src.decode(*args, masked=len(ids) > 1, prev_hidden=prev)
             else:
                 carry = normed = src.decode(*args, masked=len(ids) > 1)
         else:
             meta = self._meta(pre, dec, slots, dev)
-            prev = torch.cat(hid_parts) if mtp else None
             carry, normed = src.forward(ids_t, pos_t, meta, prev)
         for _, st, _, hi, _ in items:
             st.done = hi
@@ -112,8 +123,13 @@ class Drafter:
         if not drafting:
             return
         lr = torch.tensor(last_rows, device=dev)
+        target = None
+        if mtp and (self.head.uses_target or self.outcome_log is not None):
+            # the target's state at each drafting request's last verified position (confidence features)
+            frac = torch.tensor([it[1].prev_frac for it in drafting], dtype=torch.float32, device=dev)
+            target = conf_mod.target_features(src.logits(prev[lr]), frac)
         self._draft_loop(_Rows([it[0] for it in drafting], [it[4] for it in drafting], bs, dev),
-                         [it[1] for it in drafting], carry[lr], normed[lr], n_live)
+                         [it[1] for it in drafting], carry[lr], normed[lr], n_live, target)
 
     @staticmethod
     def _defer(st: _State, computed: int, row0: int, c0: int, hidden: torch.Tensor) -> None:
@@ -144,18 +160,39 @@ class Drafter:
         if not ready:
             return False
         R = len(ready)
+        if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ended
+            self.resume_after = None
         states = [seq.feature_state.get(KEY) for seq in ready]
         mean = self.mean_conf
         conf = [mean + SKIP_FORECAST_BLEND * (st.recent_conf - mean) if st and st.recent_conf is not None else mean
                 for st in states]
+        # hysteresis: resuming drafting (from dormant, or after an exploratory step) asks for a clear gain
+        resuming = self.skipped > 0 or self.exploring
         worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live, self.live.overhead(n_live), self.k,
-                               start_s=self.live.catchup(R) - self.live.draft(R))
+                               start_s=self.live.catchup(R) - self.live.draft(R),
+                               margin=RESUME_MARGIN if resuming else 0.0)
+        if worth and not self.trial_left and R >= MEASURED_MIN_ROWS:  # the measured rates may veto the forecast
+            verdict = self.rates.verdict(R, MEASURED_RESUME_MARGIN if resuming else MEASURED_KEEP_MARGIN)
+            if verdict is False:
+                worth = False
+                self.n["measured_vetoes"] += 1
+            elif self.rates.needs_plain_probe(R):  # measure plain decoding here (first, or again)
+                worth, self.resume_after = False, PROBE_STEPS
+                self.n["plain_probes"] += 1
         if worth:
-            self.skipped, self.exploring, self.explore_every = 0, False, 64
+            if not self.trial_left:
+                self.exploring = False
+            self.skipped, self.explore_every = 0, 64
             return True
         if self.exploring:  # the last exploratory draft did not make drafting pay: wait longer
             self.exploring, self.explore_every = False, min(self.explore_every * 2, 4096)
-        if self.skipped >= self.explore_every:
+        if self.skipped >= self.explore_every and R >= MEASURED_MIN_ROWS and self._may_explore(R) and \
+                self.rates.verdict(R) is False and self.resume_after is None:
+            # measured slower here before: a short trial of real drafting refreshes the measurement
+            self.skipped, self.exploring, self.trial_left = 0, True, TRIAL_STEPS
+            self.n["trials"] += 1
+            return True
+        if self.skipped >= self.explore_every and self._may_explore(R):
             self.skipped, self.exploring = 0, True
             order = sorted(range(R), key=lambda i: ready[i].num_tokens - (states[i].done if states[i] else 0))
             chosen = {ready[i].request_id for i in order[:EXPLORE_ROWS]}
@@ -163,7 +200,7 @@ class Drafter:
                 if st and seq.request_id not in chosen:
                     st.drafts, st.q, st.feats = [], None, None
             return chosen
-        self.skipped += 1
+        self.skipped = 1 if self.skipped >= self.explore_every else self.skipped + 1
         for st in states:
             if st:
                 st.drafts, st.q, st.feats = [], None, None
@@ -208,18 +245,20 @@ class Drafter:
         """Draft token, draft distribution (sampled rows), confidence and features at one depth."""
         if rows.head_rows is None:
             rows.head_rows = (self.head.per_row(rows.greedy),)
-        greedy_tok = logits.argmax(-1)
-        if rows.all_greedy:  # log q(d) and entropy from one log-softmax
+        if rows.all_greedy:  # the draft tokens, log q(d), log q(top-2) and entropy from one log-softmax
             logp = torch.log_softmax(logits.float(), dim=-1)
-            logq = logp.gather(1, greedy_tok[:, None])[:, 0]
+            top, greedy_tok = logp.topk(2, dim=-1)
+            greedy_tok, logq, logq2 = greedy_tok[:, 0], top[:, 0], top[:, 1]
             ent = -(logp.exp() * logp).sum(-1)
-            return greedy_tok, None, self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0]), (logq, ent)
+            c = self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2)
+            return greedy_tok, None, c, (logq, ent, logq2)
+        greedy_tok = logits.argmax(-1)
         q = filtered_probs(logits, rows.params)
         sampled = draw(q, stream(rows.seeds, STREAM_DRAFT), rows.base + (depth - 1))
         tok = torch.where(rows.greedy, greedy_tok, sampled)
-        logq, ent = conf_mod.ConfidenceHead.features(logits, tok)
-        c = self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0])
-        return tok, q, c, (logq, ent)
+        logq, ent, logq2 = conf_mod.draft_stats(logits, tok)
+        c = self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2)
+        return tok, q, c, (logq, ent, logq2)
 
     def _ar_step(self, rows: _Rows, prev_tok: torch.Tensor, prev_carry: torch.Tensor | None, depth: int):
         """Feed d_{depth-1}; returns (carry, normed) of the rows."""
@@ -245,13 +284,15 @@ class Drafter:
         return self.source.forward(prev_tok, pos, meta, prev_carry)
 
     def _draft_loop(self, rows: _Rows, states: list[_State], carry: torch.Tensor, normed: torch.Tensor,
-                    n_live: int) -> None:
+                    n_live: int, target: torch.Tensor | None = None) -> None:
+        """``target``: the target's confidence features at each row's last verified position."""
         src, cost = self.source, self.live
         R = len(states)
         K = max(rows.caps)
+        rows.head_rows = (self.head.per_row(rows.greedy, None if target is None else self.head.target_term(target)),)
         logits = src.logits(normed)
         tok, q, c, feats = self._pick(rows, logits, normed, 1)
-        toks, qs, confs, hs, lqs, ents = [tok], [q], [c], [normed], [feats[0]], [feats[1]]
+        toks, qs, confs, hs, lqs, ents, lq2s = [tok], [q], [c], [normed], [feats[0]], [feats[1]], [feats[2]]
         cum = c.tolist()
         cum_hist = [cum]
         expected = R + sum(cum)
@@ -276,6 +317,7 @@ class Drafter:
                 hs.append(normed)
                 lqs.append(feats[0])
                 ents.append(feats[1])
+                lq2s.append(feats[2])
             c_list = c.tolist()
             cum = [a * b if depth <= rows.caps[i] else 0.0 for i, (a, b) in enumerate(zip(cum, c_list))]
             cum_hist.append(cum)
@@ -294,6 +336,7 @@ class Drafter:
         log = self.outcome_log is not None
         if log:
             h_m, lq_m, ent_m = torch.stack(hs, 1), torch.stack(lqs, 1), torch.stack(ents, 1)
+            lq2_m = torch.stack(lq2s, 1)
         for i, (seq, st) in enumerate(zip(rows.seqs, states)):
             n = min(depth, rows.caps[i])
             st.drafts = tok_m[i][:n]
@@ -304,4 +347,5 @@ class Drafter:
             st.fed = n - 1
             st.recent_conf = conf_m[i][0]
             if log:
-                st.feats = (h_m[i, :n].float().cpu(), lq_m[i, :n].cpu(), ent_m[i, :n].cpu())
+                st.feats = (h_m[i, :n].float().cpu(), lq_m[i, :n].cpu(), ent_m[i, :n].cpu(), lq2_m[i, :n].cpu(),
+                            None if target is None else target[i].cpu())

@@ -63,7 +63,14 @@ from plugins.dspark import confidence as conf_mod
 from plugins.dspark.calibrate import load_or_measure_cost
 from plugins.dspark.draft import CACHE_GROUP, DraftModel, MTPDraft, has_mtp, is_mtp_dir
 from plugins.dspark.drafter import Drafter
-from plugins.dspark.policy import LiveCost, StepCost, choose_lengths, fixed_lengths
+from plugins.dspark.policy import (
+    LiveCost,
+    MeasuredRates,
+    StepCost,
+    choose_lengths,
+    drafting_can_pay,
+    fixed_lengths,
+)
 from plugins.dspark.state import KEY, _Rows, _State  # noqa: F401 (_Rows: tests, tools)
 
 logger = logging.getLogger("deepinfer.dspark")
@@ -72,6 +79,8 @@ DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
+# while dormant: no exploratory step when drafts accepted this often would still not pay at this batch size
+OPTIMISTIC_CONF = 0.9
 
 
 def varlen_enabled() -> bool:
@@ -120,8 +129,14 @@ class DSpark(Drafter, Feature, Proposer):
         self.skipped = 0  # consecutive steps without drafting
         self.explore_every = 64  # skipped steps between exploratory drafts (doubles while they do not pay)
         self.exploring = False
+        self.rates = MeasuredRates()  # tokens/s measured drafting and not, per batch size: a veto on the forecast
+        self.resume_after: int | None = None  # a plain-rate probe: dormant steps before looking again
+        self.trial_left = 0  # drafting steps of a trial (the measured veto is off while they refresh the rate)
+        self._regime: bool | None = None  # whether the step now running is a speculative one (from active())
+        self._prev_regime: bool | None = None  # the same of the last step
+        self._last_stats: tuple[float, int] | None = None  # the engine's (step_time, decode_tokens) at the last step
         self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0,
-                      plans=0)
+                      plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0)
         self.t = dict(draft=0.0, verify=0.0, schedule=0.0)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -136,6 +151,9 @@ class DSpark(Drafter, Feature, Proposer):
                                                      temp, engine.device)
         else:
             self.head = conf_mod.ConfidenceHead.fallback(temp)
+        if self.head.uses_target and not self.source.needs_hidden:
+            raise ConfigError(f"[dspark] the confidence head {head_path}/{conf_mod.FILENAME} reads the target's "
+                              "features, which only an MTP draft is fed")
         self._check_trained_for(engine)
         self.cost = load_or_measure_cost(engine, self)
         self.live = LiveCost(self.cost)
@@ -213,14 +231,46 @@ class DSpark(Drafter, Feature, Proposer):
 
     def active(self, engine) -> bool:
         """Dormant (plain async steps) while drafting does not pay; a speculative step again after
-        ``explore_every`` skipped steps, where ``_worth_speculating`` decides anew (and explores)."""
+        ``explore_every`` skipped steps, where ``_worth_speculating`` decides anew (and explores),
+        unless the step-time curve says that at the present batch size even drafts accepted with
+        probability ``OPTIMISTIC_CONF`` would not pay: then it stays dormant, with no exploratory step
+        (the "never slower than plain decoding" floor at high concurrency)."""
+        self._regime = True
         if self.skipped == 0:
             return True
         self.skipped += 1
         self.n["skipped_steps"] += 1
-        if self.skipped > self.explore_every:
+        if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ends
+            self.resume_after = None
             return True
+        if self.skipped > self.explore_every and self.resume_after is None:
+            if self._may_explore(engine.load_stats()["running"]):
+                return True
+            self.skipped = 1
+        self._regime = False
         self._pending = None  # the step-time observations resume with contiguous speculative steps
+        return False
+
+    @hookimpl
+    def step_finished(self, engine, step_stats) -> None:
+        """Each step's own time and decode tokens (the engine's counters: work outside the engine's
+        steps, e.g. another engine in the process, is not counted) feed the measured rate of its
+        regime, drafting or not (tokens verified in a step may be counted one step late, which a
+        run of steps of one regime evens out; the first step of a run is left out)."""
+        now = (step_stats.step_time, step_stats.decode_tokens)
+        drafting = self._regime if self._regime is not None else self.skipped == 0  # no async: no active()
+        if self._last_stats is not None and drafting == self._prev_regime:
+            self.rates.observe(drafting, engine.load_stats()["running"], now[1] - self._last_stats[1],
+                               now[0] - self._last_stats[0])
+        self._regime, self._prev_regime, self._last_stats = None, drafting, now
+
+    def _may_explore(self, rows: int) -> bool:
+        """Whether an exploratory draft can find drafting paying at ``rows`` decoding requests: by the
+        step-time curve, drafts accepted with probability ``OPTIMISTIC_CONF`` (or a little above the
+        running mean, if higher) would pay. Counts ``blocked_explorations`` when not."""
+        if drafting_can_pay(rows, self.live, self.k, max(OPTIMISTIC_CONF, min(self.mean_conf + 0.1, 0.99))):
+            return True
+        self.n["blocked_explorations"] += 1
         return False
 
     @property
@@ -238,6 +288,8 @@ class DSpark(Drafter, Feature, Proposer):
             self._pending = None
         scheduled = SchedulerOutput(prefills=batch.scheduled[: batch.num_prefills],
                                     decodes=batch.scheduled[batch.num_prefills :])
+        if self.trial_left:
+            self.trial_left -= 1
         for s in scheduled.decodes:
             st = s.seq.feature_state.get(KEY)
             if st:
@@ -342,15 +394,19 @@ class DSpark(Drafter, Feature, Proposer):
             self.n["verified"] += m
             self.n["accepted"] += a
             self.n["spec_steps"] += 1
+            if m > 0:
+                st.prev_frac = a / m
             if self.outcome_log is not None and st.feats is not None:
-                h, lq, ent = st.feats
+                h, lq, ent, lq2, tf = st.feats
                 n_log = min(a + 1, m)
                 # (hidden, log q, entropy of all verified positions, greedy, confidences and outcomes of
-                #  the positions the target decided, the last token then the draft tokens, P_1..P_m, accepted count)
+                #  the positions the target decided, the last token then the draft tokens, P_1..P_m, accepted
+                #  count, log q of the top-2 token per verified position, the target's confidence features
+                #  at the last verified position (MTP, else None))
                 first = seq.num_computed_tokens - a  # index of d_1
                 self.outcome_log.append((h[:m], lq[:m], ent[:m], seq.params.temperature <= 0,
                                          st.conf[:n_log], [1.0] * min(a, n_log) + [0.0] * (n_log - min(a, n_log)),
-                                         seq.token_ids[first - 1 : first] + st.drafts[:m], st.cum[:m], a))
+                                         seq.token_ids[first - 1 : first] + st.drafts[:m], st.cum[:m], a, lq2[:m], tf))
             st.drafts, st.q, st.feats = [], None, None
             self._request_metrics(seq, st)
 
@@ -389,6 +445,8 @@ class DSpark(Drafter, Feature, Proposer):
             "dspark_mean_draft_depth": n["depth"] / n["proposals"] if n["proposals"] else 0.0,
             "dspark_proposals": n["proposals"], "dspark_draft_depth_total": n["depth"],
             "dspark_steps_without_drafts": n["skipped_steps"],
+            "dspark_blocked_explorations": n["blocked_explorations"], "dspark_measured_vetoes": n["measured_vetoes"],
+            "dspark_plain_probes": n["plain_probes"], "dspark_trials": n["trials"],
             "dspark_draft_time": self.t["draft"], "dspark_verify_time": self.t["verify"],
             "dspark_schedule_time": self.t["schedule"],
             "dspark_cost_verify_scale": self.live.verify_scale, "dspark_cost_draft_scale": self.live.draft_scale,
@@ -403,7 +461,8 @@ class DSpark(Drafter, Feature, Proposer):
             return None
         out = dict(ranks[0])
         out = {k: v for k, v in out.items() if k.startswith("dspark_")}
-        for key in ("decode_steps", "verified", "accepted", "steps_without_drafts", "proposals",
+        for key in ("decode_steps", "verified", "accepted", "steps_without_drafts", "blocked_explorations",
+                    "measured_vetoes", "plain_probes", "trials", "proposals",
                     "draft_depth_total", "draft_time", "verify_time", "schedule_time"):
             out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks)
         for key in ("cost_verify_scale", "cost_draft_scale", "cost_extra_overhead"):

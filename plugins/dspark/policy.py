@@ -226,7 +226,7 @@ def fixed_lengths(available: list[int], budget: int) -> list[int]:
 
 def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tokens_so_far: float,
                    expected_tokens: float, cost: StepCost, fixed_s: float, max_more: int,
-                   start_s: float = 0.0) -> bool:
+                   start_s: float = 0.0, margin: float = 0.0) -> bool:
     """Whether drafting deeper pays for itself: the step's expected tokens per second if drafting
     stops now, against its best value after 1..``max_more`` more draft steps. Each row's future
     conditional confidences are forecast as its latest one, so P_{j+t} = P_j * c_j**t.
@@ -236,7 +236,9 @@ def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tok
     compute with the drafts so far; ``expected_tokens``: its expected tokens; ``fixed_s``: step time
     spent so far outside the verify forward (overhead and draft steps); ``start_s``: a one-off cost
     that only drafting deeper pays, not stopping now (before a step's first draft: the catch-up beyond
-    one draft step, so a plain step is not charged for a catch-up it would not run)."""
+    one draft step, so a plain step is not charged for a catch-up it would not run); ``margin``: the
+    relative gain drafting deeper must promise (hysteresis: resuming drafting asks for more than
+    continuing it)."""
     if not cum_last or max_more <= 0:
         return False
     n = len(cum_last)
@@ -247,6 +249,75 @@ def worth_drafting(cum_last: list[float], conf_last: list[float], rows: int, tok
         gain += sum(powers)
         value = (expected_tokens + gain) / max(fixed_s + start_s + d * cost.draft(rows)
                                                + cost.verify(tokens_so_far + d * n), 1e-9)
-        if value > best:
+        if value > best * (1.0 + margin):
             return True
     return False
+
+
+def drafting_can_pay(rows: int, cost: LiveCost, k: int, conf: float) -> bool:
+    """Whether drafting could pay at all for a batch of ``rows`` decoding requests if every draft
+    were accepted with probability ``conf`` (an optimistic bound): by the step-time curve, the
+    expected tokens per second of drafting 1..k deep against a plain step. When even that bound
+    loses, drafting is off at this batch size and not worth an exploratory step either."""
+    if rows <= 0:
+        return True
+    return worth_drafting([1.0] * rows, [conf] * rows, rows, rows, rows, cost, cost.overhead(rows), k,
+                          start_s=cost.catchup(rows) - cost.draft(rows))
+
+
+class MeasuredRates:
+    """Decode tokens per second as measured, while drafting and while not, per batch-size bucket
+    (``rows.bit_length()``: 1, 2-3, 4-7, ...): the check on the step-time curve. The curve and the
+    confidences forecast whether drafting pays; these say whether it did. Each rate is a running
+    mean of tokens per step over a running mean of seconds per step (drafting, verification,
+    bookkeeping, async overlap or its absence), seconds clipped to a factor of two of the current mean."""
+
+    ALPHA = 0.2
+    PROBE_AFTER = 16  # drafting steps at a bucket before its plain rate is measured (if unknown)
+    REPROBE_AFTER = 512  # drafting steps before a close call (spec < CLOSE x plain) measures plain again
+    CLOSE = 1.25
+
+    def __init__(self) -> None:
+        self.spec: dict[int, float] = {}  # tokens per second: running mean tokens over running mean seconds
+        self.plain: dict[int, float] = {}
+        self._means: dict[tuple[bool, int], list[float]] = {}  # (drafting, bucket) -> [tokens, seconds] per step
+        self.spec_steps: dict[int, int] = {}  # drafting steps measured since plain decoding last was
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return max(int(rows), 1).bit_length()
+
+    def observe(self, drafting: bool, rows: int, tokens: float, seconds: float) -> None:
+        """One step cycle of ``seconds`` that emitted ``tokens`` for ``rows`` decoding requests."""
+        if seconds <= 0 or tokens < 0 or rows <= 0:
+            return
+        b = self.bucket(rows)
+        m = self._means.get((drafting, b))
+        if m is None:
+            m = self._means[drafting, b] = [float(tokens), seconds]
+        else:  # a ratio of means: a mean of per-step rates would be biased by steps of few tokens
+            m[0] += self.ALPHA * (tokens - m[0])
+            m[1] += self.ALPHA * (min(max(seconds, 0.5 * m[1]), 2.0 * m[1]) - m[1])
+        (self.spec if drafting else self.plain)[b] = m[0] / m[1]
+        if drafting:
+            self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
+        else:
+            self.spec_steps[b] = 0
+
+    def verdict(self, rows: int, margin: float = 0.0) -> bool | None:
+        """Whether drafting measured faster than plain decoding by ``margin`` at this batch size;
+        None while either is unmeasured."""
+        b = self.bucket(rows)
+        spec, plain = self.spec.get(b), self.plain.get(b)
+        if spec is None or plain is None:
+            return None
+        return spec > plain * (1.0 + margin)
+
+    def needs_plain_probe(self, rows: int) -> bool:
+        """Drafting ran here a while and plain decoding never (or long ago, and the call is close, so
+        the load may have moved it): a few plain steps should be measured."""
+        b = self.bucket(rows)
+        n = self.spec_steps.get(b, 0)
+        if b not in self.plain:
+            return n >= self.PROBE_AFTER
+        return n >= self.REPROBE_AFTER and self.spec.get(b, 0.0) < self.CLOSE * self.plain[b]

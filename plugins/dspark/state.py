@@ -15,7 +15,7 @@ class _State:
     """Per-request draft state (``seq.feature_state['dspark']``)."""
 
     __slots__ = ("epoch", "done", "drafts", "cum", "conf", "q", "base_len", "fed", "feats",
-                 "verified", "accepted", "decode_steps", "recent_conf", "kept_hidden", "kept_rows")
+                 "verified", "accepted", "decode_steps", "recent_conf", "kept_hidden", "kept_rows", "prev_frac")
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
@@ -26,13 +26,14 @@ class _State:
         self.q: torch.Tensor | None = None  # draft distributions [n, V] (sampled requests)
         self.base_len = -1
         self.fed = 0  # drafts whose draft KV was written (valid when accepted)
-        self.feats = None  # (hidden, logq, entropy) when outcomes are logged
+        self.feats = None  # (hidden, logq, entropy, logq top-2, target features) when logged
         self.verified = self.accepted = self.decode_steps = 0
         self.recent_conf: float | None = None  # its last first-draft confidence (is its text predictable now?)
         # MTP: the target's hidden states of positions done, done + 1, ... computed in steps without
         # drafting, kept for the catch-up when drafting resumes
         self.kept_hidden: list[torch.Tensor] = []
         self.kept_rows = 0
+        self.prev_frac = float("nan")  # fraction of its drafts accepted at its last verification (NaN: none yet)
 
 
 class _Rows:
