@@ -297,13 +297,15 @@ def test_feature_metrics_are_merged_over_ranks():
                 "dspark_draft_depth_total": 2 * steps, "dspark_draft_time": 0.5, "dspark_verify_time": 1.0,
                 "dspark_schedule_time": 0.1, "dspark_cost_verify_scale": 1.0, "dspark_cost_draft_scale": 2.0,
                 "dspark_cost_extra_overhead": 0.0, "dspark_accept_rate": accepted / verified,
+                "dspark_blocked_explorations": 2, "dspark_measured_vetoes": 1, "dspark_plain_probes": 8,
+                "dspark_trials": 0,
                 "so_requests": so_requests, "so_mask_wait_s": 0.25}
 
     out = merge_feature_metrics(pm, [rank(10, 20, 10, 3), rank(30, 20, 20, 4)])
     assert out["dspark_decode_steps"] == 40 and out["dspark_verified"] == 40 and out["dspark_accepted"] == 30
     assert out["dspark_accept_rate"] == pytest.approx(0.75) and out["dspark_mean_accepted_len"] == pytest.approx(0.75)
     assert out["dspark_mean_draft_depth"] == pytest.approx(2.0) and out["dspark_draft_time"] == pytest.approx(1.0)
-    assert out["dspark_draft"] == "mtp"
+    assert out["dspark_draft"] == "mtp" and out["dspark_blocked_explorations"] == 4 and out["dspark_plain_probes"] == 16
     assert out["so_requests"] == 7 and out["so_mask_wait_s"] == pytest.approx(0.5)
 
 
