@@ -15,21 +15,28 @@ Shapes the kernels take: K (and for MoE, C and I) a multiple of 128, N a multipl
 projection). Other shapes, float32 activations and empty batches run the reference.
 """
 
+import logging
+
 import torch
 
 from kernels_cuda import _tl
+
+logger = logging.getLogger(__name__)
 
 FP8 = "float8_e4m3fn"
 GROUP = 128
 
 
-def build_act_quant(K: int, dtype: str):
+def build_act_quant(K: int, dtype: str, scale_t: bool = False):
+    """``scale_t``: the scales are written K-block-major, ``S[K/128, MP]`` (what ``torch._scaled_mm``'s 1x128
+    blockwise mode and the GEMMs staging a tile's scales with one copy read), else ``S[MP, K/128]``."""
     T = _tl.language()
     M, MP = T.dynamic("M"), T.dynamic("MP")
     BMq = 32
+    s_shape = (K // GROUP, MP) if scale_t else (MP, K // GROUP)
 
     @T.prim_func
-    def act_quant(X: T.Tensor((M, K), dtype), Q: T.Tensor((MP, K), FP8), S: T.Tensor((MP, K // GROUP), "float32")):
+    def act_quant(X: T.Tensor((M, K), dtype), Q: T.Tensor((MP, K), FP8), S: T.Tensor(s_shape, "float32")):
         with T.Kernel(K // GROUP, T.ceildiv(MP, BMq), threads=128) as (kb, bm):
             xf = T.alloc_fragment((BMq, GROUP), "float32")
             amax = T.alloc_fragment((BMq,), "float32")
@@ -46,41 +53,83 @@ def build_act_quant(K: int, dtype: str):
             for i in T.Parallel(BMq):
                 row = bm * BMq + i
                 if row < MP:
-                    S[row, kb] = amax[i]
+                    if scale_t:
+                        S[kb, row] = amax[i]
+                    else:
+                        S[row, kb] = amax[i]
 
     return act_quant
 
 
-def build_fp8_gemm(N: int, K: int, BM: int, BN: int, stages: int, threads: int, out_dtype: str):
+def build_fp8_gemm(N: int, K: int, BM: int, BN: int, stages: int, threads: int, out_dtype: str, BK: int = GROUP):
+    """``BK``: the k width of one pipeline stage and of one fresh float32 fragment (the promotion interval;
+    128 = one scale block, 32 = one wgmma)."""
     T = _tl.language()
     MP = T.dynamic("MP")
     KB = K // GROUP
-    assert K % GROUP == 0 and N % BN == 0 and GROUP % BN == 0 or BN % GROUP == 0
+    assert K % GROUP == 0 and GROUP % BK == 0 and N % BN == 0 and (GROUP % BN == 0 or BN % GROUP == 0)
 
     @T.prim_func
     def fp8_gemm(A: T.Tensor((MP, K), FP8), SA: T.Tensor((MP, KB), "float32"), B: T.Tensor((N, K), FP8),
                  SB: T.Tensor((T.ceildiv(N, GROUP), KB), "float32"), C: T.Tensor((MP, N), out_dtype)):
         with T.Kernel(N // BN, T.ceildiv(MP, BM), threads=threads) as (bn, bm):
-            A_s = T.alloc_shared((BM, GROUP), FP8)
-            B_s = T.alloc_shared((BN, GROUP), FP8)
+            A_s = T.alloc_shared((BM, BK), FP8)
+            B_s = T.alloc_shared((BN, BK), FP8)
             part = T.alloc_fragment((BM, BN), "float32")
             acc = T.alloc_fragment((BM, BN), "float32")
             C_s = T.alloc_shared((BM, BN), out_dtype)
             T.clear(acc)
-            for k in T.Pipelined(KB, num_stages=stages):
-                T.copy(A[bm * BM:(bm + 1) * BM, k * GROUP:(k + 1) * GROUP], A_s)
-                T.copy(B[bn * BN:(bn + 1) * BN, k * GROUP:(k + 1) * GROUP], B_s)
+            for k in T.Pipelined(K // BK, num_stages=stages):
+                T.copy(A[bm * BM:(bm + 1) * BM, k * BK:(k + 1) * BK], A_s)
+                T.copy(B[bn * BN:(bn + 1) * BN, k * BK:(k + 1) * BK], B_s)
                 T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(BM, BN):
-                    acc[i, j] += part[i, j] * SA[bm * BM + i, k] * SB[(bn * BN + j) // GROUP, k]
+                    acc[i, j] += part[i, j] * SA[bm * BM + i, k * BK // GROUP] * \
+                        SB[(bn * BN + j) // GROUP, k * BK // GROUP]
             T.copy(acc, C_s)
             T.copy(C_s, C[bm * BM:(bm + 1) * BM, bn * BN:(bn + 1) * BN])
 
     return fp8_gemm
 
 
+def build_fp8_gemm_ts(N: int, K: int, BM: int, BN: int, stages: int, threads: int, out_dtype: str):
+    """The dense GEMM with the activation scales K-block-major (``SA[K/128, MP]``): each stage copies the
+    tile's BM scales to shared memory with the operands and folds in the weight tile's scale once, so the
+    promotion reads no global memory; tiles are rasterised in panels for L2 reuse of the weights."""
+    T = _tl.language()
+    MP = T.dynamic("MP")
+    KB = K // GROUP
+    assert K % GROUP == 0 and N % BN == 0 and GROUP % BN == 0
+
+    @T.prim_func
+    def fp8_gemm_ts(A: T.Tensor((MP, K), FP8), SA: T.Tensor((KB, MP), "float32"), B: T.Tensor((N, K), FP8),
+                    SB: T.Tensor((T.ceildiv(N, GROUP), KB), "float32"), C: T.Tensor((MP, N), out_dtype)):
+        with T.Kernel(N // BN, T.ceildiv(MP, BM), threads=threads) as (bn, bm):
+            A_s = T.alloc_shared((BM, GROUP), FP8)
+            B_s = T.alloc_shared((BN, GROUP), FP8)
+            SA_s = T.alloc_shared((BM,), "float32")
+            part = T.alloc_fragment((BM, BN), "float32")
+            acc = T.alloc_fragment((BM, BN), "float32")
+            C_s = T.alloc_shared((BM, BN), out_dtype)
+            T.use_swizzle(panel_size=8)
+            T.clear(acc)
+            for k in T.Pipelined(KB, num_stages=stages):
+                T.copy(A[bm * BM:(bm + 1) * BM, k * GROUP:(k + 1) * GROUP], A_s)
+                T.copy(B[bn * BN:(bn + 1) * BN, k * GROUP:(k + 1) * GROUP], B_s)
+                T.copy(SA[k, bm * BM:(bm + 1) * BM], SA_s)
+                T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                sb = SB[(bn * BN) // GROUP, k]
+                for i, j in T.Parallel(BM, BN):
+                    acc[i, j] += part[i, j] * (SA_s[i] * sb)
+            T.copy(acc, C_s)
+            T.copy(C_s, C[bm * BM:(bm + 1) * BM, bn * BN:(bn + 1) * BN])
+
+    return fp8_gemm_ts
+
+
 _act_quant = _tl.kernel_cache(build_act_quant)
 _gemm = _tl.kernel_cache(build_fp8_gemm)
+_gemm_ts = _tl.kernel_cache(build_fp8_gemm_ts)
 
 
 def gemm_config(M: int, N: int) -> dict:
@@ -104,8 +153,24 @@ def quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def quantize_t(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`quantize`, with the scales K-block-major: s[K/128, rows] (``s.t()`` is what
+    ``torch._scaled_mm`` takes for 1x128 blocks)."""
+    M, K = x.shape
+    q = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(K // GROUP, rows, dtype=torch.float32, device=x.device)
+    _act_quant(K, _tl.tl_dtype(x.dtype), True)(x, q, s)
+    return q, s
+
+
 def _fits(K: int, N: int) -> bool:
     return K % GROUP == 0 and N % 64 == 0
+
+
+#: Dense FP8 GEMMs with more tokens than this run cuBLAS's blockwise FP8 GEMM (``torch._scaled_mm`` with
+#: 1x128 activation and 128x128 weight scales, fed by ``act_quant``): at prefill sizes it is about twice
+#: as fast as ``fp8_gemm`` (docs/fp8.md); decode sizes keep the TileLang kernel.
+SCALED_MM_MIN_M = 65
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -117,13 +182,56 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         from kernels_cpu.fp8_ops import fp8_linear as ref
 
         return ref(x, w, w_scale)
+    x2, ws = x2.contiguous(), w_scale.float().contiguous()
+    if M >= SCALED_MM_MIN_M and x.dtype == torch.bfloat16 and scaled_mm_blockwise(x.device):
+        return linear_scaled_mm(x2, w, ws).view(*lead, N)
+    return linear_tilelang(x2, w, ws).view(*lead, N)
+
+
+def linear_scaled_mm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x[M, K] (bf16, contiguous) through ``act_quant`` (scales K-block-major) and ``torch._scaled_mm``."""
+    M = x.shape[0]
+    q, s = quantize_t(x, _round(M, 4))  # the scales' M-major rows 16-byte aligned
+    if _tl.dry_run() and x.device.type != "cuda":  # compile-only run: act_quant is built, nothing runs
+        return torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device)
+    return torch._scaled_mm(q, w.t(), s.t(), w_scale.t(), out_dtype=x.dtype)[:M]
+
+
+_SCALED_MM_OK: dict[int, bool] = {}
+
+
+def scaled_mm_blockwise(device: torch.device) -> bool:
+    """Whether this torch / cuBLAS runs ``_scaled_mm`` with 1x128 x 128x128 block scales on ``device``
+    (CUDA 12.9+ on sm_90); probed once per device, outside graph capture."""
+    if device.type != "cuda":
+        return _tl.dry_run()  # compile-only runs build the kernels of this path too
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SCALED_MM_OK:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        q = torch.zeros(16, 256, dtype=torch.float8_e4m3fn, device=device)
+        w = torch.zeros(256, 256, dtype=torch.float8_e4m3fn, device=device)
+        try:  # shapes no other scaling mode matches: scales [16, 2] (M-major) and [2, 2]
+            torch._scaled_mm(q, w.t(), torch.ones(2, 16, device=device).t(), torch.ones(2, 2, device=device).t(),
+                             out_dtype=torch.bfloat16)
+            _SCALED_MM_OK[idx] = True
+        except (RuntimeError, ValueError, NotImplementedError) as exc:
+            logger.warning("torch._scaled_mm has no 1x128/128x128 block scaling here (%s): dense FP8 GEMMs "
+                           "run the TileLang fp8_gemm at every size", str(exc)[:200])
+            _SCALED_MM_OK[idx] = False
+    return _SCALED_MM_OK[idx]
+
+
+def linear_tilelang(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x[M, K] (bf16/fp16, contiguous) through ``act_quant`` and the TileLang ``fp8_gemm``."""
+    M, K = x.shape
+    N = w.shape[0]
     c = gemm_config(M, N)
     mp = _round(M, c["BM"])
-    q, s = quantize(x2.contiguous(), mp)
+    q, s = quantize(x, mp)
     out = torch.empty(mp, N, dtype=x.dtype, device=x.device)
-    _gemm(N, K, c["BM"], c["BN"], c["stages"], c["threads"], _tl.tl_dtype(x.dtype))(
-        q, s, w, w_scale.float().contiguous(), out)
-    return out[:M].view(*lead, N)
+    _gemm(N, K, c["BM"], c["BN"], c["stages"], c["threads"], _tl.tl_dtype(x.dtype))(q, s, w, w_scale, out)
+    return out[:M]
 
 
 # ---- grouped (MoE) ------------------------------------------------------------------------------------
@@ -264,8 +372,10 @@ def fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | 
     return finish()
 
 
-def moe_fp8_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | None = None):
-    """The launches of :func:`fused_moe_fp8` as (name, thunk) pairs, plus a thunk returning the output."""
+def moe_fp8_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | None = None,
+                  buffers: dict | None = None):
+    """The launches of :func:`fused_moe_fp8` as (name, thunk) pairs, plus a thunk returning the output.
+    ``buffers``, when given, receives the intermediate tensors by name (for ``examples/fp8_diag.py``)."""
     from kernels_cuda.moe import _align, _combine
 
     NT, C = x.shape
@@ -307,6 +417,8 @@ def moe_fp8_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | 
         ("gemm2_fp8", lambda: k_gemm2(hq, sh, w2, s2, block_expert, row_slot, y)),
         ("combine", lambda: k_combine(y, wts, ids2, out)),
     ]
+    if buffers is not None:
+        buffers.update(BM=BM, row_slot=row_slot, block_expert=block_expert, xq=xq, sx=sx, hs=hs, hq=hq, sh=sh, y=y)
     return steps, (lambda: out)
 
 

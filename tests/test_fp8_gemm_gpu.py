@@ -44,16 +44,26 @@ LINEAR_CASES = [(f"{name} M={m}", m, n, k) for name, n, k in (
     ("dense_w13", 36864, 7168), ("v2lite_q", 3072, 2048)) for m in (1, 7, 64, 200)]
 
 
+def _linear_path(path):
+    from kernels_cuda import fp8_gemm as F
+
+    if path == "scaled_mm" and not DRY and not F.scaled_mm_blockwise(torch.device(DEV)):
+        pytest.skip("this torch/cuBLAS has no blockwise torch._scaled_mm")
+    return {"dispatch": F.fp8_linear, "tilelang": F.linear_tilelang, "scaled_mm": F.linear_scaled_mm}[path]
+
+
+@pytest.mark.parametrize("path", ["dispatch", "tilelang", "scaled_mm"])
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=[c[0] for c in LINEAR_CASES])
-def test_fp8_linear_real_shapes(case):
+def test_fp8_linear_real_shapes(case, path):
+    """Both dense paths (the TileLang GEMM and cuBLAS's blockwise GEMM behind our activation quantisation)
+    at every size, and ``fp8_linear``'s choice between them."""
     from kernels_cpu.fp8_ops import fp8_linear as ref
-    from kernels_cuda.fp8_gemm import fp8_linear
 
     _, M, N, K = case
     g = torch.Generator(device=DEV).manual_seed(M * 7 + N)
     x = randn(g, M, K)
     w, s = fp8_weight(g, N, K)
-    out = fp8_linear(x, w, s)
+    out = _linear_path(path)(x, w, s)
     close(out, ref(x, w, s), case[0])
 
 
