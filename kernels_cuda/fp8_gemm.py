@@ -35,6 +35,9 @@ def build_act_quant(K: int, dtype: str, scale_t: bool = False):
     BMq = 32
     s_shape = (K // GROUP, MP) if scale_t else (MP, K // GROUP)
 
+    def s_index(kb, row):
+        return (kb, row) if scale_t else (row, kb)
+
     @T.prim_func
     def act_quant(X: T.Tensor((M, K), dtype), Q: T.Tensor((MP, K), FP8), S: T.Tensor(s_shape, "float32")):
         with T.Kernel(K // GROUP, T.ceildiv(MP, BMq), threads=128) as (kb, bm):
@@ -53,10 +56,7 @@ def build_act_quant(K: int, dtype: str, scale_t: bool = False):
             for i in T.Parallel(BMq):
                 row = bm * BMq + i
                 if row < MP:
-                    if scale_t:
-                        S[kb, row] = amax[i]
-                    else:
-                        S[row, kb] = amax[i]
+                    S[s_index(kb, row)] = amax[i]
 
     return act_quant
 
