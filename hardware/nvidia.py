@@ -72,9 +72,9 @@ class NvidiaPlatform(Platform):
         return (torch.bfloat16, torch.float16, torch.float32)
 
     def supports_fp8_gemm(self) -> bool:
-        # kernels_cuda.fp8_gemm (e4m3 wgmma, sm_90a) fails its H200 conformance at real shapes and is not
-        # registered (kernels_cuda/__init__.py): weight_dtype "auto" dequantises FP8 checkpoints to bf16
-        return False
+        # kernels_cuda.fp8_gemm runs e4m3 wgmma (sm_90a): Hopper only. Ada (sm_89) has FP8 tensor cores but
+        # no wgmma/TMA, and Blackwell's tcgen05 path is not written: both keep dequantising at load.
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
     def supports_pinned_memory(self) -> bool:
         return True

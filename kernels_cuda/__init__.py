@@ -45,7 +45,7 @@ class CudaKernels(KernelBackend):
         "ue8m0_scale": "kernels_cuda.mxfp8:ue8m0_scale",
         "mxfp8_quant": "kernels_cuda.mxfp8:mxfp8_quant",
         "mxfp8_dequant": "kernels_cuda.mxfp8:mxfp8_dequant",
-        # fp8_linear / fused_moe_fp8 (kernels_cuda.fp8_gemm) are not registered: on the H200 they exceed
-        # the conformance bounds at real V2-Lite/V3 shapes (tests/test_fp8_gemm_gpu.py, 18 of 38 cases
-        # failed on 2026-12-03), so FP8 weights run the reference ops until they pass
+        # block-scaled FP8 weights (sm_90a e4m3 wgmma; dense prefill through cuBLAS's blockwise _scaled_mm)
+        "fp8_linear": "kernels_cuda.fp8_gemm:fp8_linear",
+        "fused_moe_fp8": "kernels_cuda.fp8_gemm:fused_moe_fp8",
     }

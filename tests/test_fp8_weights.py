@@ -14,7 +14,7 @@ from tiny_models import VOCAB, write_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
-from deepinfer_core.models.loader import dequantize_fp8, quantize_fp8
+from deepinfer_core.models.loader import dequantize_fp8, quantize_fp8, quantize_model_fp8
 from kernels_cpu.fp8_ops import FP8, dequantize_blocks, fp8_linear, fused_moe_fp8, quantize_act_fp8
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -198,3 +198,15 @@ def test_random_weights_quantised_for_fp8_benchmarks(fp8_ckpt):
     assert fp8.engine.fingerprint != plain.engine.fingerprint  # other numerics: never share KV
     toks, _ = _generate(fp8)
     assert all(len(t) == 6 for t in toks)
+    # round_trip: the plain model's weights become exactly the FP8 model's, dequantised (the bf16-dequantised
+    # path of examples/fp8_slice.py), in their own dtype, and the fused input projection is derived again
+    assert quantize_model_fp8(mp, round_trip=True) > 0
+    fp8_params = [(n, p) for n, p in mf.named_parameters() if p.dtype == FP8]
+    assert len(fp8_params) >= 8
+    for name, p in fp8_params:
+        owner, attr = mf.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        twin = mp.get_parameter(name)
+        assert twin.dtype == torch.float32
+        assert torch.equal(dequantize_blocks(p, getattr(owner, attr + "_scale_inv"), 128, 128), twin), name
+    attn = mp.layers[0].self_attn
+    assert torch.equal(attn.w_xa, torch.cat((attn.q_a_proj, attn.kv_a_proj_with_mqa)))

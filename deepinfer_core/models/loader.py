@@ -289,11 +289,15 @@ def _fp8_scale(model: torch.nn.Module, target: str, p: torch.Tensor) -> torch.Te
     return buf
 
 
-def quantize_model_fp8(model: torch.nn.Module) -> int:
+def quantize_model_fp8(model: torch.nn.Module, round_trip: bool = False) -> int:
     """Turn the model's GEMM weights that declare a ``<name>_scale_inv`` buffer into e4m3 with 128x128 tile
     scales (:func:`quantize_fp8`, matrix by matrix), as an FP8 checkpoint would load them (``load_format =
     "random"`` with ``weight_dtype = "fp8"``: benchmarks of FP8 shapes without a checkpoint). A fused w13
-    whose halves do not fill whole tiles stays as it is. Returns the number of weights quantised."""
+    whose halves do not fill whole tiles stays as it is. Returns the number of weights quantised.
+
+    ``round_trip``: write each weight back, in place and in its own dtype, as the dequantised FP8 weight
+    (what ``weight_dtype = "bf16"`` loads from the FP8 checkpoint of these weights), declaring no scales;
+    the weights derived at load (``post_load``: fused projections) are derived again."""
     done = 0
     for module in list(model.modules()):
         for buf_name in [n for n, b in module._buffers.items() if n.endswith("_scale_inv") and b is None]:
@@ -302,12 +306,20 @@ def quantize_model_fp8(model: torch.nn.Module) -> int:
             width = {"w13": p.shape[-2] // 2, "w2": p.shape[-1]}.get(attr, 0) if p is not None else 0
             if p is None or p.dim() < 2 or width % FP8_BLOCK:  # keeps_fp8's rule
                 continue
+            if round_trip:
+                with torch.no_grad():
+                    for m in p.data.view(-1, *p.shape[-2:]):
+                        m.copy_(dequantize_fp8(*quantize_fp8(m)))
+                done += 1
+                continue
             pairs = [quantize_fp8(m) for m in p.data.reshape(-1, *p.shape[-2:])]  # one matrix at a time
             p.data = torch.stack([q for q, _ in pairs]).view(p.shape)
             scales = [s for _, s in pairs]
             module.register_buffer(buf_name, torch.stack(scales).view(*p.shape[:-2], *scales[0].shape),
                                    persistent=False)
             done += 1
+    if round_trip and getattr(model, "post_load", None) is not None:
+        model.post_load()
     return done
 
 
