@@ -22,6 +22,7 @@ from deepinfer_core.testing import (
 )
 from kernels_ascend import AscendKernels
 from kernels_cpu import ReferenceKernels
+from kernels_cpu import fp8_ops as ref_fp8
 from kernels_cpu import ops as ref
 
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -101,6 +102,11 @@ def moe_clamping_remote_ids(x, w13, w2, weights, ids):
     return ref.fused_moe(x, w13, w2, weights, ids.clamp(0, w13.shape[0] - 1))
 
 
+def moe_fp8_first_tile_scale(x, w13, s13, w2, s2, weights, ids):
+    # every w2 tile scaled by its expert's first tile's scale (a tile-indexing bug)
+    return ref_fp8.fused_moe_fp8(x, w13, s13, w2, s2[:, :1, :1].expand_as(s2), weights, ids)
+
+
 def sample_with_torch_rng(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     greedy = temperature <= 0
     g = torch.Generator().manual_seed(int(seeds[0]))
@@ -139,6 +145,8 @@ def backend(op: str, fn) -> type[KernelBackend]:
      r"case 'sigmoid bias top2sum'\] differs from the reference: token \d+ routed to experts \["),
     ("fused_moe", moe_clamping_remote_ids, torch.bfloat16,
      r"'fused_moe'.*\[dtype bfloat16, case 'with remote experts'\].*max error"),
+    ("fused_moe_fp8", moe_fp8_first_tile_scale, torch.bfloat16,
+     r"'fused_moe_fp8'.*\[dtype bfloat16, case 'with remote experts'\].*relative error norm .*\(compared norm-wise"),
     ("sample", sample_with_torch_rng, torch.float32,
      r"case 'mixed greedy and seeded'\] differs from the reference: \d+ of 16 rows sampled other tokens.*"
      r"first: seeded \(seed=\d+, offset=\d+\) row \d+"),

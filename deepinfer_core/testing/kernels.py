@@ -6,7 +6,8 @@ seeded sampling rows, ...), runs the backend's op on ``device`` and compares the
 reference computed in float32 on the CPU from the same (already rounded) inputs:
 
 * floating outputs: ``|out - ref| <= rtol * (|ref| + rms(ref))`` with ``rtol`` from
-  :data:`TOLERANCES` (float32 1e-4, bfloat16 2e-2, float16 5e-3);
+  :data:`TOLERANCES` (float32 1e-4, bfloat16 2e-2, float16 5e-3); ``fused_moe_fp8``, which re-quantises
+  its hidden to e4m3, norm-wise: ``||out - ref|| <= rtol * ||ref||``;
 * cache writes and gathers, MXFP8 quantisation, dequantisation and ue8m0 scales: bit-exact;
 * ``moe_route``: the same expert set per token (inputs are drawn with a clear margin between the
   k-th and (k+1)-th choice, so this is well posed), weights within tolerance;
@@ -73,6 +74,12 @@ def _reference_fn(op: str) -> Callable:
 _EXACT_OPS = {"paged_kv_write", "paged_kv_gather", "ue8m0_scale", "mxfp8_quant", "mxfp8_dequant"}
 #: ops whose reference truth is computed at the case's own dtype (they quantise activations on the fly)
 _SAME_DTYPE_TRUTH = {"fp8_linear", "fused_moe_fp8"}
+#: ops that re-quantise an intermediate to e4m3 (the MoE hidden): a hidden element whose rounded value sits
+#: near an e4m3 rounding boundary may round the other way under any other summation order (FP8 tensor
+#: cores keep 13 mantissa bits per wgmma), moving single outputs by about the elementwise bound; they are
+#: compared norm-wise, ||out - ref|| <= rtol * ||ref|| (each launch is checked elementwise on its own
+#: inputs at real shapes in tests/test_fp8_gemm_gpu.py)
+_NORM_OPS = {"fused_moe_fp8"}
 #: which argument of an op is a latent cache (stored in the platform's planes), and the rope width of
 #: the kit's cache entries
 _CACHE_ARG = {"paged_kv_write": 0, "paged_kv_gather": 0, "mla_decode": 1}
@@ -112,7 +119,7 @@ def _fail(where: str, detail: str) -> None:
 
 
 def _compare(where: str, out: torch.Tensor, ref: torch.Tensor, expected_dtype: torch.dtype, rtol: float, *,
-             exact: bool) -> None:
+             exact: bool, norm: bool = False) -> None:
     if not isinstance(out, torch.Tensor):
         _fail(where, f"returned {type(out).__name__}, expected a tensor")
     out = out.detach().cpu()
@@ -135,6 +142,12 @@ def _compare(where: str, out: torch.Tensor, ref: torch.Tensor, expected_dtype: t
     if not bool(torch.isfinite(o).all()):
         idx = tuple((~torch.isfinite(o)).nonzero()[0].tolist())
         _fail(where, f"non-finite output at {idx} ({o[idx].item()}); reference {r[idx].item()}")
+    if norm:
+        rel = ((o - r).norm() / r.norm().clamp_min(1e-12)).item()
+        if rel > rtol:
+            _fail(where, f"relative error norm {rel:.3e} > rtol={rtol:g} (compared norm-wise: it re-quantises "
+                  "an intermediate)")
+        return
     err = (o - r).abs()
     scale = r.pow(2).mean().sqrt().item() if r.numel() else 0.0
     bound = rtol * (r.abs() + max(scale, 1e-12))
@@ -260,7 +273,7 @@ def check_op(
         else:
             for i, (o, r, s) in enumerate(zip(out, truth, shaped, strict=True)):
                 name = where if len(out) == 1 else f"{where} output {i}"
-                _compare(name, o, r, s.dtype, rtol, exact=op in _EXACT_OPS)
+                _compare(name, o, r, s.dtype, rtol, exact=op in _EXACT_OPS, norm=op in _NORM_OPS)
 
 
 def check_kernel_backend(
