@@ -210,3 +210,46 @@ def test_random_weights_quantised_for_fp8_benchmarks(fp8_ckpt):
         assert torch.equal(dequantize_blocks(p, getattr(owner, attr + "_scale_inv"), 128, 128), twin), name
     attn = mp.layers[0].self_attn
     assert torch.equal(attn.w_xa, torch.cat((attn.q_a_proj, attn.kv_a_proj_with_mqa)))
+
+
+# ---- why the kit compares fused_moe_fp8 norm-wise ---------------------------------------------------
+
+def _tensor_core_fp8_linear(x, w, ws):
+    """``fp8_linear`` as Hopper's e4m3 wgmma computes it: each 32-product step adds into the running
+    128-block sum keeping 13 mantissa bits (truncated), promoted to float32 per 128-wide k block."""
+    q, s = quantize_act_fp8(x)
+    qa, wb = q.double(), w.double()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for kb in range(x.shape[1] // 128):
+        part = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+        for k0 in range(kb * 128, kb * 128 + 128, 32):
+            part = part + qa[:, k0:k0 + 32] @ wb[:, k0:k0 + 32].t()
+            ulp = torch.exp2(torch.floor(torch.log2(part.abs().clamp_min(1e-300))) - 13)
+            part = torch.sign(part) * torch.floor(part.abs() / ulp) * ulp
+        acc += part.float() * s[:, kb:kb + 1] * ws[:, kb].repeat_interleave(128)[: w.shape[0]]
+    return acc.to(x.dtype)
+
+
+def test_tensor_core_accumulation_flips_moe_hidden_rounding_but_stays_within_the_norm_bound():
+    """With FP8 tensor-core accumulation (modelled above: 13 kept bits, the H200's measured behaviour) the
+    fused FP8 MoE of the kit's 120-token case exceeds the elementwise bound (the H200 kernel measured 3.2x,
+    docs/fp8.md) because hidden elements re-quantise differently, while a single GEMM stays well inside
+    it; norm-wise both are far inside rtol. This is why the kit compares fused_moe_fp8 norm-wise."""
+    from deepinfer_core.testing.kernel_cases import _cases_fused_moe_fp8
+    from kernels_cpu.ops import grouped_experts, silu_and_mul
+
+    case = next(c for c in _cases_fused_moe_fp8(torch.Generator().manual_seed(0), torch.bfloat16, 16)
+                if c.label == "120 tokens")
+    x, w13, s13, w2, s2, weights, ids = case.args
+    ref = fused_moe_fp8(*case.args).double()
+
+    def project(a, e, which):
+        return _tensor_core_fp8_linear(a, w13[e], s13[e]) if which == 1 else _tensor_core_fp8_linear(a, w2[e], s2[e])
+
+    out = grouped_experts(x, w13, w2, weights, ids, lambda h: silu_and_mul(h.float()).to(h.dtype), project).double()
+    elementwise = ((out - ref).abs() / (2e-2 * (ref.abs() + ref.pow(2).mean().sqrt()))).max().item()
+    assert elementwise > 1.5  # outside the elementwise bound
+    assert (out - ref).norm() / ref.norm() < 1e-2  # inside the norm-wise one (rtol 2e-2) with margin
+    single = _tensor_core_fp8_linear(x, w13[0], s13[0]).double()
+    truth = fp8_linear(x, w13[0], s13[0]).double()
+    assert ((single - truth).abs() / (2e-2 * (truth.abs() + truth.pow(2).mean().sqrt()))).max() < 0.5
