@@ -76,8 +76,13 @@ MOE_CASES = [("V2-Lite b1", 1, 64, 2048, 1408, 6), ("V2-Lite b64", 64, 64, 2048,
 
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
 def test_fused_moe_fp8_real_shapes(case):
+    """Each launch against the reference on that launch's own inputs (bit-equal routing and quantisation,
+    GEMMs within the elementwise bound), then the output norm-wise against the reference end to end
+    (the hidden is re-quantised to e4m3: see deepinfer_core/testing/kernels.py)."""
+    from fp8_moe_stages import moe_fp8_stages
+
     from kernels_cpu.fp8_ops import fused_moe_fp8 as ref
-    from kernels_cuda.fp8_gemm import fused_moe_fp8
+    from kernels_cuda.fp8_gemm import moe_fp8_steps
 
     _, T, E, C, I, k = case
     g = torch.Generator(device=DEV).manual_seed(T + E)
@@ -87,8 +92,19 @@ def test_fused_moe_fp8_real_shapes(case):
     ids = torch.stack([torch.randperm(E + 4, generator=torch.Generator().manual_seed(t))[:k] - 2
                        for t in range(T)]).to(DEV)  # some ids outside [0, E): other ranks' experts
     weights = torch.rand(T, k, device=DEV).to(torch.bfloat16)
-    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
-    close(out, ref(x, w13, s13, w2, s2, weights, ids), case[0])
+    if DRY:  # compile-only: build the launches
+        moe_fp8_steps(x, w13, s13, w2, s2, weights, ids)
+        return
+    st = moe_fp8_stages(x, w13, s13, w2, s2, weights, ids)
+    assert st["rows"][0] == st["rows"][1], f"{case[0]}: rows written {st['rows']}"
+    for name, (kind, out, want) in ((n, v) for n, v in st.items() if isinstance(v, tuple) and len(v) == 3):
+        if kind == "exact":
+            assert torch.equal(out, want), f"{case[0]} {name}: {(out != want).sum().item()} element(s) differ"
+        else:
+            close(out, want, f"{case[0]} {name}")
+    truth = ref(x, w13, s13, w2, s2, weights, ids).double()
+    rel = ((st["out"].double() - truth).norm() / truth.norm()).item()
+    assert rel <= 2e-2, f"{case[0]}: relative error norm {rel:.3e}"
 
 
 @pytest.mark.skipif(DRY, reason="runs kernels")
