@@ -427,6 +427,7 @@ def representative_kernels():
     E, C, I = 256, 7168, 2048
     return [
         ("fp8_act_quant K7168", lambda: build_act_quant(7168, "bfloat16")),
+        ("fp8_act_quant K7168 scales K-block-major", lambda: build_act_quant(7168, "bfloat16", True)),
         ("fp8_gemm q_b decode", lambda: build_fp8_gemm(24576, 1536, 64, 64, 4, 128, "bfloat16")),
         ("fp8_gemm kv_a prefill", lambda: build_fp8_gemm(576, 7168, 128, 64, 3, 256, "bfloat16")),
         ("fp8_gemm o_proj prefill", lambda: build_fp8_gemm(7168, 16384, 128, 128, 3, 256, "bfloat16")),
