@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # fp8_moe_stages: the launch-by-launch check
 
 DEV = "cuda"
 LINEAR = [("q_b", 64, 24576, 1536), ("q_b", 200, 24576, 1536), ("v2lite_q", 200, 3072, 2048),
@@ -107,11 +108,6 @@ def linear_case(name: str, M: int, N: int, K: int) -> dict:
         y = torch.empty(mp, N, dtype=torch.float32, device=DEV)
         F._gemm(N, K, *args, "float32", bk)(q, s, w, ws, y)
         outs[label] = y[:M]
-    if c["BN"] <= 128:
-        qt, st = F.quantize_t(x, mp)
-        y = torch.empty(mp, N, dtype=torch.bfloat16, device=DEV)
-        F._gemm_ts(N, K, *args, "bfloat16")(qt, st, w, ws, y)
-        outs["kernel_ts_bf16"] = y[:M]
     for label, dt in (("scaled_mm_bf16", torch.bfloat16), ("scaled_mm_fp32", torch.float32)):
         o = scaled_mm(q_ref, s_ref, w, ws, dt)
         if isinstance(o, str):
@@ -133,12 +129,9 @@ def linear_case(name: str, M: int, N: int, K: int) -> dict:
 
 
 def moe_case(name: str, T: int, E: int, C: int, I: int, k: int) -> dict:
-    import torch.nn.functional as Fn
+    from fp8_moe_stages import moe_fp8_stages
 
-    from kernels_cpu.fp8_ops import fp8_linear as ref_linear
     from kernels_cpu.fp8_ops import fused_moe_fp8 as ref_moe
-    from kernels_cpu.fp8_ops import quantize_act_fp8
-    from kernels_cuda import fp8_gemm as F
 
     g = torch.Generator(device=DEV).manual_seed(T + E)  # the conformance test's inputs
     x = torch.randn(T, C, generator=g, device=DEV).to(torch.bfloat16)
@@ -147,48 +140,15 @@ def moe_case(name: str, T: int, E: int, C: int, I: int, k: int) -> dict:
     ids = torch.stack([torch.randperm(E + 4, generator=torch.Generator().manual_seed(t))[:k] - 2
                        for t in range(T)]).to(DEV)
     weights = torch.rand(T, k, device=DEV).to(torch.bfloat16)
-    bufs: dict = {}
-    steps, finish = F.moe_fp8_steps(x, w13, s13, w2, s2, weights, ids, buffers=bufs)
-    for _, step in steps:
-        step()
-    out = finish()
-    torch.cuda.synchronize()
-    BM = bufs["BM"]
-    res = {"case": name, "T": T, "E": E, "C": C, "I": I, "k": k, "BM": BM}
-    row_slot, block_expert = bufs["row_slot"].long(), bufs["block_expert"].long()
-    rows = torch.arange(row_slot.numel(), device=DEV)
-    be = block_expert[rows // BM]
-    valid = (be >= 0) & (row_slot >= 0)
-    R, slot = rows[valid], row_slot[valid]
-    tok, e = slot // k, be[valid]
-    res["align_expert_matches_ids"] = bool((ids.view(-1)[slot] == e).all())
-    valid_slots = ((ids >= 0) & (ids < E)).sum().item()
-    res["rows_vs_valid_slots"] = [int(R.numel()), int(valid_slots)]
-    q_ref, s_ref = quantize_act_fp8(x[tok])
-    res["gather_q_mismatches"] = int((bufs["xq"][R].view(torch.uint8) != q_ref.view(torch.uint8)).sum())
-    h_ref = torch.empty(R.numel(), I, dtype=x.dtype, device=DEV)
-    y_ref = torch.empty(R.numel(), C, dtype=x.dtype, device=DEV)
-    hs = bufs["hs"][R]
-    for ex in e.unique().tolist():
-        m = e == ex
-        gu = ref_linear(x[tok[m]], w13[ex], s13[ex])
-        h_ref[m] = (Fn.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)
-        y_ref[m] = ref_linear(hs[m], w2[ex], s2[ex])  # gemm2's reference from the kernel's own hidden
-    res["gemm1_hidden"] = stats(hs, h_ref) | {"bits_equal": float((hs == h_ref).float().mean())}
-    res["gemm1_err_per_row_in_tile"] = [round(v, 5) for v in torch.zeros(BM, device=DEV, dtype=torch.float64)
-                                        .index_add_(0, R % BM, (hs.double() - h_ref.double()).abs().mean(1)).tolist()]
-    hq_ref, sh_ref = quantize_act_fp8(hs)
-    res["hidden_q_mismatches"] = int((bufs["hq"][R].view(torch.uint8) != hq_ref.view(torch.uint8)).sum())
-    res["hidden_scale_max_rel"] = ((bufs["sh"][R] - sh_ref) / sh_ref).abs().max().item()
-    y = bufs["y"][slot]
-    res["gemm2_rows"] = stats(y, y_ref) | {"bits_equal": float((y == y_ref).float().mean())}
-    ok = (ids >= 0) & (ids < E)
-    y_full = torch.zeros(T * k, C, dtype=torch.float32, device=DEV)
-    y_full[slot] = y.float()
-    comb = (y_full.view(T, k, C) * (weights.float() * ok)[..., None]).sum(1).to(x.dtype)
-    res["combine"] = stats(out, comb)
+    st = moe_fp8_stages(x, w13, s13, w2, s2, weights, ids)
+    res = {"case": name, "T": T, "E": E, "C": C, "I": I, "k": k, "rows_vs_valid_slots": list(st["rows"])}
+    for stage, v in st.items():
+        if isinstance(v, tuple) and len(v) == 3:
+            kind, out, want = v
+            res[stage] = ({"mismatches": int((out != want).sum())} if kind == "exact"
+                          else stats(out, want) | {"bits_equal": float((out == want).float().mean())})
     ref_out = ref_moe(x, w13, s13, w2, s2, weights, ids)
-    res["end_to_end"] = stats(out, ref_out)
+    res["end_to_end"] = stats(st["out"], ref_out)
     res["reference_fp32_acts_vs_reference_bf16"] = stats(ref_moe(x.float(), w13, s13, w2, s2, weights.float(), ids),
                                                          ref_out)
     return res
@@ -214,7 +174,6 @@ def perf_row(M: int, name: str, N: int, K: int) -> dict:
     mp = -(-M // c["BM"]) * c["BM"]
     q, s = F.quantize(x, mp)
     qt, st = F.quantize_t(x, M)
-    qt2, st2 = F.quantize_t(x, mp)
     y = torch.empty(mp, N, dtype=torch.bfloat16, device=DEV)
     cand = {
         "ours_linear": lambda: F.linear_tilelang(x, w, ws),
@@ -225,11 +184,6 @@ def perf_row(M: int, name: str, N: int, K: int) -> dict:
         "scaled_mm": lambda: torch._scaled_mm(qt, w.t(), st.t(), ws.t(), out_dtype=torch.bfloat16),
         "quant_t+scaled_mm": lambda: quant_scaled_mm(x, w, ws),
     }
-    if c["BN"] <= 128:
-        cand["ours_gemm_ts"] = lambda: F._gemm_ts(N, K, *args, "bfloat16")(qt2, st2, w, ws, y)
-        if M > 64:
-            cand["ours_gemm_ts_s4"] = lambda: F._gemm_ts(N, K, c["BM"], c["BN"], 4, c["threads"], "bfloat16")(
-                qt2, st2, w, ws, y)
     row = {"M": M, "shape": name, "N": N, "K": K, "config": c}
     flops = 2 * M * N * K
     for label, fn in cand.items():
@@ -271,8 +225,6 @@ def warm() -> None:
         F._gemm(N, K, *args, "bfloat16")
         F._gemm(N, K, *args, "float32", 128)
         F._gemm(N, K, *args, "float32", 32)
-        if c["BN"] <= 128:
-            F._gemm_ts(N, K, *args, "bfloat16")
     for _, T, E, C, I, k in MOE:
         z = lambda *shape, dt=torch.bfloat16: torch.empty(*shape, dtype=dt, device="meta")  # noqa: E731
         F.moe_fp8_steps(z(T, C), z(E, 2 * I, C, dt=torch.float8_e4m3fn), z(E, 2 * I // 128, C // 128, dt=torch.float32),
@@ -285,10 +237,6 @@ def warm() -> None:
             F._act_quant(K, "bfloat16")
             F._act_quant(K, "bfloat16", True)
             F._gemm(N, K, *args, "bfloat16")
-            if c["BN"] <= 128:
-                F._gemm_ts(N, K, *args, "bfloat16")
-                if M > 64:
-                    F._gemm_ts(N, K, c["BM"], c["BN"], 4, c["threads"], "bfloat16")
 
 
 def main() -> None:

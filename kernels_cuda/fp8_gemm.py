@@ -92,44 +92,8 @@ def build_fp8_gemm(N: int, K: int, BM: int, BN: int, stages: int, threads: int, 
     return fp8_gemm
 
 
-def build_fp8_gemm_ts(N: int, K: int, BM: int, BN: int, stages: int, threads: int, out_dtype: str):
-    """The dense GEMM with the activation scales K-block-major (``SA[K/128, MP]``): each stage copies the
-    tile's BM scales to shared memory with the operands and folds in the weight tile's scale once, so the
-    promotion reads no global memory; tiles are rasterised in panels for L2 reuse of the weights."""
-    T = _tl.language()
-    MP = T.dynamic("MP")
-    KB = K // GROUP
-    assert K % GROUP == 0 and N % BN == 0 and GROUP % BN == 0
-
-    @T.prim_func
-    def fp8_gemm_ts(A: T.Tensor((MP, K), FP8), SA: T.Tensor((KB, MP), "float32"), B: T.Tensor((N, K), FP8),
-                    SB: T.Tensor((T.ceildiv(N, GROUP), KB), "float32"), C: T.Tensor((MP, N), out_dtype)):
-        with T.Kernel(N // BN, T.ceildiv(MP, BM), threads=threads) as (bn, bm):
-            A_s = T.alloc_shared((BM, GROUP), FP8)
-            B_s = T.alloc_shared((BN, GROUP), FP8)
-            SA_s = T.alloc_shared((BM,), "float32")
-            part = T.alloc_fragment((BM, BN), "float32")
-            acc = T.alloc_fragment((BM, BN), "float32")
-            C_s = T.alloc_shared((BM, BN), out_dtype)
-            T.use_swizzle(panel_size=8)
-            T.clear(acc)
-            for k in T.Pipelined(KB, num_stages=stages):
-                T.copy(A[bm * BM:(bm + 1) * BM, k * GROUP:(k + 1) * GROUP], A_s)
-                T.copy(B[bn * BN:(bn + 1) * BN, k * GROUP:(k + 1) * GROUP], B_s)
-                T.copy(SA[k, bm * BM:(bm + 1) * BM], SA_s)
-                T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                sb = SB[(bn * BN) // GROUP, k]
-                for i, j in T.Parallel(BM, BN):
-                    acc[i, j] += part[i, j] * (SA_s[i] * sb)
-            T.copy(acc, C_s)
-            T.copy(C_s, C[bm * BM:(bm + 1) * BM, bn * BN:(bn + 1) * BN])
-
-    return fp8_gemm_ts
-
-
 _act_quant = _tl.kernel_cache(build_act_quant)
 _gemm = _tl.kernel_cache(build_fp8_gemm)
-_gemm_ts = _tl.kernel_cache(build_fp8_gemm_ts)
 
 
 def gemm_config(M: int, N: int) -> dict:
