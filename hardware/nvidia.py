@@ -72,9 +72,14 @@ class NvidiaPlatform(Platform):
         return (torch.bfloat16, torch.float16, torch.float32)
 
     def supports_fp8_gemm(self) -> bool:
-        # kernels_cuda.fp8_gemm runs e4m3 wgmma (sm_90a): Hopper only. Ada (sm_89) has FP8 tensor cores but
-        # no wgmma/TMA, and Blackwell's tcgen05 path is not written: both keep dequantising at load.
-        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+        # Both FP8 weight ops must be this platform's kernels (kernels_cuda registers them once they pass the
+        # H200 conformance), and the device must be Hopper: kernels_cuda.fp8_gemm is e4m3 wgmma + TMA
+        # (sm_90a). Ada (sm_89) has FP8 tensor cores but neither; Blackwell's tcgen05 path is not written.
+        from deepinfer_core import plugins
+
+        ops = plugins.load("deepinfer.kernels", self.kernel_backend, what="kernel backend").ops
+        return ({"fp8_linear", "fused_moe_fp8"} <= ops.keys() and torch.cuda.is_available()
+                and torch.cuda.get_device_capability()[0] == 9)
 
     def supports_pinned_memory(self) -> bool:
         return True

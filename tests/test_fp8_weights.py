@@ -253,3 +253,21 @@ def test_tensor_core_accumulation_flips_moe_hidden_rounding_but_stays_within_the
     single = _tensor_core_fp8_linear(x, w13[0], s13[0]).double()
     truth = fp8_linear(x, w13[0], s13[0]).double()
     assert ((single - truth).abs() / (2e-2 * (truth.abs() + truth.pow(2).mean().sqrt()))).max() < 0.5
+
+
+def test_nvidia_supports_fp8_gemm_needs_hopper_and_the_registered_fp8_ops(monkeypatch):
+    """weight_dtype "auto" keeps FP8 weights on nvidia exactly when its kernel backend registers both FP8
+    weight ops and the device is sm_90 (the kernels are e4m3 wgmma + TMA)."""
+    from hardware.nvidia import NvidiaPlatform
+    from kernels_cuda import CudaKernels
+
+    platform = NvidiaPlatform.__new__(NvidiaPlatform)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ops = {**CudaKernels.ops, "fp8_linear": "kernels_cuda.fp8_gemm:fp8_linear",
+           "fused_moe_fp8": "kernels_cuda.fp8_gemm:fused_moe_fp8"}
+    monkeypatch.setattr(CudaKernels, "ops", ops)
+    for capability, want in (((9, 0), True), ((8, 9), False), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        assert platform.supports_fp8_gemm() is want, capability
+    monkeypatch.setattr(CudaKernels, "ops", {k: v for k, v in ops.items() if k != "fused_moe_fp8"})
+    assert platform.supports_fp8_gemm() is False
