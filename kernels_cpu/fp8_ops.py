@@ -6,7 +6,8 @@ The exact meaning every backend must reproduce:
   ``w_scale[ceil(N/128), ceil(K/128)]`` (the checkpoint's ``weight_scale_inv``: the real weight is
   ``w * w_scale`` tile by tile). V4's ue8m0 scales are powers of two and load as float32 exactly.
 * **Activations** are quantised on the fly per token and group of 128 channels
-  (:func:`quantize_act_fp8`): ``s = max(amax(|x_group|), 1e-4) / 448`` in float32, ``q = e4m3(x / s)``
+  (:func:`quantize_act_fp8`): ``s = max(amax(|x_group|), 1e-4) / 448`` in float32 (IEEE division),
+  ``q = e4m3(x / s)``
   (round to nearest even, values clamped to +-448 first). With ``ue8m0=True`` the scale is rounded up
   to a power of two (``2^ceil(log2 s)``), as DeepSeek-V4 does.
 * **Product**: ``y[t, n] = sum_kb (sum_{k in kb} q[t, k] w[n, k]) * s[t, kb] * w_scale[n // 128, kb]``
@@ -32,7 +33,10 @@ def quantize_act_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor
     T, K = x.shape
     G = -(-K // GROUP)
     xf = F.pad(x.float(), (0, G * GROUP - K)).view(T, G, GROUP)
-    scale = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    amax = xf.abs().amax(-1).clamp(min=AMAX_FLOOR)
+    # IEEE division on every device: a Python-scalar divisor makes CUDA torch multiply by its reciprocal
+    # (1 ulp off in about half the groups, which moves exact e4m3 ties of bf16 inputs by a whole step)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)

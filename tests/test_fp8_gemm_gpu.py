@@ -122,3 +122,24 @@ def test_fp8_linear_writes_every_row_and_replays_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.skipif(DRY, reason="runs kernels")
+@pytest.mark.parametrize("scale_t", [False, True])
+def test_act_quant_bit_equal_to_the_reference_on_every_device(scale_t):
+    """``act_quant`` against the reference on this device and on the CPU, bit for bit, with exact e4m3 ties
+    (a group whose amax is 21/16 has the exact scale 3 * 2^-10; 0.890625 / it = 304, the 288/320 tie)."""
+    from kernels_cpu.fp8_ops import quantize_act_fp8
+    from kernels_cuda import fp8_gemm as F
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = randn(g, 200, 7168)
+    x[7, :128] = 1.3125
+    x[7, 1] = 0.890625
+    q, s = (F.quantize_t if scale_t else F.quantize)(x, 256)
+    s = s.t() if scale_t else s
+    for dev in (DEV, "cpu"):
+        q_ref, s_ref = quantize_act_fp8(x.to(dev))
+        assert torch.equal(q[:200].view(torch.uint8).cpu(), q_ref.view(torch.uint8).cpu()), dev
+        assert torch.equal(s[:200].cpu(), s_ref.cpu()), dev
+    assert q[7, 1].float().item() == 320.0 and bool((q[200:].view(torch.uint8) == 0).all())

@@ -33,7 +33,7 @@ def test_activation_quantisation_rule():
     q, s = quantize_act_fp8(x)
     assert q.dtype == FP8 and q.shape == (5, 300) and s.shape == (5, 3) and s.dtype == torch.float32
     amax = torch.nn.functional.pad(x, (0, 84)).view(5, 3, 128).abs().amax(-1)
-    assert torch.equal(s, amax.clamp(min=1e-4) / 448)
+    assert torch.equal(s, (amax.clamp(min=1e-4).double() / 448).float())  # correctly rounded division
     back = dequantize_blocks(q, s, 1, 128)
     assert not back.isnan().any() and bool((back[2, 128:256] == 0).all())
     # e4m3 keeps 3 mantissa bits: each element within 2^-4 of itself, or under the group's subnormal step
@@ -41,6 +41,18 @@ def test_activation_quantisation_rule():
     assert bool((err <= x.abs() / 16 + s.repeat_interleave(128, 1)[:, :300] * 2.0**-9).all())
     _, s8 = quantize_act_fp8(x, ue8m0=True)
     assert torch.equal(s8, torch.exp2(torch.ceil(torch.log2(s))))
+
+
+def test_activation_scale_ties_are_device_independent():
+    """bf16 groups whose amax mantissa is a multiple of 7 get exact scales (amax / 448) and inputs sitting
+    exactly on e4m3 rounding ties; the scale must be the correctly rounded quotient (a reciprocal multiply,
+    what CUDA torch does for a Python-scalar divisor, is 1 ulp off and moves those ties by a whole step)."""
+    x = torch.full((1, 128), 1.3125, dtype=torch.bfloat16)  # amax 1.3125 = 21/16: scale 3 * 2^-10 exactly
+    x[0, 1] = 0.890625  # x / s = 304: the tie between 288 and 320 (to even: 320)
+    q, s = quantize_act_fp8(x)
+    assert s.item() == 3 * 2.0**-10 and q.float()[0, 1].item() == 320.0
+    rcp = torch.tensor(1.3125) * torch.tensor(1 / 448.0)  # what the reciprocal multiply gives: 1 ulp off
+    assert rcp.item() != s.item() and (x.float()[0, 1] / rcp).to(FP8).float().item() == 288.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
