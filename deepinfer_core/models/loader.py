@@ -296,8 +296,10 @@ def quantize_model_fp8(model: torch.nn.Module, round_trip: bool = False) -> int:
     whose halves do not fill whole tiles stays as it is. Returns the number of weights quantised.
 
     ``round_trip``: write each weight back, in place and in its own dtype, as the dequantised FP8 weight
-    (what ``weight_dtype = "bf16"`` loads from the FP8 checkpoint of these weights), declaring no scales;
-    the weights derived at load (``post_load``: fused projections) are derived again."""
+    (what ``weight_dtype = "bf16"`` loads from the FP8 checkpoint of these weights), declaring no scales.
+    In place, so a built engine's CUDA graphs stay valid and the weights derived at load as views of these
+    (nvidia's fused input projection and stacked experts) follow; derived copies (where a platform's weight
+    layout copied them, as the CPU's does) keep the old values."""
     done = 0
     for module in list(model.modules()):
         for buf_name in [n for n, b in module._buffers.items() if n.endswith("_scale_inv") and b is None]:
@@ -318,8 +320,6 @@ def quantize_model_fp8(model: torch.nn.Module, round_trip: bool = False) -> int:
             module.register_buffer(buf_name, torch.stack(scales).view(*p.shape[:-2], *scales[0].shape),
                                    persistent=False)
             done += 1
-    if round_trip and getattr(model, "post_load", None) is not None:
-        model.post_load()
     return done
 
 
