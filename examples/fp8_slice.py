@@ -51,7 +51,7 @@ def run_engine(mode: str, model_dir: Path, args, prompts: list[list[int]]) -> di
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
     mc = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-    ceil = measure_ceilings(str(llm.engine.device))
+    ceil = measure_ceilings(str(llm.engine.device)) if args.repeats else {}
     res["decode"] = []
     for r in range(args.repeats):
         rows = decode_sweep(llm, mc, batches, args.context, opts["warmup"], opts["window"], ceil,
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--shape", default="v3-slice", help="random_checkpoint shape (v3-tiny: a CPU smoke run)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="64,256")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="decode sweeps per engine (0: memory and greedy only)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--prompts", type=int, default=16)
