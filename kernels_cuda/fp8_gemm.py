@@ -1,8 +1,11 @@
 """Block-scaled FP8 GEMMs (TileLang, DeepGEMM-style), the CUDA side of ``kernels_cpu/fp8_ops.py``.
 
-* ``act_quant``: x[M, K] (bf16/fp16) -> e4m3 q[Mp, K] and float32 scales s[Mp, K/128], one scale per
-  token and 128 channels (``max(amax, 1e-4) / 448``, as the reference); rows M..Mp (padding up to the
-  GEMM's BM) are written as zeros, so the GEMMs never read past what was written.
+* ``act_quant``: x[M, K] (bf16/fp16) -> e4m3 q[Mp, K] and float32 scales s[Mp, K/128] (or K-block-major
+  s[K/128, Mp]), one scale per token and 128 channels (``max(amax, 1e-4) / 448``, bit-equal to the
+  reference); rows M..Mp (padding up to the GEMM's BM) are written as zeros, so the GEMMs never read past
+  what was written.
+* ``fp8_linear``: ``act_quant`` + cuBLAS's blockwise ``torch._scaled_mm`` where this torch has it (faster
+  at every measured size, docs/fp8.md), else ``act_quant`` + ``fp8_gemm``.
 * ``fp8_gemm``: C[Mp, N] = sum over 128-wide k blocks of (q_a . q_b) * s_a[row, kb] * s_b[n / 128, kb]:
   each k block runs one e4m3 wgmma chain into a fresh float32 fragment, which is scaled and added to the
   float32 accumulator (DeepGEMM's promotion: the tensor cores' reduced-precision FP8 accumulation never
