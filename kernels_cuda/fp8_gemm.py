@@ -145,7 +145,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         return ref(x, w, w_scale)
     x2, ws = x2.contiguous(), w_scale.float().contiguous()
     # cuBLAS's blockwise FP8 GEMM behind our act_quant wherever this torch has it: on the H200 it was
-    # 1.7-3.9x the TileLang fp8_gemm at 512 and 4096 tokens and within 7 % or faster at 64 (docs/fp8.md)
+    # 1.7-3.9x the TileLang fp8_gemm at 512 and 4096 tokens; at 64 faster on 6 of 9 V3 shapes (docs/fp8.md)
     if x.dtype == torch.bfloat16 and scaled_mm_blockwise(x.device):
         return linear_scaled_mm(x2, w, ws).view(*lead, N)
     return linear_tilelang(x2, w, ws).view(*lead, N)
