@@ -296,7 +296,8 @@ def test_ascend_platform_reports_what_it_supports():
     assert p.describe() == {
         "device_type": "npu", "dist_backend": "hccl", "kernel_backend": "ascend", "graph_capture": True,
         "graph_capture_dtypes": ["bfloat16", "float16"], "pinned_memory": True, "async_overlap": True,
-        "fp8_gemm": False, "mla_cache_planes": True, "fia_in_graphs": True, "verified_on_hardware": False,
+        "fp8_gemm": False, "kv_cache_dtypes": ["auto", "bf16"],
+        "mla_cache_planes": True, "fia_in_graphs": True, "verified_on_hardware": False,
     }
     w = torch.randn(4, 6, 8)
     laid = p.linear_weight_layout(w)

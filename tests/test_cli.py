@@ -121,7 +121,8 @@ def test_plugins_json(capsys):
         "loads": True, "error": None, "core_api_version": "1.0", "available": True, "reason": "",
         "probe_priority": 1000, "device_type": "cpu", "dist_backend": "gloo", "kernel_backend": "reference",
         "kernel_fallbacks": [], "features": {"graph_capture": False, "graph_capture_dtypes": [],
-                                             "pinned_memory": False, "async_overlap": False, "fp8_gemm": False},
+                                             "pinned_memory": False, "async_overlap": False, "fp8_gemm": False,
+                                             "kv_cache_dtypes": ["auto", "bf16", "fp8"]},
     }
     assert (hw["nvidia"]["available"], hw["nvidia"]["reason"]) == (
         NvidiaPlatform.probe().ok, NvidiaPlatform.probe().reason)

@@ -348,7 +348,7 @@ def test_platform_defaults():
     p = CpuPlatform()
     assert p.describe() == {"device_type": "cpu", "dist_backend": "gloo", "kernel_backend": "reference",
                             "graph_capture": False, "graph_capture_dtypes": [], "pinned_memory": False,
-                            "async_overlap": False, "fp8_gemm": False}
+                            "async_overlap": False, "fp8_gemm": False, "kv_cache_dtypes": ["auto", "bf16", "fp8"]}
     free, total = p.memory_info()
     assert 0 < free <= total
     assert p.stream() is None and not p.supports_graph_capture()
