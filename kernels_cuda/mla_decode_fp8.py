@@ -105,8 +105,9 @@ def build_decode_fp8(H: int, L: int, R: int, W: int, BS: int, BH: int, BN: int, 
                     T.copy(Rope[s0:s0 + BN, :], Kr_s)
                 else:
                     for p in T.unroll(BN // BS):
-                        # table columns past the context may hold junk page ids (masked keys)
-                        s0 = Tables[b, T.min(pos0 // BS + p, M - 1)] * BS
+                        # table columns past the context may hold junk or -1 page ids: masked keys, read
+                        # from page 0 at worst
+                        s0 = T.max(Tables[b, T.min(pos0 // BS + p, M - 1)], 0) * BS
                         T.copy(Lat[s0:s0 + BS, :], Kq_s[p * BS:(p + 1) * BS, :])
                         T.copy(Scales[s0:s0 + BS, :], Ks_s[p * BS:(p + 1) * BS, :])
                         T.copy(Rope[s0:s0 + BS, :], Kr_s[p * BS:(p + 1) * BS, :])
