@@ -14,6 +14,7 @@ Default: the embedded tiny model (trained, ``deepinfer_core/assets/default_model
 Python prompts, CPU, float32 reference cache::
 
     python examples/kv_fp8_accuracy.py --max-tokens 64 --json out.json
+    python examples/kv_fp8_accuracy.py --max-tokens 64 --candidate bf16    # a bfloat16 cache, for scale
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the embedded tiny model)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--reference", default="auto", choices=["auto", "bf16"], help="the reference kv_cache_dtype")
+    ap.add_argument("--candidate", default="fp8", choices=["fp8", "bf16"],
+                    help="the kv_cache_dtype measured (bf16 against a float32 reference: the baseline drift)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -81,8 +84,9 @@ def main() -> None:
 
     common = dict(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
     ref = LLM(kv_cache_dtype=args.reference, **common)
-    fp8 = LLM(kv_cache_dtype="fp8", **common)
-    res = {"reference": args.reference, "dtype": str(ref.engine.dtype), **measure(ref, fp8, PROMPTS, args.max_tokens)}
+    cand = LLM(kv_cache_dtype=args.candidate, **common)
+    res = {"reference": args.reference, "candidate": args.candidate, "dtype": str(ref.engine.dtype),
+           **measure(ref, cand, PROMPTS, args.max_tokens)}
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:
