@@ -4,8 +4,8 @@
 
 1. **Capacity** (the whole model, e.g. V2-Lite's 27 layers with random bf16 weights): an engine with the
    default KV budget (``kv_cache_memory_fraction`` of the free memory after the weights) is built
-   ``--runs`` times per KV dtype; the max batch is its block count over the blocks one request of
-   ``--context`` tokens holds. The bytes per token come from the model's declared cache spec.
+   ``--runs`` times per KV dtype, each in a fresh process; the max batch is its block count over the
+   blocks one request of ``--context`` tokens holds. The bytes per token come from the model's declared cache spec.
 2. **Decode tok/s at that batch**: prefilling that many 32k-token prompts through all 27 layers takes
    minutes, so the decode is measured on a slice of the same widths with ``--decode-layers`` layers and a
    KV budget sized for exactly that batch (``kv_cache_memory``): every request really holds its own
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +70,19 @@ def capacity(model_dir: Path, kv: str, context: int, block_size: int, share: flo
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
+
+
+def _capacity_process(args, kv: str) -> dict:
+    """One capacity measurement in a fresh process: each engine starts from the same free memory."""
+    cmd = [sys.executable, __file__, "--shape", args.shape, "--context", str(args.context), "--block-size",
+           str(args.block_size), "--capacity-of", kv]
+    if args.kv_cache_memory is not None:
+        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("CAPACITY ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"capacity run for {kv} failed (rc {out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(lines[-1].removeprefix("CAPACITY "))
 
 
 def decode_at(model_dir: Path, kv: str, batch: int, context: int, block_size: int, layer_bytes: float, warmup: int,
@@ -125,18 +139,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="capacity runs: share of free memory "
                     "(default: the platform's)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--capacity-of", default=None, help=argparse.SUPPRESS)  # one capacity run (a subprocess)
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="kvfp8-"))
     cfg = {**shape_config(args.shape), "max_position_embeddings": args.context + 4096}
     full = write_config(tmp / "full", cfg)
+    if args.capacity_of:
+        print("CAPACITY " + json.dumps(capacity(full, args.capacity_of, args.context, args.block_size,
+                                                args.kv_cache_memory)), flush=True)
+        return
     res = {"shape": args.shape, "context": args.context, "block_size": args.block_size, "capacity": [],
            "decode": []}
     kvs = args.kv.split(",")
     for run in range(args.runs):
         for kv in kvs:
             t = time.perf_counter()
-            row = {"run": run, **capacity(full, kv, args.context, args.block_size, args.kv_cache_memory)}
-            row["s"] = time.perf_counter() - t
+            row = {"run": run, **_capacity_process(args, kv), "s": time.perf_counter() - t}
             res["capacity"].append(row)
             print(json.dumps(row), flush=True)
     if args.decode_layers:
