@@ -138,14 +138,15 @@ class MLA(nn.Module):
 
     def _prefill(self, q_nope, q_pe, entry, meta: AttentionMetadata, cache) -> torch.Tensor:
         """Expanded form: K/V for the whole context from kv_b_proj, causal attention per sequence. With
-        FP8 rows the context is always read back from the cache, so a prompt attends over the same keys
-        whether it is computed at once, in chunks or after a prefix hit."""
+        FP8 rows (or a cache of another dtype than the model's) the context is always read back from the
+        cache, so a prompt attends over the same keys whether it is computed at once, in chunks or after
+        a prefix hit."""
         pm = meta.prefill
         if _fp8_rows(cache):
             rows = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens)
             entry = self.k.latent_kv_dequant(rows, self.L + self.R, q_nope.dtype)
-        elif pm.has_prefix:  # chunked prefill or a prefix hit: read the full context back
-            entry = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens).to(q_nope.dtype)
+        elif pm.has_prefix or cache.dtype != q_nope.dtype:  # a chunk, a prefix hit, or a rounding (bf16) cache:
+            entry = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens).to(q_nope.dtype)  # read it back
         S = entry.shape[0]
         kv = self.k.linear(entry[:, : self.L], self.kv_b_proj).view(S, self.H, self.N + self.V)
         k_nope, v = kv.split([self.N, self.V], dim=-1)
