@@ -57,8 +57,6 @@ def build_decode_fp8(H: int, L: int, R: int, W: int, BS: int, BH: int, BN: int, 
         scale_log2: T.float32,
         min_blocks: T.int32,
     ):
-        if not tma:
-            T.annotate_pass_configs({"tl.disable_tma_lower": True})
         with T.Kernel(HB, NT, n_split, threads=threads) as (hb, t, sp):
             Q_s = T.alloc_shared((BH, DV), dtype)
             Qpe_s = T.alloc_shared((BH, DPE), dtype)
@@ -100,17 +98,17 @@ def build_decode_fp8(H: int, L: int, R: int, W: int, BS: int, BH: int, BN: int, 
                 pos0 = (blk0 + kk) * BN
                 if BS >= BN:
                     s0 = Tables[b, pos0 // BS] * BS + pos0 % BS
-                    T.copy(Lat[s0:s0 + BN, :], Kq_s)
-                    T.copy(Scales[s0:s0 + BN, :], Ks_s)
-                    T.copy(Rope[s0:s0 + BN, :], Kr_s)
+                    T.copy(Lat[s0:s0 + BN, :], Kq_s, disable_tma=not tma)
+                    T.copy(Scales[s0:s0 + BN, :], Ks_s, disable_tma=not tma)
+                    T.copy(Rope[s0:s0 + BN, :], Kr_s, disable_tma=not tma)
                 else:
                     for p in T.unroll(BN // BS):
                         # table columns past the context may hold junk or -1 page ids: masked keys, read
                         # from page 0 at worst
                         s0 = T.max(Tables[b, T.min(pos0 // BS + p, M - 1)], 0) * BS
-                        T.copy(Lat[s0:s0 + BS, :], Kq_s[p * BS:(p + 1) * BS, :])
-                        T.copy(Scales[s0:s0 + BS, :], Ks_s[p * BS:(p + 1) * BS, :])
-                        T.copy(Rope[s0:s0 + BS, :], Kr_s[p * BS:(p + 1) * BS, :])
+                        T.copy(Lat[s0:s0 + BS, :], Kq_s[p * BS:(p + 1) * BS, :], disable_tma=not tma)
+                        T.copy(Scales[s0:s0 + BS, :], Ks_s[p * BS:(p + 1) * BS, :], disable_tma=not tma)
+                        T.copy(Rope[s0:s0 + BS, :], Kr_s[p * BS:(p + 1) * BS, :], disable_tma=not tma)
                 for j, d in T.Parallel(BN, DV):
                     KV_s[j, d] = T.cast(T.cast(Kq_s[j, d], accum) * Ks_s[j, d // TILE], dtype)
                 if rope_cast:
