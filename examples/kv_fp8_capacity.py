@@ -10,9 +10,9 @@
    minutes, so the decode is measured on a slice of the same widths with ``--decode-layers`` layers and a
    KV budget sized for exactly that batch (``kv_cache_memory``): every request really holds its own
    ``--context`` cached tokens, and each decode step reads all of them (at 32k the KV dominates the
-   step: 27 x 656 B x 32k x B against ~5 GB of weights). ``--runs`` timed windows per KV dtype, and the
-   full-depth estimate ``B / (slice step time x layers / decode_layers)`` beside them (an upper bound on
-   the full model's step time share of the KV; weights per layer are read as well).
+   step). ``--runs`` timed windows per KV dtype, and beside them the full-depth estimate
+   ``B / (slice step time x layers / decode_layers)``: the slice's step scaled to all layers, which also
+   scales its LM head and embedding, so it slightly underestimates the full model's tok/s.
 
     python examples/kv_fp8_capacity.py --shape v2-lite --context 32768 --json out.json
 """
