@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.kernels import Kernels
-from deepinfer_core.kv_cache_spec import CacheLayout, KVCacheSpec
+from deepinfer_core.kv_cache_spec import CacheLayout, KVCacheSpec, cache_planes
 from deepinfer_core.models.config import ModelConfig
 from deepinfer_core.models.interface import CausalLM, KVCaches, RouteHook
 from deepinfer_core.models.metadata import AttentionMetadata
@@ -145,7 +145,7 @@ class MLA(nn.Module):
         if _fp8_rows(cache):
             rows = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens)
             entry = self.k.latent_kv_dequant(rows, self.L + self.R, q_nope.dtype)
-        elif pm.has_prefix or cache.dtype != q_nope.dtype:  # a chunk, a prefix hit, or a rounding (bf16) cache:
+        elif pm.has_prefix or cache_planes(cache)[0].dtype != q_nope.dtype:  # a chunk, a prefix hit, a bf16 cache:
             entry = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens).to(q_nope.dtype)  # read it back
         S = entry.shape[0]
         kv = self.k.linear(entry[:, : self.L], self.kv_b_proj).view(S, self.H, self.N + self.V)
