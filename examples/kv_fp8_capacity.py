@@ -10,9 +10,9 @@
    minutes, so the decode is measured on a slice of the same widths with ``--decode-layers`` layers and a
    KV budget sized for exactly that batch (``kv_cache_memory``): every request really holds its own
    ``--context`` cached tokens, and each decode step reads all of them (at 32k the KV dominates the
-   step). ``--runs`` timed windows per KV dtype, and beside them the full-depth estimate
-   ``B / (slice step time x layers / decode_layers)``: the slice's step scaled to all layers, which also
-   scales its LM head and embedding, so it slightly underestimates the full model's tok/s.
+   step). ``--runs`` timed windows per KV dtype. (Scaling the slice's step to all layers is no estimate
+   of the full model: the step has per-step costs that do not grow with layers; one layer's attention
+   kernel is timed by ``examples/kv_fp8_decode_bench.py``.)
 
     python examples/kv_fp8_capacity.py --shape v2-lite --context 32768 --json out.json
 """
@@ -165,9 +165,6 @@ def main(argv: list[str] | None = None) -> None:
             layer_bytes = cap[0]["kv_bytes_per_token"] / cfg["num_hidden_layers"]
             row = decode_at(sliced, kv, batch, args.context, args.block_size, layer_bytes, args.warmup, args.window,
                             args.runs)
-            depth = cfg["num_hidden_layers"] / args.decode_layers
-            for w in row["windows"]:
-                w["full_depth_tok_s_estimate"] = batch / (w["step_ms"] / 1e3 * depth)
             res["decode"].append(row)
             print(json.dumps(row), flush=True)
     if args.json:
