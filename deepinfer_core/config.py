@@ -38,6 +38,10 @@ class EngineConfig:
     # FP8 checkpoints: fp8 keeps the GEMM weights e4m3 with their 128x128 scales (fp8_* ops); bf16
     # dequantises them to ``dtype`` at load; auto = fp8 where Platform.supports_fp8_gemm(), else bf16
     weight_dtype: str = "auto"
+    #: the MLA latent KV cache: auto = the model dtype; bf16 = bfloat16; fp8 = FlashMLA's FP8 row (e4m3 latent,
+    #: a power-of-two scale per 128 values, bf16 rope: 656 bytes per token and layer for V3, kernels_cpu/kv_fp8.py).
+    #: The model declares which it can store (CausalLM.kv_cache_dtypes), the platform which its kernels read.
+    kv_cache_dtype: str = "auto"
     accelerator: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
@@ -109,6 +113,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SWA_PREFIX_POLICIES = ("retain", "bounded_replay", "recompute")  # engine/window_prefix.py
 WEIGHT_DTYPES = ("auto", "fp8", "bf16")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _INT_LISTS = {"graph_batch_sizes"}  # list keys whose items are integers (parsed as such from the environment)
 # Environment variables read elsewhere (features, tools): with DEEPINFER_<FIELD> the only known
@@ -259,6 +264,8 @@ def _validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"config key 'dtype' must be one of {_DTYPES}, got {cfg.dtype!r}")
     if cfg.weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"config key 'weight_dtype' must be one of {WEIGHT_DTYPES}, got {cfg.weight_dtype!r}")
+    if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"config key 'kv_cache_dtype' must be one of {KV_CACHE_DTYPES}, got {cfg.kv_cache_dtype!r}")
     if cfg.log_level is not None and cfg.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"config key 'log_level' must be one of {', '.join(_LOG_LEVELS)} (any case), "
                           f"got {cfg.log_level!r}")

@@ -48,7 +48,9 @@ OP_SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "paged_kv_write",
         "(cache[NB, BS, D], slot_mapping[T], kv[T, D]) -> None",
-        "cache.view(-1, D)[slot] = kv for every slot >= 0 (in place)",
+        "cache.view(-1, D)[slot] = kv for every slot >= 0 (in place); a uint8 cache[NB, BS, W] of float kv "
+        "stores each row as an FP8 latent row of W bytes (kernels_cpu/kv_fp8.py: e4m3 latent with a "
+        "power-of-two float32 scale per 128 values, bf16 rope)",
     ),
     OpSpec(
         "paged_kv_gather",
@@ -60,7 +62,13 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "(q[T, H, D], cache[NB, BS, D], block_tables[B, M], cu_q_lens[B+1], seq_lens[B], scale, dv)"
         " -> [T, H, dv]",
         "absorbed MLA over the paged latent cache (h_kv = 1, K = cache, V = cache[..., :dv]); query j "
-        "of sequence b sits at position seq_lens[b] - q_len_b + j and sees keys 0..position",
+        "of sequence b sits at position seq_lens[b] - q_len_b + j and sees keys 0..position; a uint8 cache "
+        "holds FP8 latent rows, read as latent_kv_dequant(rows, D, float32)",
+    ),
+    OpSpec(
+        "latent_kv_dequant",
+        "(rows[S, W] u8, values: int, dtype) -> [S, values]",
+        "FP8 latent rows (kernels_cpu/kv_fp8.py) back to values: e4m3 * its tile's scale, then the bf16 rope",
     ),
     OpSpec(
         "mla_prefill",

@@ -11,6 +11,13 @@ Group tensors: for each layer of the group one tensor ``[num_blocks, block_size 
 entry_dim]`` (``dtype`` or the model's dtype). The engine hands the model
 ``kv_caches[group.name][j]`` for the j-th layer of ``group.layers``.
 
+Encoded entries: a group whose entry is not ``entry_dim`` plain values of its dtype (a quantised row)
+declares ``dtype=torch.uint8``, ``entry_dim`` = its bytes, and names the encoding (``encoding``, e.g.
+``"fp8_ds_mla"``: the FP8 MLA latent row of ``kernels_cpu/kv_fp8.py``, 656 bytes for DeepSeek V3). The engine
+sizes, pages, prefix-caches, stores and hands off such rows as opaque bytes; the encoding enters every
+fingerprint and layout signature (host/3FS tiers, P/D hand-off), so rows of different encodings never mix.
+Only the kernels that read the rows interpret them.
+
 Planes: a group may name the natural parts of its entry (``parts``, e.g. MLA's latent and rope key,
 ``(kv_lora_rank, qk_rope_head_dim)``). The platform then chooses its storage
 (``Platform.kv_cache_planes``): one tensor per layer (the default), or one tensor per plane and layer,
@@ -77,6 +84,8 @@ class KVCacheSpec:
     hit_rule: HitRule = HitRule.REQUIRED  # the per-model policy for prefix hits (module docstring)
     #: widths of the entry's parts, where a platform may split it into planes (module docstring, "Planes")
     parts: tuple[int, ...] = ()
+    #: how an entry is encoded when it is not plain values of ``dtype`` (module docstring, "Encoded entries")
+    encoding: str = ""
 
     def __post_init__(self) -> None:
         if self.tokens_per_entry < 1:
@@ -85,6 +94,9 @@ class KVCacheSpec:
             raise ValueError(f"cache group {self.name!r}: window must be >= 1 or None")
         if not self.layers:
             raise ValueError(f"cache group {self.name!r} has no layers")
+        if self.encoding and self.dtype != torch.uint8:
+            raise ValueError(f"cache group {self.name!r}: an encoded entry ({self.encoding!r}) is stored as bytes "
+                             f"(dtype torch.uint8), got dtype {self.dtype}")
         if self.parts and (sum(self.parts) != self.entry_dim or min(self.parts) < 1):
             raise ValueError(f"cache group {self.name!r}: parts {self.parts} must be positive and sum to "
                              f"entry_dim {self.entry_dim}")
@@ -112,6 +124,11 @@ class KVCacheSpec:
             raise ValueError(f"block_size {block_size} is not a multiple of cache group {self.name!r}'s "
                              f"tokens_per_entry {self.tokens_per_entry}")
         return block_size // self.tokens_per_entry
+
+    @property
+    def signature(self) -> str:
+        """What one entry is, for fingerprints: its width, dtype and encoding."""
+        return f"{self.entry_dim}:{self.dtype}" + (f":{self.encoding}" if self.encoding else "")
 
     def block_bytes(self, block_size: int, model_dtype: torch.dtype) -> int:
         """Bytes of one block over all the group's layers."""

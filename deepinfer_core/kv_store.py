@@ -49,11 +49,13 @@ class KVLayout:
 
     @classmethod
     def for_model(cls, model_fingerprint: str, num_layers: int, block_size: int, entry_dim: int,
-                  dtype: torch.dtype) -> KVLayout:
+                  dtype: torch.dtype, encoding: str = "") -> KVLayout:
         """The layout of an engine's blocks, its ``model_fingerprint`` extended with the layout itself:
         engines whose blocks differ (weights, load format, dtype, block size, entry size) never read,
-        nor evict as malformed, each other's blocks in a shared store."""
+        nor evict as malformed, each other's blocks in a shared store. ``encoding``: the cache group's
+        (``KVCacheSpec.encoding``, e.g. FP8 latent rows), so encoded and plain rows never mix."""
         tag = f"{model_fingerprint}|{num_layers}|{block_size}|{entry_dim}|{dtype}"
+        tag += f"|{encoding}" if encoding else ""
         return cls(hashlib.sha256(tag.encode()).hexdigest()[:16], num_layers, block_size, entry_dim, dtype)
 
 

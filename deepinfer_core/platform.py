@@ -148,6 +148,13 @@ class Platform(ABC):
         """Whether block-scaled FP8 weights can be used without dequantizing at load."""
         return False
 
+    def kv_cache_dtypes(self) -> tuple[str, ...]:
+        """The config ``kv_cache_dtype`` values this platform's attention kernels read ("auto": the model
+        dtype; "bf16"; "fp8": the FP8 latent rows of ``kernels_cpu/kv_fp8.py``). Default: the plain ones;
+        a platform lists "fp8" only where its ``paged_kv_write`` / ``mla_decode`` implement those rows (or
+        take the reference's)."""
+        return ("auto", "bf16")
+
     def supports_pinned_memory(self) -> bool:
         """Whether host buffers should be pinned for faster, asynchronous copies (host KV tiers, and the
         engine's per-step inputs and results)."""
@@ -179,6 +186,7 @@ class Platform(ABC):
             "pinned_memory": self.supports_pinned_memory(),
             "async_overlap": self.supports_async_overlap(),
             "fp8_gemm": self.supports_fp8_gemm(),
+            "kv_cache_dtypes": list(self.kv_cache_dtypes()),
         }
 
 

@@ -117,6 +117,11 @@ def graphs_in_use(llm: LLM) -> bool:
     return getattr(llm.engine.runner, "graphs", None) is not None
 
 
+def kv_bytes_per_token(engine) -> float:
+    """Cached bytes per token over all layers, from the model's declared cache groups (FP8 rows included)."""
+    return sum(g.bytes_per_token(engine.dtype) for g in engine.cache_layout.groups)
+
+
 def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
 
@@ -197,8 +202,8 @@ def decode_sweep(llm: LLM, mc: ModelConfig, batches: list[int], context: int, wa
                "overhead_share": 0.0 if step_t == 0 else 1 - fwd_t / step_t,
                "experts_hit": hits if isinstance(hits, float) else sum(hits) / max(1, len(hits)),
                "experts_source": source,
-               **decode_roofline(mc, B, mean_ctx, tok_s, ceil["read_GBps"], hits,
-                                 wbytes=engine.dtype.itemsize)}
+               **decode_roofline(mc, B, mean_ctx, tok_s, ceil["read_GBps"], hits, wbytes=engine.dtype.itemsize,
+                                 kv_bytes_per_token=kv_bytes_per_token(engine))}
         if idle0 and idle1:  # the window's own device idle time between steps (measure_device_idle)
             d_idle = idle1["device_idle_ms"] - idle0["device_idle_ms"]
             d_busy = idle1["device_busy_ms"] - idle0["device_busy_ms"]

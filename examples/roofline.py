@@ -11,7 +11,9 @@ Decode (memory-bound): the bytes one step must read at ``batch`` sequences of ``
     norms             layers x 2 C x w + the final norm C x w
     LM head           vocab x C x w
     embedding rows    batch x C x w
-    KV cache          batch x context x (kv_lora + rope) x w x layers
+    KV cache          batch x context x (KV bytes per token over all layers): by default (kv_lora + rope)
+                      x w x layers; the engine's declared cache spec gives it otherwise (``kv_bytes_per_token``:
+                      656 x layers for the FP8 latent rows of kv_cache_dtype "fp8")
 
 (w: bytes per weight; activations are ignored). The bound is bytes / (measured read bandwidth), so
 the roofline tokens/s is batch / bound and the fraction is measured tok/s over it. With uniform random
@@ -58,9 +60,10 @@ def _layers(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: float, experts_hit: float | list[float],
-                      wbytes: int = 2) -> dict[str, float]:
+                      wbytes: int = 2, kv_bytes_per_token: float | None = None) -> dict[str, float]:
     """Bytes one decode step must read, by component (module docstring); ``experts_hit``: distinct
-    routed experts per MoE layer in one step (one number for all layers, or one per MoE layer)."""
+    routed experts per MoE layer in one step (one number for all layers, or one per MoE layer);
+    ``kv_bytes_per_token``: cached bytes per token over all layers (``KVCacheSpec.bytes_per_token``)."""
     C, I = cfg.hidden_size, cfg.moe_intermediate_size
     n_moe, n_dense = _layers(cfg)
     hits = [experts_hit] * n_moe if isinstance(experts_hit, (int, float)) else list(experts_hit)
@@ -78,7 +81,8 @@ def decode_step_bytes(cfg: ModelConfig, batch: int, context: float, experts_hit:
         "norms": (cfg.num_hidden_layers * 2 * C + C) * wbytes,
         "lm_head": cfg.vocab_size * C * wbytes,
         "embedding": batch * C * wbytes,
-        "kv_cache": batch * context * cfg.kv_entry_dim * wbytes * cfg.num_hidden_layers,
+        "kv_cache": batch * context * (cfg.kv_entry_dim * wbytes * cfg.num_hidden_layers
+                                       if kv_bytes_per_token is None else kv_bytes_per_token),
     }
     out["total"] = sum(out.values())
     return out
@@ -104,9 +108,10 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int, num_prompts: int = 1) -> di
 
 
 def decode_roofline(cfg: ModelConfig, batch: int, context: float, tok_s: float, read_GBps: float,
-                    experts_hit: float | list[float], wbytes: int = 2) -> dict[str, float]:
+                    experts_hit: float | list[float], wbytes: int = 2,
+                    kv_bytes_per_token: float | None = None) -> dict[str, float]:
     """Measured decode tok/s against its bandwidth roofline: bytes per step / measured read bandwidth."""
-    step = decode_step_bytes(cfg, batch, context, experts_hit, wbytes)
+    step = decode_step_bytes(cfg, batch, context, experts_hit, wbytes, kv_bytes_per_token)
     bound_s = step["total"] / (read_GBps * 1e9)
     roof = batch / bound_s
     return {"bytes_per_step": step["total"], "roofline_tok_s": roof, "fraction": tok_s / roof,

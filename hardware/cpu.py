@@ -36,6 +36,9 @@ class CpuPlatform(Platform):
     def preferred_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16)
 
+    def kv_cache_dtypes(self) -> tuple[str, ...]:
+        return ("auto", "bf16", "fp8")  # the reference ops read FP8 latent rows (kernels_cpu/kv_fp8.py)
+
     def linear_weight_layout(self, w: torch.Tensor) -> torch.Tensor:
         # Stored K-major ([K, N] contiguous, seen as its transpose): a decode GEMM then streams the
         # weight in the order the BLAS reads it. Weights of a small model fall out of cache between

@@ -81,6 +81,12 @@ class NvidiaPlatform(Platform):
         return ({"fp8_linear", "fused_moe_fp8"} <= ops.keys() and torch.cuda.is_available()
                 and torch.cuda.get_device_capability()[0] == 9)
 
+    def kv_cache_dtypes(self) -> tuple[str, ...]:
+        # kernels_cuda.kv_cache / mla_decode quantise and read FP8 latent rows with e4m3 conversions: sm_89+
+        if torch.cuda.is_available() and torch.cuda.get_device_capability(0) < (8, 9):
+            return ("auto", "bf16")
+        return ("auto", "bf16", "fp8")
+
     def supports_pinned_memory(self) -> bool:
         return True
 

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from deepinfer_core.kernels import KernelBackend
 from kernels_cpu import ops as reference
+from kernels_cpu.kv_fp8 import dequantize_latent_rows
 
 logger = logging.getLogger("deepinfer.kernels.batch_invariant")
 
@@ -380,13 +381,15 @@ def _decode_plan(block_tables, cu_q_lens, seq_lens, bs: int) -> list[tuple]:
 
 
 def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv):
-    """Absorbed MLA with fixed KV splits; sequences with the same query length run together."""
+    """Absorbed MLA with fixed KV splits; sequences with the same query length run together. A uint8
+    cache holds FP8 latent rows (kernels_cpu/kv_fp8.py)."""
     T, H, D = q.shape
-    flat = cache.view(-1, D)
+    flat = cache.view(-1, cache.shape[-1])
     out = q.new_empty(T, H, dv)
     for tok, slots, bias, nb, Q in _decode_plan(block_tables, cu_q_lens, seq_lens, cache.shape[1]):
         rows = q[tok].reshape(nb, Q * H, D).float()
-        kv = flat[slots].float()  # [nb, Lp, D]; past a context: other blocks' (finite) entries, masked
+        kv = flat[slots]  # [nb, Lp, D]; past a context: other blocks' (finite) entries, masked
+        kv = dequantize_latent_rows(kv, D, torch.float32) if cache.dtype == torch.uint8 else kv.float()
         o = _attend(rows, kv, kv[..., :dv], bias, scale)
         out[tok] = o.view(-1, H, dv).to(q.dtype)
     return out

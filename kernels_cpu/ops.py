@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels_cpu.kv_fp8 import dequantize_latent_rows, quantize_latent_rows
 from kernels_cpu.rng import uniform_from_counter
 
 
@@ -48,7 +49,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tor
 
 
 def paged_kv_write(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
+    """A uint8 cache of float ``kv`` holds FP8 latent rows: each row is quantised (``kernels_cpu.kv_fp8``)."""
     flat = cache.view(-1, cache.shape[-1])
+    if cache.dtype == torch.uint8 and kv.is_floating_point():
+        kv = quantize_latent_rows(kv, cache.shape[-1])
     keep = slot_mapping >= 0
     if bool(keep.all()):
         flat.index_copy_(0, slot_mapping, kv.to(cache.dtype))
@@ -84,6 +88,7 @@ def mla_decode(
     """Absorbed MLA over the paged latent cache with ragged causal queries.
 
     q[T, H, D] with D = kv_lora + rope; keys are cache rows [.., D]; values their first dv entries.
+    A uint8 cache holds FP8 latent rows (``kernels_cpu.kv_fp8``), dequantised per 128-value tile.
     """
     B = seq_lens.shape[0]
     T, H, D = q.shape
@@ -91,7 +96,10 @@ def mla_decode(
     max_q = int(q_lens.max())
     max_len = int(seq_lens.max())
     slots, valid = _context_slots(block_tables, seq_lens, cache.shape[1], max_len)
-    kv = cache.view(-1, D)[slots]  # [B, L, D]
+    if cache.dtype == torch.uint8:
+        kv = dequantize_latent_rows(cache.view(-1, cache.shape[-1])[slots], D, torch.float32)  # [B, L, D]
+    else:
+        kv = cache.view(-1, D)[slots]  # [B, L, D]
     # Place each sequence's queries in a [B, max_q] grid, aligned to the left.
     seq_of_tok = torch.repeat_interleave(torch.arange(B, device=q.device), q_lens, output_size=T)
     j_of_tok = torch.arange(T, device=q.device) - cu_q_lens[:-1].repeat_interleave(q_lens, output_size=T)

@@ -432,10 +432,17 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
                cfg: dict | None = None):
     T_, H, D = q.shape
     B = seq_lens.shape[0]
-    if q.dtype not in (torch.bfloat16, torch.float16) or T_ == 0:
-        from kernels_cpu.ops import mla_decode as ref  # float32: tensor cores would round to tf32
+    fp8_rows = cache.dtype == torch.uint8  # FP8 latent rows (kernels_cpu/kv_fp8.py)
+    if q.dtype not in (torch.bfloat16, torch.float16) or T_ == 0 or not (fp8_rows or cache.dtype == q.dtype):
+        # float32: tensor cores would round to tf32; a cache of another dtype (kv_cache_dtype "bf16" under a
+        # float16 model) is read by the reference
+        from kernels_cpu.ops import mla_decode as ref
 
         return ref(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv)
+    if fp8_rows:
+        from kernels_cuda.mla_decode_fp8 import mla_decode_fp8
+
+        return mla_decode_fp8(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, n_split=n_split)
     R = D - dv
     dv_p, r_p, h_p = _round(dv, 64), _round(R, 16), _round(H, 16)
     if (dv_p, r_p) != (dv, R):  # odd test shapes only: real models have dv 512, rope 64

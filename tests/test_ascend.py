@@ -176,30 +176,33 @@ def test_every_registry_op_is_overridden_or_a_listed_plain_torch_fallback():
     plain |= {"ue8m0_scale", "mxfp8_quant", "mxfp8_dequant"}  # window KV snapshots (docs/ascend.md)
     plain |= {"draft_lengths"}  # speculative draft lengths, a few hundred values per step
     plain |= {"fp8_linear", "fused_moe_fp8"}  # block-scaled FP8 weights (docs/ascend.md)
+    plain |= {"latent_kv_dequant"}  # FP8 latent KV rows: the platform does not list kv_cache_dtype "fp8"
     assert set(AscendKernels.overrides()) | plain == set(OP_NAMES)
     assert set(AscendKernels.overrides()) == set(FUSED_AT_KIT_SHAPES)
 
 
 #: the platform's cache layout: latent caches as (latent, rope) planes
 PLANES = AscendPlatform().kv_cache_planes
+KV_DTYPES = AscendPlatform().kv_cache_dtypes()  # no FP8 latent rows: the kit skips those cases
 
 
 @pytest.mark.parametrize("op,dtype", kernel_conformance_cases(AscendKernels, ALL_DTYPES))
 def test_ascend_kernels_conform_under_emulation(emu, op, dtype):
-    check_op(AscendKernels, op, dtype, "cpu", planes=PLANES)
+    check_op(AscendKernels, op, dtype, "cpu", planes=PLANES, kv_cache_dtypes=KV_DTYPES)
     assert set(emu.calls) == FUSED_AT_KIT_SHAPES[op]
 
 
 def test_ascend_cache_ops_also_take_a_single_plane(emu):
     """Groups without declared parts (V4's) stay one tensor per layer: the cache ops take that too."""
     for op in ("paged_kv_write", "paged_kv_gather", "mla_decode"):
-        check_op(AscendKernels, op, torch.bfloat16, "cpu", seed=4)
+        check_op(AscendKernels, op, torch.bfloat16, "cpu", seed=4, kv_cache_dtypes=KV_DTYPES)
 
 
 @pytest.mark.parametrize("block_size", [1, 64])
 def test_ascend_cache_ops_conform_at_other_block_sizes(emu, block_size):
     for op in ("paged_kv_write", "paged_kv_gather", "mla_decode"):
-        check_op(AscendKernels, op, torch.bfloat16, "cpu", block_size=block_size, seed=3, planes=PLANES)
+        check_op(AscendKernels, op, torch.bfloat16, "cpu", block_size=block_size, seed=3, planes=PLANES,
+                 kv_cache_dtypes=KV_DTYPES)
 
 
 def _close(out: torch.Tensor, truth: torch.Tensor, rtol: float = 2e-2) -> None:
@@ -296,7 +299,8 @@ def test_ascend_platform_reports_what_it_supports():
     assert p.describe() == {
         "device_type": "npu", "dist_backend": "hccl", "kernel_backend": "ascend", "graph_capture": True,
         "graph_capture_dtypes": ["bfloat16", "float16"], "pinned_memory": True, "async_overlap": True,
-        "fp8_gemm": False, "mla_cache_planes": True, "fia_in_graphs": True, "verified_on_hardware": False,
+        "fp8_gemm": False, "kv_cache_dtypes": ["auto", "bf16"],
+        "mla_cache_planes": True, "fia_in_graphs": True, "verified_on_hardware": False,
     }
     w = torch.randn(4, 6, 8)
     laid = p.linear_weight_layout(w)

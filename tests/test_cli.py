@@ -71,7 +71,8 @@ def test_plugins_text_lists_every_backend_with_status(capsys):
         "      loads: yes",
         "      available: yes",
         "      kernels: reference (all ops are the reference)",
-        "      features: graph_capture=no, graph_capture_dtypes=none, pinned_memory=no, async_overlap=no, fp8_gemm=no",
+        "      features: graph_capture=no, graph_capture_dtypes=none, pinned_memory=no, async_overlap=no, fp8_gemm=no, "
+        "kv_cache_dtypes=auto+bf16+fp8",
     ]
     assert entry(hw, "nvidia") == [
         "  nvidia       deepinfer 0.1.0  (hardware.nvidia:NvidiaPlatform)",
@@ -79,7 +80,7 @@ def test_plugins_text_lists_every_backend_with_status(capsys):
         f"      available: no: {NvidiaPlatform.probe().reason}",
         f"      kernels: cuda; reference fallback for: {ops_text(CUDA_FALLBACKS)}",
         "      features: graph_capture=yes, graph_capture_dtypes=bfloat16+float16, pinned_memory=yes, "
-        "async_overlap=yes, fp8_gemm=no",
+        "async_overlap=yes, fp8_gemm=no, kv_cache_dtypes=auto+bf16+fp8",
     ]
     fallbacks = ", ".join(n for n in OP_NAMES if n not in ASCEND_OVERRIDES)
     assert entry(hw, "ascend") == [
@@ -88,7 +89,8 @@ def test_plugins_text_lists_every_backend_with_status(capsys):
         f"      available: no: {AscendPlatform.probe().reason}",
         f"      kernels: ascend; reference fallback for: {fallbacks}",
         "      features: graph_capture=yes, graph_capture_dtypes=bfloat16+float16, pinned_memory=yes, "
-        "async_overlap=yes, fp8_gemm=no, mla_cache_planes=yes, fia_in_graphs=yes, verified_on_hardware=no",
+        "async_overlap=yes, fp8_gemm=no, kv_cache_dtypes=auto+bf16, mla_cache_planes=yes, fia_in_graphs=yes, "
+        "verified_on_hardware=no",
     ]
     kernels = section(out, "deepinfer.kernels")
     assert entry(kernels, "ascend")[1:] == [
@@ -121,7 +123,8 @@ def test_plugins_json(capsys):
         "loads": True, "error": None, "core_api_version": "1.0", "available": True, "reason": "",
         "probe_priority": 1000, "device_type": "cpu", "dist_backend": "gloo", "kernel_backend": "reference",
         "kernel_fallbacks": [], "features": {"graph_capture": False, "graph_capture_dtypes": [],
-                                             "pinned_memory": False, "async_overlap": False, "fp8_gemm": False},
+                                             "pinned_memory": False, "async_overlap": False, "fp8_gemm": False,
+                                             "kv_cache_dtypes": ["auto", "bf16", "fp8"]},
     }
     assert (hw["nvidia"]["available"], hw["nvidia"]["reason"]) == (
         NvidiaPlatform.probe().ok, NvidiaPlatform.probe().reason)

@@ -36,6 +36,9 @@ def test_roofline_hand_computed():
                  "attention": 2 * 108 * 2, "norms": (2 * 2 * 4 + 4) * 2, "lm_head": 80, "embedding": 16,
                  "kv_cache": 2 * 3 * 6 * 2 * 2, "total": 1184}
     r = decode_roofline(cfg, 2, 3, tok_s=1.0, read_GBps=1184e-9, experts_hit=3)  # bound: 1 s per step
+    # the cache spec's bytes per token (e.g. FP8 latent rows) replace the (kv_lora + rope) x w x layers default
+    b8 = decode_step_bytes(cfg, batch=2, context=3, experts_hit=3, wbytes=2, kv_bytes_per_token=2 * 5)
+    assert b8["kv_cache"] == 2 * 3 * 10 and b8["total"] == 1184 - 144 + 60
     assert r["roofline_tok_s"] == pytest.approx(2.0) and r["fraction"] == pytest.approx(0.5)
     # prefill of one 3-token prompt: per token 2*104 (attention) + 60 (dense) + 16 (router) + 3*36 (experts)
     # = 392 params -> 2*392*3 = 2352; attention 2 layers * 2 * (2 heads * 6) * 6 pairs = 288; LM head 2*10*4 = 80

@@ -304,7 +304,8 @@ def test_kernels_fall_back_to_the_reference_and_log_it(caplog):
     mxfp8 = ["ue8m0_scale", "mxfp8_quant", "mxfp8_dequant"]  # window KV snapshots: host-bound, reference
     fp8 = ["fp8_linear", "fused_moe_fp8"]  # block-scaled FP8 weights: no Ascend kernel yet
     spec = ["draft_lengths"]  # speculative draft lengths: the torch reference on the device
-    expected = ["linear", "head_linear", *fp8, *v4, "apply_penalties", *mxfp8, *spec, "logsumexp"]
+    kv8 = ["latent_kv_dequant"]  # FP8 latent KV rows: the platform does not list kv_cache_dtype "fp8"
+    expected = ["linear", "head_linear", *kv8, *fp8, *v4, "apply_penalties", *mxfp8, *spec, "logsumexp"]
     assert k.fallbacks == expected
     assert [r.getMessage() for r in caplog.records] == [
         f"kernel backend 'ascend' has no {', '.join(expected)}; using the reference ops"
@@ -348,7 +349,7 @@ def test_platform_defaults():
     p = CpuPlatform()
     assert p.describe() == {"device_type": "cpu", "dist_backend": "gloo", "kernel_backend": "reference",
                             "graph_capture": False, "graph_capture_dtypes": [], "pinned_memory": False,
-                            "async_overlap": False, "fp8_gemm": False}
+                            "async_overlap": False, "fp8_gemm": False, "kv_cache_dtypes": ["auto", "bf16", "fp8"]}
     free, total = p.memory_info()
     assert 0 < free <= total
     assert p.stream() is None and not p.supports_graph_capture()

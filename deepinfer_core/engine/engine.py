@@ -141,6 +141,7 @@ class LLMEngine(TokenAccounting):
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
         self.fp8_weights = self.keep_fp8_weights()
+        self.check_kv_cache_dtype()
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype, cfg.load_format, cfg.seed, self.fp8_weights)
         self.model = self.build_model()
         apply_weight_layout(self.model, self.platform.linear_weight_layout)
@@ -206,6 +207,7 @@ class LLMEngine(TokenAccounting):
         initialised; ``expert_range``: the routed experts [lo, hi) this rank holds."""
         model = self.model_cls.create(self.kernels, self.model_config, self.dtype, self.device, self.max_model_len,
                                       expert_range)
+        model.kv_cache_dtype = self.cfg.kv_cache_dtype  # its cache_layout() declares the rows (check_kv_cache_dtype)
         if self.cfg.load_format == "random":
             random_init(model, seed=self.cfg.seed)
             if self.fp8_weights:
@@ -253,6 +255,16 @@ class LLMEngine(TokenAccounting):
             logger.warning("weight_dtype 'fp8' on %s: its kernels have no block-scaled FP8 GEMM, the reference "
                            "fp8 ops run (correct, slow)", self.platform.name)
         return True
+
+    def check_kv_cache_dtype(self) -> None:
+        """Config ``kv_cache_dtype`` must be one the model can declare and the platform's kernels read."""
+        want = self.cfg.kv_cache_dtype
+        if want not in self.model_cls.kv_cache_dtypes:
+            raise ConfigError(f"config key 'kv_cache_dtype' is {want!r} but architecture "
+                              f"{self.model_config.architecture!r} stores only {self.model_cls.kv_cache_dtypes}")
+        if want not in self.platform.kv_cache_dtypes():
+            raise ConfigError(f"config key 'kv_cache_dtype' is {want!r} but platform {self.platform.name!r} reads only "
+                              f"{self.platform.kv_cache_dtypes()} KV caches")
 
     def _cache_layout(self) -> CacheLayout:
         """The model's cache groups plus those features declare (``cache_groups``); fixes block_size."""

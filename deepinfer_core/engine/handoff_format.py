@@ -36,7 +36,7 @@ def layout_signature(layout: CacheLayout, block_size: int, dtype: torch.dtype) -
     """What the KV bytes mean: every group's geometry, the block size and the model dtype."""
     parts = [f"{block_size}|{dtype}"]
     for g in layout.groups:
-        parts.append(f"{g.name}:{g.layers}:{g.entry_dim}:{g.tokens_per_entry}:{g.window}:{g.dtype}:"
+        parts.append(f"{g.name}:{g.layers}:{g.signature}:{g.tokens_per_entry}:{g.window}:"
                      f"{g.prefix_cacheable}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

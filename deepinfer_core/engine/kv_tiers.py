@@ -536,8 +536,8 @@ def record_layout(engine) -> KVLayout:
     if len(groups) == 1:
         g = groups[0]
         return KVLayout.for_model(engine.fingerprint, len(g.layers), g.entries_per_block(engine.block_size),
-                                  g.entry_dim, dtype)
-    desc = ";".join(f"{g.name}:{len(g.layers)}x{g.entries_per_block(engine.block_size)}x{g.entry_dim}"
+                                  g.entry_dim, dtype, g.encoding)
+    desc = ";".join(f"{g.name}:{len(g.layers)}x{g.entries_per_block(engine.block_size)}x{g.signature}"
                     + _planes_tag(engine.kv_caches[g.name][0]) for g in groups)
     fingerprint = hashlib.sha256(f"{engine.fingerprint}|{desc}|{dtype}".encode()).hexdigest()[:16]
     numel = sum(t[0].numel() for _, t, _ in blocks.record_parts())

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from deepinfer_core.kernels import Kernels
-from deepinfer_core.kv_cache_spec import CacheLayout, KVCacheSpec
+from deepinfer_core.kv_cache_spec import CacheLayout, KVCacheSpec, cache_planes
 from deepinfer_core.models.config import ModelConfig
 from deepinfer_core.models.interface import CausalLM, KVCaches, RouteHook
 from deepinfer_core.models.metadata import AttentionMetadata
 from deepinfer_core.models.rope import rope_cache
+from kernels_cpu import kv_fp8
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -45,8 +46,14 @@ class RMSNorm(nn.Module):
         return self.k.rms_norm(x, self.weight, self.eps)
 
 
+def _fp8_rows(cache) -> bool:
+    """Whether a layer's latent cache holds FP8 rows (``kv_cache_dtype = "fp8"``: uint8, kernels_cpu/kv_fp8.py)."""
+    return isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8
+
+
 class MLA(nn.Module):
-    """Multi-head latent attention. The cache holds [normed latent L | rotated rope key R] per token."""
+    """Multi-head latent attention. The cache holds [normed latent L | rotated rope key R] per token, as
+    values (``kv_cache_dtype`` auto/bf16) or as FP8 rows that the ops quantise and read (fp8)."""
 
     def __init__(self, k: Kernels, cfg: ModelConfig) -> None:
         super().__init__()
@@ -130,10 +137,16 @@ class MLA(nn.Module):
         return linear(k, out.reshape(T, self.H * self.V), self.o_proj, self.o_proj_scale_inv)
 
     def _prefill(self, q_nope, q_pe, entry, meta: AttentionMetadata, cache) -> torch.Tensor:
-        """Expanded form: K/V for the whole context from kv_b_proj, causal attention per sequence."""
+        """Expanded form: K/V for the whole context from kv_b_proj, causal attention per sequence. With
+        FP8 rows (or a cache of another dtype than the model's) the context is always read back from the
+        cache, so a prompt attends over the same keys whether it is computed at once, in chunks or after
+        a prefix hit."""
         pm = meta.prefill
-        if pm.has_prefix:  # chunked prefill or a prefix hit: read the full context back
-            entry = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens)
+        if _fp8_rows(cache):
+            rows = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens)
+            entry = self.k.latent_kv_dequant(rows, self.L + self.R, q_nope.dtype)
+        elif pm.has_prefix or cache_planes(cache)[0].dtype != q_nope.dtype:  # a chunk, a prefix hit, a bf16 cache:
+            entry = self.k.paged_kv_gather(cache, pm.block_tables, pm.seq_lens).to(q_nope.dtype)  # read it back
         S = entry.shape[0]
         kv = self.k.linear(entry[:, : self.L], self.kv_b_proj).view(S, self.H, self.N + self.V)
         k_nope, v = kv.split([self.N, self.V], dim=-1)
@@ -241,6 +254,7 @@ class DeepseekForCausalLM(CausalLM):
     key (``kv_lora_rank + qk_rope_head_dim`` values)."""
 
     CACHE_GROUP = "latent"
+    kv_cache_dtypes = ("auto", "bf16", "fp8")
 
     def __init__(self, k: Kernels, cfg: ModelConfig, max_positions: int | None = None, **moe_kw) -> None:
         super().__init__()
@@ -289,10 +303,20 @@ class DeepseekForCausalLM(CausalLM):
         return w13.to(self.embed_tokens.device), parts[prefix + "down_proj.weight"].to(self.embed_tokens.device)
 
     def cache_layout(self) -> CacheLayout:
+        """One FULL group "latent". ``kv_cache_dtype`` auto: ``kv_lora_rank + qk_rope_head_dim`` values of the
+        model dtype (bf16: bfloat16), whose two parts a platform may store as two planes (FIA's MLA mode);
+        fp8: one row of bytes per token, FlashMLA's FP8 layout (kernels_cpu/kv_fp8.py; 656 bytes for V3)."""
         cfg = self.cfg
-        # parts: the latent and the rope key, which a platform may store as two planes (FIA's MLA mode)
-        return CacheLayout((KVCacheSpec(self.CACHE_GROUP, tuple(range(cfg.num_hidden_layers)), cfg.kv_entry_dim,
-                                        parts=(cfg.kv_lora_rank, cfg.qk_rope_head_dim)),))
+        layers, L, R = tuple(range(cfg.num_hidden_layers)), cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        if self.kv_cache_dtype == "fp8":
+            if L % 16:
+                raise ValueError(f"kv_cache_dtype 'fp8' needs kv_lora_rank to be a multiple of 16, got {L}")
+            spec = KVCacheSpec(self.CACHE_GROUP, layers, kv_fp8.row_bytes(L, R), dtype=torch.uint8,
+                               encoding=kv_fp8.ENCODING)
+        else:
+            dtype = torch.bfloat16 if self.kv_cache_dtype == "bf16" else None
+            spec = KVCacheSpec(self.CACHE_GROUP, layers, cfg.kv_entry_dim, dtype=dtype, parts=(L, R))
+        return CacheLayout((spec,))
 
     def moe_layers(self) -> dict[int, nn.Module]:
         return {layer.mlp.layer_idx: layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)}

@@ -66,9 +66,14 @@ class CausalLM(nn.Module, ABC):
         """Fill every weight from the checkpoint: shape-checked, dequantised, cast. A missing or
         wrongly shaped tensor raises ``CheckpointError`` naming it."""
 
+    #: the config ``kv_cache_dtype`` values :meth:`cache_layout` can declare ("auto": the model dtype); the
+    #: engine refuses any other, and sets ``kv_cache_dtype`` (one of them) before it asks for the layout
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    kv_cache_dtype: str = "auto"
+
     @abstractmethod
     def cache_layout(self) -> CacheLayout:
-        """The cache groups this model reads and writes."""
+        """The cache groups this model reads and writes (their encoding follows ``kv_cache_dtype``)."""
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

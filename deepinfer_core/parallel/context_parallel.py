@@ -126,9 +126,9 @@ def prefilled_state(engine, token_ids: list[int], entries: list[torch.Tensor]):
     bs, n = engine.block_size, len(token_ids) - 1
     nb = -(-n // bs)
     rows = []
-    for e in entries:
-        padded = e.new_zeros(nb * bs, e.shape[1])
-        padded[:n] = e[:n]
-        rows.append(padded.view(nb, bs, e.shape[1]))
+    for e in entries:  # written by the model's own op, so encoded rows (kv_cache_dtype "fp8") are encoded
+        padded = e.new_zeros(nb, bs, group.entry_dim, dtype=group.dtype or e.dtype)
+        engine.kernels.paged_kv_write(padded, torch.arange(n, device=e.device), e[:n])
+        rows.append(padded)
     blocks = {engine.blocks.pool_of[group.name]: list(range(nb))}
     return RequestState(list(token_ids), len(token_ids), n, [], [], blocks, {group.name: rows})

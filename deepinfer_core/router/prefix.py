@@ -17,7 +17,7 @@ from deepinfer_core import plugins
 from deepinfer_core.engine.hashing import ROOT_HASH, block_hash
 from deepinfer_core.kv_store import KVLayout, KVStore
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 
 
 def open_store(section: dict | None, layout: dict | None) -> KVStore | None:

@@ -15,6 +15,9 @@ import torch
 class Case:
     label: str
     args: tuple
+    #: the ``kv_cache_dtype`` whose cache the case's latent cache is ("fp8": FP8 latent rows, uint8); the
+    #: kit runs it only for platforms that list it (``check_op(kv_cache_dtypes=...)``)
+    kv: str = "auto"
 
 
 # ---- input generation -----------------------------------------------------------------------
@@ -102,7 +105,43 @@ def _cases_paged_kv_write(g, dtype, bs):
         if n_pad:
             slots[torch.randperm(T, generator=g)[:n_pad]] = -1
         cases.append(Case(label, (_randn(g, NB, bs, D, dtype=dtype), slots, _randn(g, T, D, dtype=dtype))))
+    return cases + _cases_paged_kv_write_fp8(g, dtype, bs)
+
+
+def _fp8_kv_inputs(g, T: int, L: int, R: int, dtype) -> torch.Tensor:
+    """kv[T, L + R] exercising the FP8 row rules (kernels_cpu/kv_fp8.py): magnitudes from 1e-6 to 2e3, an
+    all-zero row, +-inf and NaN latents (rope stays finite), a value exactly 448 * 2**k."""
+    kv = torch.cat([_randn(g, 1, L + R, scale=s) for s in (1e-6, 1e-2, 1.0, 3.0, 2e3)] +
+                   [_randn(g, T - 5, L + R)])
+    kv[1] = 0
+    kv[2, 3], kv[2, L - 1] = float("inf"), -float("inf")
+    kv[3, 5] = float("nan")
+    kv[4, 0] = 448.0 * 4
+    return kv.to(dtype)
+
+
+def _fp8_kv_cache(g, NB: int, bs: int, L: int, R: int) -> torch.Tensor:
+    """A cache of FP8 latent rows holding random earlier entries."""
+    from kernels_cpu.kv_fp8 import quantize_latent_rows, row_bytes
+
+    W = row_bytes(L, R)
+    return quantize_latent_rows(_randn(g, NB * bs, L + R, scale=2.0), W).view(NB, bs, W)
+
+
+def _cases_paged_kv_write_fp8(g, dtype, bs):
+    cases = []
+    for L, R, T in ((512, 64, 12), (64, 16, 20)):
+        NB = max(10, math.ceil(2 * T / bs))
+        slots = torch.randperm(NB * bs, generator=g)[:T]
+        slots[torch.randperm(T, generator=g)[:3]] = -1
+        cases.append(Case(f"fp8 rows L{L} R{R}", (_fp8_kv_cache(g, NB, bs, L, R), slots,
+                                                  _fp8_kv_inputs(g, T, L, R, dtype)), kv="fp8"))
     return cases
+
+
+def _cases_latent_kv_dequant(g, dtype, bs):
+    return [Case(f"fp8 rows L{L} R{R}", (_fp8_kv_cache(g, 3, bs, L, R).flatten(0, 1), L + R, dtype), kv="fp8")
+            for L, R in ((512, 64), (64, 16))]
 
 
 def _cases_paged_kv_gather(g, dtype, bs):
@@ -126,6 +165,15 @@ def _cases_mla_decode(g, dtype, bs):
             _randn(g, T, H, D, dtype=dtype), _randn(g, NB, bs, D, dtype=dtype), tables, _cu(q_lens),
             torch.tensor(seq_lens), D**-0.5, L,
         )))
+    # FP8 latent rows: V2-Lite's 16 heads over 656-byte rows, and the tiny model's shape (100-byte rows)
+    for label, H, L, R, q_lens, seq_lens in (
+        ("fp8 rows H16 L512 q_len 1", 16, 512, 64, [1, 1, 1], [1, bs + 1, 3 * bs + 5]),
+        ("fp8 rows H4 L64 ragged q_len", 4, 64, 16, [1, 3, 2, 1], [4, 3, 2 * bs + 1, bs + 2]),
+    ):
+        tables, NB = _paged_layout(g, seq_lens, bs)
+        cases.append(Case(label, (
+            _randn(g, sum(q_lens), H, L + R, dtype=dtype), _fp8_kv_cache(g, NB, bs, L, R), tables, _cu(q_lens),
+            torch.tensor(seq_lens), (L + R) ** -0.5, L), kv="fp8"))
     return cases
 
 
@@ -485,6 +533,7 @@ CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "paged_kv_write": _cases_paged_kv_write,
     "paged_kv_gather": _cases_paged_kv_gather,
     "mla_decode": _cases_mla_decode,
+    "latent_kv_dequant": _cases_latent_kv_dequant,
     "mla_prefill": _cases_mla_prefill,
     "moe_route": _cases_moe_route,
     "fused_moe": _cases_fused_moe,

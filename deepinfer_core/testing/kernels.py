@@ -8,7 +8,8 @@ reference computed in float32 on the CPU from the same (already rounded) inputs:
 * floating outputs: ``|out - ref| <= rtol * (|ref| + rms(ref))`` with ``rtol`` from
   :data:`TOLERANCES` (float32 1e-4, bfloat16 2e-2, float16 5e-3); ``fused_moe_fp8``, which re-quantises
   its hidden to e4m3, norm-wise: ``||out - ref|| <= rtol * ||ref||``;
-* cache writes and gathers, MXFP8 quantisation, dequantisation and ue8m0 scales: bit-exact;
+* cache writes (FP8 latent rows included: a uint8 cache, ``kernels_cpu/kv_fp8.py``) and gathers, MXFP8
+  quantisation, dequantisation and ue8m0 scales: bit-exact;
 * ``moe_route``: the same expert set per token (inputs are drawn with a clear margin between the
   k-th and (k+1)-th choice, so this is well posed), weights within tolerance;
 * ``moe_route_v4`` likewise; ``v4_indexer_topk``: the same set of entry ids per token (inputs drawn with
@@ -71,7 +72,7 @@ def _reference_fn(op: str) -> Callable:
 
 
 
-_EXACT_OPS = {"paged_kv_write", "paged_kv_gather", "ue8m0_scale", "mxfp8_quant", "mxfp8_dequant"}
+_EXACT_OPS = {"paged_kv_write", "paged_kv_gather", "ue8m0_scale", "mxfp8_quant", "mxfp8_dequant", "latent_kv_dequant"}
 #: ops whose reference truth is computed at the case's own dtype (they quantise activations on the fly)
 _SAME_DTYPE_TRUTH = {"fp8_linear", "fused_moe_fp8"}
 #: ops that re-quantise an intermediate to e4m3 (the MoE hidden): a hidden element whose rounded value sits
@@ -231,9 +232,11 @@ def check_op(
     seed: int = 0,
     block_size: int = 16,
     planes: Callable[[KVCacheSpec], tuple[int, ...]] | None = None,
+    kv_cache_dtypes: Sequence[str] = ("auto", "bf16", "fp8"),
 ) -> None:
     """Check one op of ``backend_cls`` at ``dtype`` on ``device``; AssertionError on a mismatch.
-    ``planes``: the platform's ``kv_cache_planes`` (module docstring, "Cache layout")."""
+    ``planes``: the platform's ``kv_cache_planes`` (module docstring, "Cache layout"); ``kv_cache_dtypes``:
+    the platform's ``kv_cache_dtypes()`` (cases of FP8 latent rows run only where "fp8" is listed)."""
     if op not in OP_NAMES:
         raise ValueError(f"unknown op {op!r}; known: {OP_NAMES}")
     if op not in CASES:
@@ -249,6 +252,8 @@ def check_op(
     rtol = TOLERANCES[dtype]
     g = torch.Generator().manual_seed(seed)
     for case in CASES[op](g, dtype, block_size):
+        if case.kv not in kv_cache_dtypes:
+            continue
         where = (f"kernel op {op!r} of backend {backend_cls.name!r} "
                  f"[dtype {_dtype_name(dtype)}, case {case.label!r}]")
         shaped = _call(op, reference, _map(case.args, torch.Tensor.clone))  # output dtypes at this dtype
@@ -284,10 +289,12 @@ def check_kernel_backend(
     seed: int = 0,
     block_size: int = 16,
     planes: Callable[[KVCacheSpec], tuple[int, ...]] | None = None,
+    kv_cache_dtypes: Sequence[str] = ("auto", "bf16", "fp8"),
 ) -> list[tuple[str, torch.dtype]]:
     """Check every op ``backend_cls`` overrides; returns the (op, dtype) pairs checked."""
     check_api_version(backend_cls, f"kernel backend {backend_cls.name!r}")
     cases = kernel_conformance_cases(backend_cls, dtypes)
     for op, dtype in cases:
-        check_op(backend_cls, op, dtype, device, seed=seed, block_size=block_size, planes=planes)
+        check_op(backend_cls, op, dtype, device, seed=seed, block_size=block_size, planes=planes,
+                 kv_cache_dtypes=kv_cache_dtypes)
     return cases
