@@ -55,9 +55,11 @@ TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=512,
             max_position_embeddings=1024)
 FULL = dict(decode_batches="1,8,32,64,128,256", context=2048, prefill_lens="1024,8192", hf_batches="1,8,64",
-            warmup=5, window=20, block_size=64, max_batched=8192, hf_new_tokens=10, dtype="bfloat16")
+            warmup=5, window=20, block_size=64, max_batched=8192, hf_new_tokens=10, dtype="bfloat16",
+            hf_compiled_batches="64", hf_compile_backend="inductor")
 SMALL = dict(decode_batches="1,4,8", context=48, prefill_lens="32,128", hf_batches="1,4", warmup=1, window=3,
-             block_size=16, max_batched=256, hf_new_tokens=5, dtype="float32")
+             block_size=16, max_batched=256, hf_new_tokens=5, dtype="float32",
+             hf_compiled_batches="4", hf_compile_backend="eager")
 TARGETS = {"decode_b1": 0.60, "decode_b64_256": 0.50, "prefill_8k": 0.40, "speedup_b64": 20.0}
 PROFILE_STEPS = 5
 
@@ -246,9 +248,12 @@ def build_llm(model_dir: Path, opts: dict, batches: list[int], prefill_lens: lis
 
 
 def compare_transformers(llm: LLM, model_dir: Path, mc: ModelConfig, batches: list[int], context: int,
-                         new_tokens: int, decode: list[dict], rng: random.Random) -> list[dict]:
-    """transformers' ``generate`` on the engine's own weight tensors, at each batch of ``context``-token prompts;
-    the engine's greedy tokens for two prompts are compared with transformers' (printed, not asserted)."""
+                         new_tokens: int, decode: list[dict], rng: random.Random,
+                         compiled_batches: tuple[int, ...] = (), compile_backend: str = "inductor") -> list[dict]:
+    """transformers' ``generate`` on the engine's own weight tensors, at each batch of ``context``-token prompts:
+    eager (dynamic cache), and at ``compiled_batches`` also the stronger baseline (static cache, decode forward
+    under ``torch.compile``; rows with ``compiled: true``). The engine's greedy tokens for two prompts are
+    compared with transformers' (printed, not asserted)."""
     from hf_twin import hf_generate_timed, hf_twin
 
     device = llm.engine.device
@@ -257,47 +262,66 @@ def compare_transformers(llm: LLM, model_dir: Path, mc: ModelConfig, batches: li
     rows = []
     for B in batches:
         prompts = _prompts(B, context, mc.vocab_size, rng)
-        try:
-            res = hf_generate_timed(hf, torch.tensor(prompts, device=device), new_tokens)
-        except torch.OutOfMemoryError as exc:  # a large batch may not fit next to the engine: say so, go on
-            rows.append({"batch": B, "error": f"out of memory: {str(exc).splitlines()[0]}"})
-            print(f"transformers batch={B:>3}: {rows[-1]['error']}", flush=True)
-            torch.cuda.empty_cache()
-            continue
-        hf_tokens = res.pop("tokens")
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
-        agree = []
-        for o, h in zip(outs, hf_tokens):
-            e = o.outputs[0].token_ids
-            agree.append(next((i for i, (a, b) in enumerate(zip(e, h)) if a != b), min(len(e), len(h))))
-        res["greedy_agree_prefix"] = agree
-        if B in ours:
-            res["engine_tok_s"] = ours[B]
-            res["speedup"] = ours[B] / res["decode_tok_s"]
-        rows.append(res)
-        sp = f"  engine x{res['speedup']:.1f}" if "speedup" in res else ""
-        print(f"transformers batch={B:>3}: prefill {res['prefill_s']:.2f} s, decode {res['decode_tok_s']:.1f} tok/s "
-              f"({res['decode_step_ms']:.1f} ms/step){sp}; greedy tokens equal for the first {agree} of "
-              f"{new_tokens} (engine vs transformers, 2 prompts)", flush=True)
-        del hf_tokens
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        for backend in (None, compile_backend) if B in compiled_batches else (None,):
+            kind = f"compiled ({backend})" if backend else "eager"
+            try:
+                res = hf_generate_timed(hf, torch.tensor(prompts, device=device), new_tokens,
+                                        compile_backend=backend)
+            except torch.OutOfMemoryError as exc:  # a large batch may not fit next to the engine: say so, go on
+                rows.append({"batch": B, "compiled": backend is not None,
+                             "error": f"out of memory: {str(exc).splitlines()[0]}"})
+                print(f"transformers {kind} batch={B:>3}: {rows[-1]['error']}", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            res["compiled"] = backend is not None
+            hf_tokens = res.pop("tokens")
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
+                                SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+            agree = []
+            for o, h in zip(outs, hf_tokens):
+                e = o.outputs[0].token_ids
+                agree.append(next((i for i, (a, b) in enumerate(zip(e, h)) if a != b), min(len(e), len(h))))
+            res["greedy_agree_prefix"] = agree
+            if B in ours:
+                res["engine_tok_s"] = ours[B]
+                res["speedup"] = ours[B] / res["decode_tok_s"]
+            rows.append(res)
+            sp = f"  engine x{res['speedup']:.1f}" if "speedup" in res else ""
+            comp = f", compiled in {res['compile_s']:.1f} s" if backend else ""
+            print(f"transformers {kind} batch={B:>3} (experts: {res['experts_implementation']}): prefill "
+                  f"{res['prefill_s']:.2f} s{comp}, decode {res['decode_tok_s']:.1f} tok/s "
+                  f"({res['decode_step_ms']:.1f} ms/step){sp}; greedy tokens equal for the first {agree} of "
+                  f"{new_tokens} (engine vs transformers, 2 prompts)", flush=True)
+            del hf_tokens
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     del hf
+    if compiled_batches:
+        torch._dynamo.reset()  # drop the compiled graphs (and their CUDA graph pools) with the twin
     return rows
+
+
+def speedups_at(res: dict, batch: int) -> dict:
+    """The engine's decode speedup over transformers at ``batch``: eager, compiled, and the one that counts
+    (over the stronger, i.e. faster, baseline: the smaller ratio)."""
+    out = {}
+    for r in res.get("transformers", []):
+        if r["batch"] == batch and "speedup" in r:
+            out["compiled" if r.get("compiled") else "eager"] = r["speedup"]
+    out["counted"] = min(out.values()) if out else None
+    return out
 
 
 def check_targets(res: dict) -> dict:
     """Each target of the issue: the measured value and whether it is met (None: not measured)."""
     dec = {r["batch"]: r["fraction"] for r in res.get("decode", [])}
     pre = {r["prompt_len"]: r["fraction"] for r in res.get("prefill", [])}
-    sp = {r["batch"]: r.get("speedup") for r in res.get("transformers", [])}
     big = [dec[b] for b in (64, 128, 256) if b in dec]
     out = {
         "decode_b1_fraction": (dec.get(1), TARGETS["decode_b1"]),
         "decode_b64_256_min_fraction": (min(big) if big else None, TARGETS["decode_b64_256"]),
         "prefill_8k_fraction": (pre.get(8192), TARGETS["prefill_8k"]),
-        "speedup_vs_transformers_b64": (sp.get(64), TARGETS["speedup_b64"]),
+        "speedup_vs_transformers_b64": (speedups_at(res, 64)["counted"], TARGETS["speedup_b64"]),
     }
     return {k: {"value": v, "target": t, "met": None if v is None else v >= t} for k, (v, t) in out.items()}
 
@@ -429,8 +453,11 @@ def run(argv: list[str] | None = None) -> dict:
         res["transformers_version"] = transformers.__version__
         save(res, out_dir)  # the engine's figures survive a failure of the comparison
         try:
+            hf_c = tuple(int(b) for b in opts["hf_compiled_batches"].split(",") if b)
             res["transformers"] = compare_transformers(llm, model_dir, mc, hf_b, opts["context"],
-                                                       opts["hf_new_tokens"], res["decode"], rng)
+                                                       opts["hf_new_tokens"], res["decode"], rng, hf_c,
+                                                       opts["hf_compile_backend"])
+            res["speedups_vs_transformers"] = {b: speedups_at(res, b) for b in hf_b}
         except Exception as exc:  # recorded in the JSON and re-raised after it is written
             res["transformers_error"] = f"{type(exc).__name__}: {exc}"
             failure = exc
