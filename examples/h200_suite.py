@@ -154,12 +154,12 @@ def _idle(engine) -> dict:
 
 def decode_sweep(llm: LLM, mc: ModelConfig, batches: list[int], context: int, warmup: int, window: int,
                  ceil: dict, counter: ExpertCounter, rng: random.Random, count_steps: int = 2,
-                 profile_batch: int | None = None, out_dir: Path | None = None) -> list[dict]:
+                 profile_batches: tuple[int, ...] = (), out_dir: Path | None = None) -> list[dict]:
     """Steady-state decode at each batch (largest first): prefill them all, then per point abort the
     surplus, ``warmup`` steps, ``window`` timed steps, and ``count_steps`` expert-counting steps."""
     engine = llm.engine
     batches = sorted(set(batches), reverse=True)
-    per_point = warmup + window + count_steps + (PROFILE_STEPS if profile_batch else 0)
+    per_point = warmup + window + count_steps + (PROFILE_STEPS if profile_batches else 0)
     prefill_steps = math.ceil(batches[0] * context / engine.cfg.max_num_batched_tokens) + 1
     sp = SamplingParams(temperature=0, max_tokens=prefill_steps + len(batches) * per_point + 4, ignore_eos=True)
     seqs = [engine.add_request({"prompt_token_ids": p}, sp) for p in _prompts(batches[0], context, mc.vocab_size, rng)]
@@ -207,11 +207,11 @@ def decode_sweep(llm: LLM, mc: ModelConfig, batches: list[int], context: int, wa
             gaps = idle1["device_idle_gaps"] - idle0["device_idle_gaps"]
             row["idle"] = {"device_idle_share": d_idle / (d_idle + d_busy) if d_idle + d_busy else 0.0,
                            "device_idle_us_mean": 1e3 * d_idle / gaps if gaps else 0.0, "gaps": gaps}
-        if profile_batch == B and out_dir is not None:
+        if B in profile_batches and out_dir is not None:
             from profiling import profile_region
 
             row["profile"] = profile_region(lambda: [engine.step() for _ in range(PROFILE_STEPS)], PROFILE_STEPS,
-                                            out_dir, f"decode_b{B}", engine.device)
+                                            out_dir, f"decode_b{B}", engine.device, layers=mc.num_hidden_layers)
         rows.append(row)
         print(f"decode   batch={B:>4} ctx={mean_ctx:>7.0f}  {row['step_ms']:>8.2f} ms/step  {tok_s:>10.0f} tok/s  "
               f"roofline {row['roofline_tok_s']:>10.0f}  {row['fraction'] * 100:5.1f}%  "
@@ -350,6 +350,8 @@ def run(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="skip the enforce_eager decode points")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-decode-fusion", action="store_true",
+                    help="the engine's unfused decode ops (config decode_fusion = false), for a before/after")
     ap.add_argument("--weight-dtype", default=None, choices=["bf16", "fp8"],
                     help="fp8: the random weights quantised per 128x128 tile, run by the fp8_* ops (the "
                          "rooflines still count 2-byte weights)")
@@ -372,6 +374,8 @@ def run(argv: list[str] | None = None) -> dict:
 
     t = time.perf_counter()
     wd = {"weight_dtype": args.weight_dtype} if args.weight_dtype else {}
+    if args.no_decode_fusion:
+        wd["decode_fusion"] = False
     llm = build_llm(model_dir, opts, batches, prefill_lens, args.accelerator, args.seed, **wd)
     phases["build"] = time.perf_counter() - t
     device = llm.engine.device
@@ -379,7 +383,8 @@ def run(argv: list[str] | None = None) -> dict:
                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "options": opts, "parameters": sum(
                      p.numel() for p in llm.engine.model.parameters()), "profile": profile,
-                 "weight_dtype": args.weight_dtype or "bf16", "weight_bytes": sum(
+                 "weight_dtype": args.weight_dtype or "bf16", "decode_fusion": not args.no_decode_fusion,
+                 "weight_bytes": sum(
                      t.numel() * t.element_size() for t in (*llm.engine.model.parameters(),
                                                             *llm.engine.model.buffers()))}
     print(f"{args.shape} ({args.scale}): {res['parameters'] / 1e9:.2f}B parameters, {opts['dtype']} on "
@@ -411,9 +416,9 @@ def run(argv: list[str] | None = None) -> dict:
     phases["prefill"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prof_b = (64 if 64 in batches else batches[len(batches) // 2]) if profile else None
+    prof_b = tuple(b for b in (1, 64) if b in batches) or (batches[len(batches) // 2],) if profile else ()
     res["decode"] = decode_sweep(llm, mc, batches, opts["context"], opts["warmup"], opts["window"], ceil, counter,
-                                 rng, profile_batch=prof_b, out_dir=out_dir)
+                                 rng, profile_batches=prof_b, out_dir=out_dir)
     phases["decode"] = time.perf_counter() - t
     save(res, out_dir)
 

@@ -12,6 +12,7 @@ and to its cache slot (slot -1: not written). Numerics are the reference's: floa
 import torch
 
 from kernels_cuda import _tl
+from kernels_cuda.norm import _threads
 
 
 def build_mla_kv_write(L: int, R: int, BS: int, stride_t: int, dtype: str, table_dtype: str):
@@ -19,7 +20,7 @@ def build_mla_kv_write(L: int, R: int, BS: int, stride_t: int, dtype: str, table
     NT, NB, P = T.dynamic("NT"), T.dynamic("NB"), T.dynamic("P")
     D = L + R
     half = R // 2
-    threads = 128
+    threads = _threads(L)
 
     @T.prim_func
     def mla_kv_write_kernel(
@@ -77,7 +78,7 @@ def _kernel_applies(kv_a: torch.Tensor, norm_w: torch.Tensor, cos_sin: torch.Ten
     if kv_a.dtype not in (torch.bfloat16, torch.float16) or kv_a.dim() != 2 or kv_a.stride(-1) != 1:
         return False
     L, R = norm_w.shape[0], kv_a.shape[1] - norm_w.shape[0]
-    return (L % 128 == 0 and R > 0 and R % 2 == 0 and cache.shape[-1] == L + R and cos_sin.shape[-1] == R
+    return (L % 32 == 0 and R > 0 and R % 2 == 0 and cache.shape[-1] == L + R and cos_sin.shape[-1] == R
             and cos_sin.dtype in (torch.float32, kv_a.dtype))
 
 
