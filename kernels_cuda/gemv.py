@@ -119,6 +119,8 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     K = w.shape[1]
     if x.shape[-1] != K or K % vec(w.dtype) or not w.is_contiguous() or not (x.is_cuda or _tl.dry_run()):
         return False
+    if w.data_ptr() % 16:  # 16-byte vector loads (a view at an odd offset)
+        return False
     M = x.numel() // K if K else 0
     return 1 <= M <= MAX_M
 
@@ -127,6 +129,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
     """``x[..., K] @ w[N, K].T`` in float32 accumulation, written as ``out_dtype`` (``applies`` must hold)."""
     N, K = w.shape
     x2 = x.reshape(-1, K).contiguous()
+    if x2.data_ptr() % 16:  # a view at an odd offset: the kernel loads 16-byte vectors
+        x2 = x2.clone()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     sms = _tl.num_sms(x.device.index or 0) if x.is_cuda else _tl.num_sms()

@@ -77,6 +77,8 @@ def _kernel_applies(kv_a: torch.Tensor, norm_w: torch.Tensor, cos_sin: torch.Ten
         return False  # cache planes or a quantised cache: the reference composition (the platform's write)
     if kv_a.dtype not in (torch.bfloat16, torch.float16) or kv_a.dim() != 2 or kv_a.stride(-1) != 1:
         return False
+    if kv_a.data_ptr() % 16 or (kv_a.stride(0) * kv_a.element_size()) % 16:
+        return False  # rows are read in vectors of up to 16 bytes
     L, R = norm_w.shape[0], kv_a.shape[1] - norm_w.shape[0]
     return (L % 32 == 0 and R > 0 and R % 2 == 0 and cache.shape[-1] == L + R and cos_sin.shape[-1] == R
             and cos_sin.dtype in (torch.float32, kv_a.dtype))
