@@ -103,3 +103,29 @@ def test_v2_lite_shape_two_shared_experts(tmp_path):
         torch.testing.assert_close(moe(x), plain, rtol=1e-5, atol=1e-5)
     finally:
         llm.shutdown()
+
+
+def test_gemv_dispatch_rules(monkeypatch):
+    """Which projections the CUDA backend's ``linear`` / ``linear_f32`` run as its GEMV (the rest go to cuBLAS),
+    and the GEMV's tiles: one warp per weight row with at least two CTAs per SM, or split-K for small N."""
+    from kernels_cuda import _tl
+    from kernels_cuda.gemv import MAX_M, applies, m_bucket, tile_config
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")  # CPU tensors stand in for device ones
+    bf = torch.bfloat16
+    w = torch.empty(3648, 2048, dtype=bf)
+    assert applies(torch.empty(1, 2048, dtype=bf), w) and applies(torch.empty(2, 4, 2048, dtype=bf), w)
+    assert not applies(torch.empty(MAX_M + 1, 2048, dtype=bf), w)  # 9 rows: cuBLAS
+    assert not applies(torch.empty(0, 2048, dtype=bf), w)
+    assert not applies(torch.empty(1, 2048), w.float())  # float32 activations: cuBLAS (the reference)
+    assert applies(torch.empty(1, 2048, dtype=bf), torch.empty(64, 2048))  # the router's float32 gate
+    assert not applies(torch.empty(1, 2044, dtype=bf), torch.empty(64, 2044, dtype=bf))  # K not in 16-byte vectors
+    assert applies(torch.empty(1, 2044, dtype=bf), torch.empty(64, 2044))  # ... of float32 it is
+    assert not applies(torch.empty(1, 2042, dtype=bf), torch.empty(64, 2042))
+    assert not applies(torch.empty(1, 2048, dtype=bf), torch.empty(64, 4096, dtype=bf)[:, ::2])  # strided W
+    assert not applies(torch.empty(1, 2048, dtype=bf), torch.empty(65 * 2048 + 1, dtype=bf)[1:].view(65, 2048))
+    assert [m_bucket(m) for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert tile_config(3648, 2048, 132) == (8, 32)  # 456 CTAs of 8 rows
+    assert tile_config(2048, 2048, 132) == (4, 32)  # 8 rows would give 256 < 2 x 132 CTAs
+    assert tile_config(64, 2048, 132, VEC=4) == (1, 128)  # router: a row per CTA, K split over 4 warps
+    assert tile_config(256, 7168, 132, VEC=4) == (1, 256)
