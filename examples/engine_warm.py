@@ -66,7 +66,7 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
                (cfg.vocab_size, C)}
     if cfg.q_lora_rank:
         weights.add((H * (N + R), cfg.q_lora_rank))
-    for M in (1, MAX_M):  # batch 1, and the bucket of 5..8 rows (2..4 compile on first use)
+    for M in sorted({1, MAX_M}):  # the rows the backend's linear sends the GEMV
         for n_out, k_in in sorted(weights):
             linear(e(M, k_in, dtype=dtype), e(n_out, k_in, dtype=dtype))
         if E_r:

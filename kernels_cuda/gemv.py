@@ -1,4 +1,4 @@
-"""Small-M linear (M <= 8 rows) as a bandwidth-bound GEMV in TileLang.
+"""Small-M linear (one row at decode batch 1; the kernel takes up to 8) as a bandwidth-bound GEMV in TileLang.
 
 At decode a projection reads a whole weight matrix for one to eight rows of activations, so the
 kernel's only job is to stream W at HBM speed. cuBLAS picks GEMM tiles for these shapes that leave
@@ -23,8 +23,11 @@ import torch
 
 from kernels_cuda import _tl
 
-#: the largest M this path takes; more rows go to cuBLAS (tensor-core GEMM tiles pay off there)
-MAX_M = 8
+#: the largest M this path takes; more rows go to cuBLAS. Measured on the H200 (docs/decode_fusion.md): at
+#: M = 1 the GEMV beats cuBLAS on 14 of 15 decode projections (up to 88-104 % of the read ceiling on the
+#: large ones), at M = 8 it is 3-7x slower (each thread's activation loads serialise behind the row guard),
+#: so only single rows take it until the multi-row loop is reworked (the kernel itself handles up to 8).
+MAX_M = 1
 _BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
