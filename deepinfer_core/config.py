@@ -73,6 +73,7 @@ class EngineConfig:
     dp: int = 1
     ep: int = 1
     enforce_eager: bool = False  # True: never replay device graphs (every step runs eagerly)
+    decode_fusion: bool = True  # False: the model's unfused ops (CausalLM.set_decode_fusion), to check the fused
     graph_batch_sizes: list | None = None  # decode batch sizes captured as graphs; None: the default set
     async_scheduling: bool | None = None  # None: on where the platform supports overlap (engine.py docstring)
     measure_device_idle: bool = False  # engine.metrics() reports the device idle time between steps

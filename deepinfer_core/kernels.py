@@ -88,6 +88,16 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) for e = ids[t, j]; ids outside "
         "[0, E) are skipped (experts owned by another rank)",
     ),
+    # ---- decode fusion (reference: kernels_cpu/fused.py) ----
+    OpSpec("linear_f32", "(x[..., K], w[N, K]) -> [..., N] f32",
+           "x.float() @ w.float().T (the router's logits, without a float32 copy of the weight)"),
+    OpSpec(
+        "mla_kv_write",
+        "(kv_a[T, L+R], norm_w[L], eps, positions[T], cos_sin[P, R], cache[NB, BS, L+R], slot_mapping[T])"
+        " -> entry[T, L+R]",
+        "entry = [rms_norm(kv_a[:, :L]) | rope(kv_a[:, L:])]; paged_kv_write(cache, slot_mapping, entry); "
+        "returns entry (one launch for MLA's latent norm, key rope and cache write)",
+    ),
     # ---- block-scaled FP8 weights (reference and exact rules: kernels_cpu/fp8_ops.py) ----
     OpSpec(
         "fp8_linear",

@@ -33,8 +33,10 @@ DECODE = (1, 256)  # decode batches: with and without split-KV
 
 def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Call every kernel op of the engine's forward for ``cfg`` once per configuration; returns their names."""
+    from kernels_cuda.gemv import MAX_M, linear, linear_f32
     from kernels_cuda.kv_cache import paged_kv_write
     from kernels_cuda.mla_decode import mla_decode
+    from kernels_cuda.mla_kv_write import mla_kv_write
     from kernels_cuda.mla_prefill import mla_prefill
     from kernels_cuda.moe import fused_moe
     from kernels_cuda.moe_route import moe_route
@@ -52,6 +54,24 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     cache = e(16, block_size, L + R, dtype=dtype)
     paged_kv_write(cache, torch.zeros(4, dtype=torch.long), e(4, L + R, dtype=dtype))
     done += [f"add_rms_norm C={C}", f"paged_kv_write bs={block_size}"]
+    # the fused q(_a) + kv_a projection's output: kv_a is its last L + R columns (a strided slice)
+    q_cols = cfg.q_lora_rank or H * (N + R)
+    xa = e(4, q_cols + L + R, dtype=dtype)
+    mla_kv_write(xa[:, q_cols:], e(L, dtype=dtype), 1e-6, torch.zeros(4, dtype=torch.long), e(16, R), cache,
+                 torch.zeros(4, dtype=torch.long))
+    done.append(f"mla_kv_write stride={q_cols + L + R}")
+    # small-M projections (decode batches up to MAX_M): every GEMM weight of the forward, and the router
+    E_r = cfg.n_routed_experts
+    weights = {(q_cols + L + R, C), (C, H * V), (2 * cfg.intermediate_size, C), (C, cfg.intermediate_size),
+               (cfg.vocab_size, C)}
+    if cfg.q_lora_rank:
+        weights.add((H * (N + R), cfg.q_lora_rank))
+    for M in sorted({1, MAX_M}):  # the rows the backend's linear sends the GEMV
+        for n_out, k_in in sorted(weights):
+            linear(e(M, k_in, dtype=dtype), e(n_out, k_in, dtype=dtype))
+        if E_r:
+            linear_f32(e(M, C, dtype=dtype), e(E_r, C))
+        done.append(f"gemv M={M} x {len(weights) + bool(E_r)} weights")
     for B in DECODE:
         tables = torch.zeros(B, 4, dtype=torch.int32)
         mla_decode(e(B, H, L + R, dtype=dtype), cache, tables, torch.arange(B + 1), torch.full((B,), 64),
@@ -65,13 +85,15 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
         with torch.device("meta"):
             moe = MoE(None, cfg, cfg.first_k_dense_replace)  # its routing constants (no memory)
         E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-        w13, w2 = e(E, 2 * I, C, dtype=dtype), e(E, C, I, dtype=dtype)
+        S = cfg.n_shared_experts or 0  # folded in as always-selected experts E.. (MoE._fold_shared_experts)
+        w13, w2 = e(E + S, 2 * I, C, dtype=dtype), e(E + S, C, I, dtype=dtype)
         bias = e(E) if moe.e_score_correction_bias is not None else None
         for T in TOKENS:
             moe_route(e(T, E), bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score,
                       moe.renormalize, moe.scale)
-            fused_moe(e(T, C, dtype=dtype), w13, w2, e(T, k, dtype=dtype), torch.zeros(T, k, dtype=torch.long))
-            done.append(f"moe E={E} T={T}")
+            fused_moe(e(T, C, dtype=dtype), w13, w2, e(T, k + S, dtype=dtype),
+                      torch.zeros(T, k + S, dtype=torch.long))
+            done.append(f"moe E={E}+{S} shared T={T}")
     B = 4
     sample(e(B, cfg.vocab_size), torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B), torch.zeros(B),
            torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))

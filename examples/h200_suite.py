@@ -55,9 +55,11 @@ TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=512,
             max_position_embeddings=1024)
 FULL = dict(decode_batches="1,8,32,64,128,256", context=2048, prefill_lens="1024,8192", hf_batches="1,8,64",
-            warmup=5, window=20, block_size=64, max_batched=8192, hf_new_tokens=10, dtype="bfloat16")
+            warmup=5, window=20, block_size=64, max_batched=8192, hf_new_tokens=10, dtype="bfloat16",
+            hf_compiled_batches="64", hf_compile_backend="inductor")
 SMALL = dict(decode_batches="1,4,8", context=48, prefill_lens="32,128", hf_batches="1,4", warmup=1, window=3,
-             block_size=16, max_batched=256, hf_new_tokens=5, dtype="float32")
+             block_size=16, max_batched=256, hf_new_tokens=5, dtype="float32",
+             hf_compiled_batches="4", hf_compile_backend="eager")
 TARGETS = {"decode_b1": 0.60, "decode_b64_256": 0.50, "prefill_8k": 0.40, "speedup_b64": 20.0}
 PROFILE_STEPS = 5
 
@@ -157,12 +159,12 @@ def _idle(engine) -> dict:
 
 def decode_sweep(llm: LLM, mc: ModelConfig, batches: list[int], context: int, warmup: int, window: int,
                  ceil: dict, counter: ExpertCounter, rng: random.Random, count_steps: int = 2,
-                 profile_batch: int | None = None, out_dir: Path | None = None) -> list[dict]:
+                 profile_batches: tuple[int, ...] = (), out_dir: Path | None = None) -> list[dict]:
     """Steady-state decode at each batch (largest first): prefill them all, then per point abort the
     surplus, ``warmup`` steps, ``window`` timed steps, and ``count_steps`` expert-counting steps."""
     engine = llm.engine
     batches = sorted(set(batches), reverse=True)
-    per_point = warmup + window + count_steps + (PROFILE_STEPS if profile_batch else 0)
+    per_point = warmup + window + count_steps + (PROFILE_STEPS if profile_batches else 0)
     prefill_steps = math.ceil(batches[0] * context / engine.cfg.max_num_batched_tokens) + 1
     sp = SamplingParams(temperature=0, max_tokens=prefill_steps + len(batches) * per_point + 4, ignore_eos=True)
     seqs = [engine.add_request({"prompt_token_ids": p}, sp) for p in _prompts(batches[0], context, mc.vocab_size, rng)]
@@ -210,11 +212,11 @@ def decode_sweep(llm: LLM, mc: ModelConfig, batches: list[int], context: int, wa
             gaps = idle1["device_idle_gaps"] - idle0["device_idle_gaps"]
             row["idle"] = {"device_idle_share": d_idle / (d_idle + d_busy) if d_idle + d_busy else 0.0,
                            "device_idle_us_mean": 1e3 * d_idle / gaps if gaps else 0.0, "gaps": gaps}
-        if profile_batch == B and out_dir is not None:
+        if B in profile_batches and out_dir is not None:
             from profiling import profile_region
 
             row["profile"] = profile_region(lambda: [engine.step() for _ in range(PROFILE_STEPS)], PROFILE_STEPS,
-                                            out_dir, f"decode_b{B}", engine.device)
+                                            out_dir, f"decode_b{B}", engine.device, layers=mc.num_hidden_layers)
         rows.append(row)
         print(f"decode   batch={B:>4} ctx={mean_ctx:>7.0f}  {row['step_ms']:>8.2f} ms/step  {tok_s:>10.0f} tok/s  "
               f"roofline {row['roofline_tok_s']:>10.0f}  {row['fraction'] * 100:5.1f}%  "
@@ -251,9 +253,12 @@ def build_llm(model_dir: Path, opts: dict, batches: list[int], prefill_lens: lis
 
 
 def compare_transformers(llm: LLM, model_dir: Path, mc: ModelConfig, batches: list[int], context: int,
-                         new_tokens: int, decode: list[dict], rng: random.Random) -> list[dict]:
-    """transformers' ``generate`` on the engine's own weight tensors, at each batch of ``context``-token prompts;
-    the engine's greedy tokens for two prompts are compared with transformers' (printed, not asserted)."""
+                         new_tokens: int, decode: list[dict], rng: random.Random,
+                         compiled_batches: tuple[int, ...] = (), compile_backend: str = "inductor") -> list[dict]:
+    """transformers' ``generate`` on the engine's own weight tensors, at each batch of ``context``-token prompts:
+    eager (dynamic cache), and at ``compiled_batches`` also the stronger baseline (static cache, decode forward
+    under ``torch.compile``; rows with ``compiled: true``). The engine's greedy tokens for two prompts are
+    compared with transformers' (printed, not asserted)."""
     from hf_twin import hf_generate_timed, hf_twin
 
     device = llm.engine.device
@@ -262,47 +267,72 @@ def compare_transformers(llm: LLM, model_dir: Path, mc: ModelConfig, batches: li
     rows = []
     for B in batches:
         prompts = _prompts(B, context, mc.vocab_size, rng)
-        try:
-            res = hf_generate_timed(hf, torch.tensor(prompts, device=device), new_tokens)
-        except torch.OutOfMemoryError as exc:  # a large batch may not fit next to the engine: say so, go on
-            rows.append({"batch": B, "error": f"out of memory: {str(exc).splitlines()[0]}"})
-            print(f"transformers batch={B:>3}: {rows[-1]['error']}", flush=True)
-            torch.cuda.empty_cache()
-            continue
-        hf_tokens = res.pop("tokens")
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
-        agree = []
-        for o, h in zip(outs, hf_tokens):
-            e = o.outputs[0].token_ids
-            agree.append(next((i for i, (a, b) in enumerate(zip(e, h)) if a != b), min(len(e), len(h))))
-        res["greedy_agree_prefix"] = agree
-        if B in ours:
-            res["engine_tok_s"] = ours[B]
-            res["speedup"] = ours[B] / res["decode_tok_s"]
-        rows.append(res)
-        sp = f"  engine x{res['speedup']:.1f}" if "speedup" in res else ""
-        print(f"transformers batch={B:>3}: prefill {res['prefill_s']:.2f} s, decode {res['decode_tok_s']:.1f} tok/s "
-              f"({res['decode_step_ms']:.1f} ms/step){sp}; greedy tokens equal for the first {agree} of "
-              f"{new_tokens} (engine vs transformers, 2 prompts)", flush=True)
-        del hf_tokens
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        for backend in (None, compile_backend) if B in compiled_batches else (None,):
+            kind = f"compiled ({backend})" if backend else "eager"
+            try:
+                res = hf_generate_timed(hf, torch.tensor(prompts, device=device), new_tokens,
+                                        compile_backend=backend)
+            except torch.OutOfMemoryError as exc:  # a large batch may not fit next to the engine: say so, go on
+                rows.append({"batch": B, "compiled": backend is not None,
+                             "error": f"out of memory: {str(exc).splitlines()[0]}"})
+                print(f"transformers {kind} batch={B:>3}: {rows[-1]['error']}", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            except Exception as exc:  # torch.compile of transformers' forward failed: the eager rows still stand
+                if backend is None:
+                    raise
+                rows.append({"batch": B, "compiled": True, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
+                print(f"transformers {kind} batch={B:>3}: {rows[-1]['error']}", flush=True)
+                continue
+            res["compiled"] = backend is not None
+            hf_tokens = res.pop("tokens")
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
+                                SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+            agree = []
+            for o, h in zip(outs, hf_tokens):
+                e = o.outputs[0].token_ids
+                agree.append(next((i for i, (a, b) in enumerate(zip(e, h)) if a != b), min(len(e), len(h))))
+            res["greedy_agree_prefix"] = agree
+            if B in ours:
+                res["engine_tok_s"] = ours[B]
+                res["speedup"] = ours[B] / res["decode_tok_s"]
+            rows.append(res)
+            sp = f"  engine x{res['speedup']:.1f}" if "speedup" in res else ""
+            comp = f", compiled in {res['compile_s']:.1f} s" if backend else ""
+            print(f"transformers {kind} batch={B:>3} (experts: {res['experts_implementation']}): prefill "
+                  f"{res['prefill_s']:.2f} s{comp}, decode {res['decode_tok_s']:.1f} tok/s "
+                  f"({res['decode_step_ms']:.1f} ms/step){sp}; greedy tokens equal for the first {agree} of "
+                  f"{new_tokens} (engine vs transformers, 2 prompts)", flush=True)
+            del hf_tokens
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     del hf
+    if compiled_batches:
+        torch._dynamo.reset()  # drop the compiled graphs (and their CUDA graph pools) with the twin
     return rows
+
+
+def speedups_at(res: dict, batch: int) -> dict:
+    """The engine's decode speedup over transformers at ``batch``: eager, compiled, and the one that counts
+    (over the stronger, i.e. faster, baseline: the smaller ratio)."""
+    out = {}
+    for r in res.get("transformers", []):
+        if r["batch"] == batch and "speedup" in r:
+            out["compiled" if r.get("compiled") else "eager"] = r["speedup"]
+    out["counted"] = min(out.values()) if out else None
+    return out
 
 
 def check_targets(res: dict) -> dict:
     """Each target of the issue: the measured value and whether it is met (None: not measured)."""
     dec = {r["batch"]: r["fraction"] for r in res.get("decode", [])}
     pre = {r["prompt_len"]: r["fraction"] for r in res.get("prefill", [])}
-    sp = {r["batch"]: r.get("speedup") for r in res.get("transformers", [])}
     big = [dec[b] for b in (64, 128, 256) if b in dec]
     out = {
         "decode_b1_fraction": (dec.get(1), TARGETS["decode_b1"]),
         "decode_b64_256_min_fraction": (min(big) if big else None, TARGETS["decode_b64_256"]),
         "prefill_8k_fraction": (pre.get(8192), TARGETS["prefill_8k"]),
-        "speedup_vs_transformers_b64": (sp.get(64), TARGETS["speedup_b64"]),
+        "speedup_vs_transformers_b64": (speedups_at(res, 64)["counted"], TARGETS["speedup_b64"]),
     }
     return {k: {"value": v, "target": t, "met": None if v is None else v >= t} for k, (v, t) in out.items()}
 
@@ -331,6 +361,8 @@ def run(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="skip the enforce_eager decode points")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-decode-fusion", action="store_true",
+                    help="the engine's unfused decode ops (config decode_fusion = false), for a before/after")
     ap.add_argument("--weight-dtype", default=None, choices=["bf16", "fp8"],
                     help="fp8: the random weights quantised per 128x128 tile, run by the fp8_* ops (the "
                          "rooflines still count 2-byte weights)")
@@ -353,6 +385,8 @@ def run(argv: list[str] | None = None) -> dict:
 
     t = time.perf_counter()
     wd = {"weight_dtype": args.weight_dtype} if args.weight_dtype else {}
+    if args.no_decode_fusion:
+        wd["decode_fusion"] = False
     llm = build_llm(model_dir, opts, batches, prefill_lens, args.accelerator, args.seed, **wd)
     phases["build"] = time.perf_counter() - t
     device = llm.engine.device
@@ -360,7 +394,8 @@ def run(argv: list[str] | None = None) -> dict:
                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "options": opts, "parameters": sum(
                      p.numel() for p in llm.engine.model.parameters()), "profile": profile,
-                 "weight_dtype": args.weight_dtype or "bf16", "weight_bytes": sum(
+                 "weight_dtype": args.weight_dtype or "bf16", "decode_fusion": not args.no_decode_fusion,
+                 "weight_bytes": sum(
                      t.numel() * t.element_size() for t in (*llm.engine.model.parameters(),
                                                             *llm.engine.model.buffers()))}
     print(f"{args.shape} ({args.scale}): {res['parameters'] / 1e9:.2f}B parameters, {opts['dtype']} on "
@@ -392,9 +427,9 @@ def run(argv: list[str] | None = None) -> dict:
     phases["prefill"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prof_b = (64 if 64 in batches else batches[len(batches) // 2]) if profile else None
+    prof_b = tuple(b for b in (1, 64) if b in batches) or (batches[len(batches) // 2],) if profile else ()
     res["decode"] = decode_sweep(llm, mc, batches, opts["context"], opts["warmup"], opts["window"], ceil, counter,
-                                 rng, profile_batch=prof_b, out_dir=out_dir)
+                                 rng, profile_batches=prof_b, out_dir=out_dir)
     phases["decode"] = time.perf_counter() - t
     save(res, out_dir)
 
@@ -434,8 +469,11 @@ def run(argv: list[str] | None = None) -> dict:
         res["transformers_version"] = transformers.__version__
         save(res, out_dir)  # the engine's figures survive a failure of the comparison
         try:
+            hf_c = tuple(int(b) for b in opts["hf_compiled_batches"].split(",") if b)
             res["transformers"] = compare_transformers(llm, model_dir, mc, hf_b, opts["context"],
-                                                       opts["hf_new_tokens"], res["decode"], rng)
+                                                       opts["hf_new_tokens"], res["decode"], rng, hf_c,
+                                                       opts["hf_compile_backend"])
+            res["speedups_vs_transformers"] = {b: speedups_at(res, b) for b in hf_b}
         except Exception as exc:  # recorded in the JSON and re-raised after it is written
             res["transformers_error"] = f"{type(exc).__name__}: {exc}"
             failure = exc

@@ -93,22 +93,49 @@ class _StepClock:
         return scores
 
 
-def hf_generate_timed(hf, prompts: torch.Tensor, new_tokens: int, skip: int = 1) -> dict:
+def _compiled_kwargs(backend: str) -> dict:
+    """``generate`` arguments for transformers' static KV cache with its decode forward under ``torch.compile``
+    (``reduce-overhead``: CUDA graphs when the backend is inductor)."""
+    from transformers import CompileConfig
+
+    cc = CompileConfig(backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
+    cc._compile_all_devices = True  # a CPU test compiles too (transformers compiles only on accelerators otherwise)
+    return {"cache_implementation": "static", "compile_config": cc}
+
+
+def hf_generate_timed(hf, prompts: torch.Tensor, new_tokens: int, skip: int = 1,
+                      compile_backend: str | None = None) -> dict:
     """Greedy ``generate`` of ``new_tokens`` tokens for a [B, S] batch of prompts (no padding). Decode tok/s
-    comes from the per-token timestamps after the first ``skip`` decode steps, so prefill is excluded."""
+    comes from the per-token timestamps after the first ``skip`` decode steps, so prefill is excluded.
+
+    ``compile_backend`` (e.g. ``"inductor"``): the stronger baseline, transformers with a static cache and
+    ``torch.compile``; one untimed ``generate`` of the same shapes first compiles (and records the graphs),
+    and its seconds are returned as ``compile_s``."""
     from transformers import LogitsProcessorList
 
     if new_tokens < skip + 2:
         raise ValueError(f"new_tokens={new_tokens} must be at least skip + 2 = {skip + 2}")
-    clock = _StepClock(prompts.device)
+    extra = _compiled_kwargs(compile_backend) if compile_backend else {}
     B = prompts.shape[0]
+
+    def generate(clock: _StepClock) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False,
+                               logits_processor=LogitsProcessorList([clock]), **extra)
+
+    compile_s = None
+    if compile_backend:
+        t0 = time.perf_counter()
+        generate(_StepClock(prompts.device))
+        compile_s = time.perf_counter() - t0
+    clock = _StepClock(prompts.device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]))
+    out = generate(clock)
     t = clock.times
     steps = len(t) - 1 - skip
     return {"batch": B, "prompt_len": prompts.shape[1], "new_tokens": new_tokens,
             "prefill_s": t[0] - t0, "decode_tok_s": B * steps / (t[-1] - t[skip]),
-            "decode_step_ms": (t[-1] - t[skip]) / steps * 1e3,
+            "decode_step_ms": (t[-1] - t[skip]) / steps * 1e3, "compile_backend": compile_backend,
+            "compile_s": compile_s, "experts_implementation": getattr(hf.config, "_experts_implementation", None),
             "tokens": out[:, prompts.shape[1]:].tolist()}

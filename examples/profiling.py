@@ -34,9 +34,11 @@ def kernel_breakdown(trace: dict, steps: int, wall_s: float, on_gpu: bool, top: 
             "launches_per_step": launches / steps, "kernels": rows}
 
 
-def profile_region(fn: Callable[[], object], steps: int, out_dir: Path, name: str, device: torch.device) -> dict:
+def profile_region(fn: Callable[[], object], steps: int, out_dir: Path, name: str, device: torch.device,
+                   layers: int | None = None) -> dict:
     """Run ``fn`` (``steps`` engine steps) under the profiler; write ``{name}.trace.json.gz`` and
-    ``{name}.kernels.txt`` to ``out_dir``; return the breakdown."""
+    ``{name}.kernels.txt`` to ``out_dir``; return the breakdown. ``layers``: the model's layer count, for
+    ``launches_per_layer`` (all of a step's launches over its layers: embedding, LM head and sampling included)."""
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -53,9 +55,13 @@ def profile_region(fn: Callable[[], object], steps: int, out_dir: Path, name: st
         shutil.copyfileobj(src, dst)
     raw.unlink()
     table = kernel_breakdown(trace, steps, wall, on_gpu)
+    per_layer = ""
+    if layers:
+        table["launches_per_layer"] = table["launches_per_step"] / layers
+        per_layer = f" ({table['launches_per_layer']:.1f} per layer of {layers})"
     lines = [f"{name}: {steps} steps, {table['step_ms']:.3f} ms/step wall, "
              f"{table['device_busy_ms_per_step']:.3f} ms/step {'device' if on_gpu else 'cpu-op'} time, "
-             f"{table['launches_per_step']:.0f} launches/step",
+             f"{table['launches_per_step']:.0f} launches/step{per_layer}",
              f"{'us/step':>10} {'calls':>6} {'busy%':>6} {'step%':>6}  kernel"]
     for r in table["kernels"]:
         lines.append(f"{r['us_per_step']:>10.1f} {r['calls_per_step']:>6.1f} {r['share_of_busy'] * 100:>5.1f}% "

@@ -295,6 +295,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return y.view(*lead, w.shape[0])
 
 
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return linear(x.float(), w.float())
+
+
+def mla_kv_write(kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
+                 cos_sin: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """``kernels_cpu.fused.mla_kv_write`` with this module's row-wise ``rms_norm`` (rope and the write are
+    per token already)."""
+    L = norm_w.shape[0]
+    entry = torch.cat((rms_norm(kv_a[:, :L], norm_w, eps),
+                       reference.rope(kv_a[:, None, L:], positions, cos_sin)[:, 0]), -1)
+    reference.paged_kv_write(cache, slot_mapping, entry)
+    return entry
+
+
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x[T, H, K], w[H, N, K] -> [T, H, N] as one batched GEMM over heads."""
     return bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
@@ -470,6 +485,7 @@ class BatchInvariantKernels(KernelBackend):
     name = "batch_invariant"
     core_api_version = "1.0"
     ops = {name: f"kernels_cpu.batch_invariant:{name}" for name in (
-        "linear", "head_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "mla_decode", "mla_prefill",
+        "linear", "linear_f32", "mla_kv_write", "head_linear", "rms_norm", "add_rms_norm", "silu_and_mul",
+        "mla_decode", "mla_prefill",
         "moe_route", "fused_moe", "logsumexp",
     )}

@@ -68,8 +68,17 @@ def dry_run() -> bool:
     return os.environ.get(DRYRUN_ENV, "") not in ("", "0")
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
+#: Called with the kernel builder's name on every call of a dry-run kernel (``examples/launch_count.py``
+#: counts a step's launches that way); None: dry-run kernels do nothing.
+dry_launch_hook: Callable[[str], None] | None = None
+
+
+def _dry_kernel(name: str) -> Callable[..., None]:
+    def call(*args: Any, **kwargs: Any) -> None:
+        if dry_launch_hook is not None:
+            dry_launch_hook(name)
+
+    return call
 
 
 def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,7 +87,7 @@ def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
     @functools.cache
     def get(*args: Any) -> Any:
         kernel = compile_kernel(builder(*args))
-        return _noop if dry_run() else kernel
+        return _dry_kernel(builder.__name__) if dry_run() else kernel
 
     get.builder = builder  # type: ignore[attr-defined]
     return get

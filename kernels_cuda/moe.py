@@ -249,7 +249,7 @@ def moe_steps(x, w13, w2, weights, ids, *, cfg: dict | None = None, limit: float
     c = dict(cfg or choose_config(NS, E))
     BM, BK = c["BM"], c["BK"]
     Cp = _round(C, max(BK, c["BN2"]))
-    Ip = _round(I, max(BK, c["BN1"]))
+    Ip = _round(I, max(BK, c.get("BK2", BK), c["BN1"]))
     if (Cp, Ip) != (C, I):
         w13, w2 = _pad_weights(w13, w2, C, I, Cp, Ip)
         x = torch.nn.functional.pad(x, (0, Cp - C))
@@ -270,7 +270,9 @@ def moe_steps(x, w13, w2, weights, ids, *, cfg: dict | None = None, limit: float
     k_align = _align(E, BM)
     k_gather = _gather(Cp, K, BM, dt)
     k_gemm1 = _gemm1(E, Cp, Ip, BM, c["BN1"], BK, c["stages"], c["threads"], dt, limit)
-    k_gemm2 = _gemm2(E, Cp, Ip, BM, c["BN2"], BK, c["stages"], c["threads"], dt)
+    # gemm2's K is the expert width (1408 for V2-Lite: 22 steps of 64): its own k-tile and stages ("BK2",
+    # "stages2"; default those of gemm1) so that a short K can trade stages for wider steps
+    k_gemm2 = _gemm2(E, Cp, Ip, BM, c["BN2"], c.get("BK2", BK), c.get("stages2", c["stages"]), c["threads"], dt)
     k_combine = _combine(Cp, K, E, dt)
     steps = [
         ("align", lambda: k_align(ids_flat, row_slot, block_expert)),

@@ -99,7 +99,7 @@ def test_suite_tiny_end_to_end(tmp_path, monkeypatch):
     out = tmp_path / "out"
     main(["--suite", "h200", "--shape", "v2-lite", "--scale", "tiny", "--accelerator", "cpu", "--out", str(out),
           "--decode-batches", "1,2", "--context", "24", "--prefill-lens", "16,32", "--max-batched", "64",
-          "--hf-batches", "2", "--hf-new-tokens", "3", "--warmup", "1", "--window", "2"])
+          "--hf-batches", "2", "--hf-compiled-batches", "2", "--hf-new-tokens", "3", "--warmup", "1", "--window", "2"])
     res = json.loads((out / "results.json").read_text())
     mc = ModelConfig.from_dict(res["model_config"])
     assert [r["batch"] for r in res["decode"]] == [1, 2]
@@ -113,17 +113,24 @@ def test_suite_tiny_end_to_end(tmp_path, monkeypatch):
     assert 24 <= res["decode"][0]["context"] <= 24 + 20
     for r in res["prefill"]:
         assert r["tok_s"] > 0 and r["flops"] == prefill_flops(mc, r["prompt_len"], r["requests"])["total"]
-    (hf,) = res["transformers"]
+    hf, hf_c = res["transformers"]  # eager, then the static cache under torch.compile (backend "eager" on a CPU)
     assert hf["batch"] == 2 and hf["decode_tok_s"] > 0 and len(hf["greedy_agree_prefix"]) == 2
+    assert not hf["compiled"] and hf["experts_implementation"] == "grouped_mm"
+    assert hf_c["compiled"] and hf_c["compile_backend"] == "eager" and hf_c["compile_s"] > 0
+    assert hf_c["batch"] == 2 and hf_c["decode_tok_s"] > 0 and hf_c["greedy_agree_prefix"] == hf["greedy_agree_prefix"]
+    sp = res["speedups_vs_transformers"]["2"]
+    assert sp == {"eager": hf["speedup"], "compiled": hf_c["speedup"], "counted": min(hf["speedup"], hf_c["speedup"])}
     assert set(res["targets"]) == {"decode_b1_fraction", "decode_b64_256_min_fraction", "prefill_8k_fraction",
                                    "speedup_vs_transformers_b64"}
     assert res["targets"]["decode_b1_fraction"]["met"] is False  # a CPU is nowhere near its roofline here
     # PROFILE=1: gzipped chrome traces and kernel tables for a decode batch and the longest prefill
-    for name in ("decode_b2", "prefill_32"):
+    for name in ("decode_b1", "prefill_32"):  # decode tables at batch 1 (and 64 where measured)
         trace = json.loads(gzip.open(out / f"{name}.trace.json.gz").read())
         assert any(ev.get("cat") == "cpu_op" for ev in trace["traceEvents"])
         assert (out / f"{name}.kernels.txt").read_text().startswith(name)
-    assert res["decode"][1]["profile"]["kernels"]
+    prof = res["decode"][0]["profile"]
+    assert prof["kernels"] and prof["launches_per_layer"] == pytest.approx(prof["launches_per_step"] / 2)
+    assert "profile" not in res["decode"][1] and res["decode_fusion"] is True
     # the sweep and its plot
     sweep_json = tmp_path / "sweep.json"
     sweep_main(["--shape", "v3-slice", "--scale", "tiny", "--accelerator", "cpu", "--batches", "1,3",

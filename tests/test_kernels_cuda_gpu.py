@@ -323,3 +323,60 @@ def test_draft_lengths_serving_shapes_exact(B, K):
         expect = ref.draft_lengths(conf, maxd, budget, thr)
         assert torch.equal(out.cpu(), expect), f"budget {budget} thr {thr}: rows " \
             f"{(out.cpu() != expect).nonzero().flatten().tolist()}"
+
+
+# ---- decode fusion: small-M GEMV and the fused MLA cache write ---------------------------------
+GEMV_SHAPES = [  # (N, K, weight dtype): V2-Lite q+kv_a, o, shared w13 / w2, LM head; V3 q_b, o; routers; odd N
+    (3648, 2048, torch.bfloat16), (2048, 2048, torch.bfloat16), (5632, 2048, torch.bfloat16),
+    (2048, 2816, torch.bfloat16), (102400, 2048, torch.bfloat16), (24576, 1536, torch.bfloat16),
+    (7168, 16384, torch.bfloat16), (64, 2048, torch.float32), (256, 7168, torch.float32),
+    (3650, 1416, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("N,K,w_dtype,M", [(*s, m) for s in GEMV_SHAPES for m in (1, 8)]
+                         + [(3648, 2048, torch.bfloat16, 3)])  # 3 rows in the bucket of 4
+def test_gemv_real_shapes(N, K, w_dtype, M):
+    """The kernel at 1 to 8 rows (the backend's ``linear`` sends it only ``MAX_M`` rows)."""
+    from kernels_cuda.gemv import gemv
+
+    g = gen(8)
+    x = randn(g, M, K)
+    w = randn(g, N, K, dtype=w_dtype, scale=K**-0.5)
+    y = gemv(x, w, torch.float32 if w_dtype == torch.float32 else torch.bfloat16)
+    if DRY:
+        return
+    assert y.dtype == (torch.float32 if w_dtype == torch.float32 else torch.bfloat16)
+    close(y, x.double() @ w.double().T, torch.bfloat16, f"gemv N={N} K={K} M={M}")
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("T", [1, 37])
+def test_mla_kv_write_real_shapes(T, bs):
+    """V2-Lite (L 512, R 64) from the fused projection's output columns; the cache holds exactly the entry."""
+    from kernels_cpu.fused import mla_kv_write as reference
+    from kernels_cuda.mla_kv_write import mla_kv_write
+
+    g = gen(9)
+    width, L, R = 16 * 192 + 576, 512, 64
+    xa = randn(g, T, width, scale=2.0)
+    kv_a = xa[:, width - L - R:]
+    w = (1 + randn(g, L, dtype=torch.float32, scale=0.1)).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(1)).to(DEV)
+    cs = randn(g, 4096, R, dtype=torch.float32)
+    cache = randn(g, 40, bs, L + R)
+    before = cache.clone()
+    slots = torch.randperm(40 * bs, generator=torch.Generator().manual_seed(2))[:T].to(DEV)
+    if T > 1:
+        slots[::5] = -1
+    entry = mla_kv_write(kv_a, w, 1e-6, pos, cs, cache, slots)
+    if DRY:
+        return
+    ref_cache = before.float()
+    ref_entry = reference(kv_a.float(), w.float(), 1e-6, pos, cs, ref_cache, slots)
+    close(entry, ref_entry, torch.bfloat16, "mla_kv_write entry")
+    keep = slots >= 0
+    flat, old = cache.view(-1, L + R), before.view(-1, L + R)
+    assert torch.equal(flat[slots[keep]], entry[keep]), "the cache must hold the returned entry"
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=DEV)
+    untouched[slots[keep]] = False
+    assert torch.equal(flat[untouched], old[untouched]), "slots not written must keep their contents"

@@ -145,6 +145,7 @@ class LLMEngine(TokenAccounting):
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype, cfg.load_format, cfg.seed, self.fp8_weights)
         self.model = self.build_model()
         apply_weight_layout(self.model, self.platform.linear_weight_layout)
+        self.model.set_decode_fusion(cfg.decode_fusion)
 
         self.cache_layout = self._cache_layout()
         num_blocks = self._size_kv_cache()

@@ -78,6 +78,7 @@ class MLA(nn.Module):
         # [q_a_proj | q_proj ; kv_a_proj_with_mqa]: both read the layer input, so one GEMM (post_load)
         self.w_xa: torch.Tensor | None = None
         self.w_xa_scale: torch.Tensor | None = None
+        self.fuse_kv_write = True  # mla_kv_write (set_decode_fusion(False): rms_norm + rope + paged_kv_write)
 
     def post_load(self) -> None:
         kv_b = self.kv_b_proj.view(self.H, self.N + self.V, self.L)
@@ -119,9 +120,13 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([self.N, self.R], dim=-1)  # [T, H, N], [T, H, R]
         q_pe = k.rope(q_pe, positions, cos_sin)
 
-        latent, k_pe = kv_a.split([self.L, self.R], dim=-1)
-        entry = torch.cat((self.kv_a_layernorm(latent), k.rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
-        k.paged_kv_write(cache, meta.slot_mapping, entry)  # entry: [T, L + R]
+        if self.fuse_kv_write and isinstance(cache, torch.Tensor) and cache.dtype == kv_a.dtype:
+            entry = k.mla_kv_write(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, positions, cos_sin,
+                                   cache, meta.slot_mapping)
+        else:  # cache planes or a quantised cache: the platform's own write
+            latent, k_pe = kv_a.split([self.L, self.R], dim=-1)
+            entry = torch.cat((self.kv_a_layernorm(latent), k.rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
+            k.paged_kv_write(cache, meta.slot_mapping, entry)  # entry: [T, L + R]
 
         P = meta.num_prefill_tokens
         if meta.prefill is None and meta.decode is None:  # no tokens (an idle expert-parallel rank)
@@ -202,10 +207,68 @@ class MoE(nn.Module):
         # Set by the engine (ModelRunner.set_route_hook: EPLB's replica map), and EP's dispatcher.
         self.route_hook: RouteHook | None = None
         self.expert_parallel = None
+        # the shared experts as always-selected experts E.. of one fused_moe (post_load; set_decode_fusion)
+        self.fold_shared = True
+        self.w13_all: torch.Tensor | None = None
+        self.w2_all: torch.Tensor | None = None
+
+    def post_load(self) -> None:
+        self._fold_shared_experts()
+
+    def _fold_shared_experts(self) -> None:
+        """Stack the shared experts behind the routed ones: ``w13_all`` [E + S, 2I, C] and ``w2_all`` [E + S, C, I]
+        with the shared MLP of width S * I split into S experts of width I (its gate/up rows and down columns
+        per block of I; the MLP is a sum over its intermediate channels, so this is the same function). The
+        routed parameters become views of the stacked tensors (no extra memory); the shared MLP's too when
+        S == 1 (V3), while for S > 1 (V2) its stacked copy costs its size once more. Only for model-dtype
+        weights on a rank that holds every routed expert (expert parallelism moves experts between ranks)."""
+        self.w13_all = self.w2_all = None
+        sh, cfg = self.shared, self.cfg
+        if (sh is None or self.w13_scale_inv is not None or sh.w13_scale_inv is not None
+                or self.expert_parallel is not None or self.expert_start or self.num_local != cfg.n_routed_experts):
+            return
+        E, I, C = self.num_local, cfg.moe_intermediate_size, self.w13.shape[-1]
+        S = sh.w2.shape[1] // I
+        if S * I != sh.w2.shape[1]:
+            return
+        w13 = self.w13.new_empty(E + S, 2 * I, C)
+        w2 = self.w2.new_empty(E + S, C, I)
+        w13[:E].copy_(self.w13.data)
+        w2[:E].copy_(self.w2.data)
+        w13[E:, :I].copy_(sh.w13.data[: S * I].view(S, I, C))
+        w13[E:, I:].copy_(sh.w13.data[S * I :].view(S, I, C))
+        w2[E:].copy_(sh.w2.data.view(C, S, I).permute(1, 0, 2))
+        self._install_stacked(w13, w2)
+        self.shared_ids = torch.arange(E, E + S, device=w13.device).view(1, S)
+        self.shared_weights = torch.ones(1, S, dtype=w13.dtype, device=w13.device)
+
+    def _install_stacked(self, w13: torch.Tensor, w2: torch.Tensor) -> list[nn.Parameter]:
+        """Make the routed parameters (and a single shared expert's) views of the stacked tensors; returns them."""
+        E, sh = self.num_local, self.shared
+        self.w13.data, self.w2.data = w13[:E], w2[:E]
+        self.w13_all, self.w2_all = w13, w2
+        views = [self.w13, self.w2]
+        if w13.shape[0] == E + 1:
+            sh.w13.data, sh.w2.data = w13[E], w2[E]
+            views += [sh.w13, sh.w2]
+        return views
+
+    def apply_weight_layout(self, layout) -> list[nn.Parameter]:
+        """Re-lay the stacked tensors with a ``Platform.linear_weight_layout`` (the views follow them); returns
+        the parameters laid out with them, which ``loader.apply_weight_layout`` then leaves alone."""
+        if not self._folded():
+            return []
+        return self._install_stacked(layout(self.w13_all), layout(self.w2_all))
+
+    def _folded(self) -> bool:
+        """The stacked tensors are in use: folding on, and the routed weights still the views made at post_load
+        (a placement or layout change since replaces them; then the shared MLP runs on its own)."""
+        return (self.fold_shared and self.w13_all is not None and self.expert_parallel is None
+                and self.w13.data_ptr() == self.w13_all.data_ptr() and self.w2.data_ptr() == self.w2_all.data_ptr())
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        logits = self.k.linear(x.float(), self.gate.float())  # router in float32, as the references
+        logits = self.k.linear_f32(x, self.gate)  # router logits in float32, as the references
         weights, ids = self.k.moe_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
                                         cfg.scoring_func, self.n_group, cfg.topk_group, self.group_score,
                                         self.renormalize, self.scale)
@@ -215,6 +278,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self._folded():
+            T, S = x.shape[0], self.shared_ids.shape[1]
+            ids = torch.cat((ids, self.shared_ids.expand(T, S)), 1)
+            weights = torch.cat((weights.to(x.dtype), self.shared_weights.expand(T, S)), 1)
+            return self.k.fused_moe(x, self.w13_all, self.w2_all, weights, ids)
         if self.expert_parallel is not None:
             out = self.expert_parallel.run(self, x, weights, ids)
         else:
@@ -324,6 +392,17 @@ class DeepseekForCausalLM(CausalLM):
     def post_load(self) -> None:
         for layer in self.layers:
             layer.self_attn.post_load()
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.post_load()
+
+    def set_decode_fusion(self, enabled: bool) -> None:
+        """Decode fusion on (the default) or off: the shared experts inside the routed ``fused_moe`` and MLA's
+        cache entry by ``mla_kv_write``, or the unfused ops (to check one against the other). Graphs captured
+        before keep the path they captured."""
+        for layer in self.layers:
+            layer.self_attn.fuse_kv_write = enabled
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.fold_shared = enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:

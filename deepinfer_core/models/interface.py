@@ -90,6 +90,11 @@ class CausalLM(nn.Module, ABC):
         and ``expert_parallel`` (the EP dispatcher or None); the engine sets those two, never a feature."""
         return {}
 
+    def set_decode_fusion(self, enabled: bool) -> None:
+        """Fused decode ops on (the default) or off (the unfused ops they replace, for checking one against the
+        other; config ``decode_fusion``). The engine calls it before capturing graphs. A model with no fused
+        paths ignores it."""
+
 
 #: (layer_idx, weights [T, k], expert ids [T, k]) -> (weights, ids): rewrites a MoE layer's routing
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -383,6 +383,9 @@ def apply_weight_layout(module: torch.nn.Module, layout) -> None:
     """Re-lay every GEMM weight of ``module`` (parameters of two or more dims other than the token
     embedding) with ``layout``, a ``Platform.linear_weight_layout``. Values and shapes stay."""
     skip = {id(m.embed_tokens) for m in module.modules() if isinstance(getattr(m, "embed_tokens", None), torch.Tensor)}
+    for m in module.modules():  # stacked routed + shared experts: laid out as a whole, the parameters are views
+        if isinstance(m, MoE):
+            skip |= {id(p) for p in m.apply_weight_layout(layout)}
     for p in module.parameters():
         if p.dim() >= 2 and id(p) not in skip:
             p.data = layout(p.data)

@@ -50,7 +50,33 @@ def _cases_linear(g, dtype, bs):
     return [
         Case("2d+bias", (_randn(g, 7, K, dtype=dtype), w, _randn(g, N, dtype=dtype))),
         Case("3d,no bias", (_randn(g, 2, 3, K, dtype=dtype), w, None)),
+        # one row and eight rows (a backend's small-M GEMV), K not a multiple of 32 vectors
+        Case("1 row, K 200", (_randn(g, 1, 200, dtype=dtype), _randn(g, 37, 200, dtype=dtype, scale=200**-0.5),
+                              None)),
+        Case("8 rows", (_randn(g, 8, K, dtype=dtype), w, None)),
     ]
+
+
+def _cases_linear_f32(g, dtype, bs):
+    K, N = 256, 64
+    w = _randn(g, N, K, dtype=dtype, scale=K**-0.5)
+    w32 = _randn(g, N, K, scale=K**-0.5)  # the router's gate is kept in float32 whatever the model dtype
+    return [Case("1 row", (_randn(g, 1, K, dtype=dtype), w)), Case("5 rows", (_randn(g, 5, K, dtype=dtype), w)),
+            Case("12 rows", (_randn(g, 12, K, dtype=dtype), w)),
+            Case("1 row, float32 weight", (_randn(g, 1, K, dtype=dtype), w32)),
+            Case("8 rows, float32 weight", (_randn(g, 8, K, dtype=dtype), w32))]
+
+
+def _cases_mla_kv_write(g, dtype, bs):
+    L, R, T, P = 128, 16, 11, 64
+    NB = max(4, math.ceil(2 * T / bs))
+    slots = torch.randperm(NB * bs, generator=g)[:T]
+    slots[torch.randperm(T, generator=g)[:3]] = -1
+    wide = _randn(g, T, 40 + L + R, dtype=dtype, scale=2.0)  # kv_a: the last columns of the fused projection
+    norm_w = (1 + _randn(g, L, scale=0.1)).to(dtype)
+    pos = torch.randint(0, P, (T,), generator=g)
+    return [Case("strided kv_a, -1 slots", (wide[:, 40:], norm_w, 1e-6, pos, _rope_table(P, R),
+                                             _randn(g, NB, bs, L + R, dtype=dtype), slots))]
 
 
 def _cases_head_linear(g, dtype, bs):
@@ -525,6 +551,8 @@ def _cases_ue8m0_scale(g, dtype, bs):
 
 CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "linear": _cases_linear,
+    "linear_f32": _cases_linear_f32,
+    "mla_kv_write": _cases_mla_kv_write,
     "head_linear": _cases_head_linear,
     "rms_norm": _cases_rms_norm,
     "add_rms_norm": _cases_add_rms_norm,

@@ -112,6 +112,8 @@ def _call(op: str, fn: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
     out = fn(*args)
     if op == "paged_kv_write":
         return (torch.cat(cache_planes(args[0]), dim=-1),)
+    if op == "mla_kv_write":  # the returned entry and the written cache
+        return (out, torch.cat(cache_planes(args[5]), dim=-1))
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 

@@ -1,0 +1,155 @@
+"""Small-M projections (``kernels_cuda.gemv``) against cuBLAS, and ``mla_kv_write`` against its unfused ops.
+
+    python examples/gemv_bench.py --out gemv.json [--shapes v2-lite,v3] [--m 1,8]
+    DEEPINFER_TL_DRYRUN=1 TILELANG_CACHE_DIR=... python examples/gemv_bench.py --dry   # compile only
+
+Each projection of a decode step reads its whole weight once, so its figure is GB/s of weight against
+the measured read ceiling (``gpu_timing.measure_ceilings``, a 4 GiB ``sum``). The weights of one layer
+fit in the H200's 50 MB L2, so every timing cycles through enough copies of the weight (>= 256 MB) that
+each call reads HBM, all calls of a cycle replayed from one CUDA graph (no launch gaps from the host:
+as the engine runs decode). The router's gate is float32 (as the model keeps it) with float32 logits;
+cuBLAS runs it as the reference does (``x.float() @ w.T``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: (name, N, K, weight dtype) of each decode projection per shape
+SHAPES = {
+    "v2-lite": [("q+kv_a", 16 * 192 + 576, 2048, "bf16"), ("o", 2048, 16 * 128, "bf16"),
+                ("kv_b", 16 * 256, 512, "bf16"), ("shared w13", 2 * 2816, 2048, "bf16"),
+                ("shared w2", 2048, 2816, "bf16"), ("dense w13", 2 * 10944, 2048, "bf16"),
+                ("dense w2", 2048, 10944, "bf16"), ("router", 64, 2048, "f32"), ("lm_head", 102400, 2048, "bf16")],
+    "v3": [("q_a+kv_a", 1536 + 576, 7168, "bf16"), ("q_b", 128 * 192, 1536, "bf16"), ("o", 7168, 128 * 128, "bf16"),
+           ("shared w13", 2 * 2048, 7168, "bf16"), ("shared w2", 7168, 2048, "bf16"), ("router", 256, 7168, "f32")],
+}
+_DT = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def _cycle(fn, args_list):
+    def run():
+        for a in args_list:
+            fn(*a)
+    return run
+
+
+def bench_projection(name: str, N: int, K: int, wdt: str, Ms: list[int], dry: bool, read_GBps: float) -> dict:
+    from gpu_timing import graphed, timed
+
+    from kernels_cuda.gemv import linear, linear_f32
+
+    dev = "cpu" if dry else "cuda"
+    w_dtype = _DT[wdt]
+    nbytes = N * K * w_dtype.itemsize
+    copies = 1 if dry else max(2, math.ceil(256e6 / nbytes))
+    ws = [torch.empty(N, K, dtype=w_dtype, device=dev).normal_(0, K**-0.5) for _ in range(copies)]
+    ours_fn = linear_f32 if wdt == "f32" else linear
+    out = {"N": N, "K": K, "weight_MB": round(nbytes / 1e6, 2)}
+    for M in Ms:
+        x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+        if dry:
+            ours_fn(x, ws[0])
+            continue
+        cublas = (lambda a, w: torch.nn.functional.linear(a.float(), w)) if wdt == "f32" else torch.nn.functional.linear
+        ms_ours = timed(graphed(_cycle(ours_fn, [(x, w) for w in ws])), warmup=1, reps=5) / copies
+        ms_ref = timed(graphed(_cycle(cublas, [(x, w) for w in ws])), warmup=1, reps=5) / copies
+        want = cublas(x, ws[0]).float()
+        err = (ours_fn(x, ws[0]).float() - want).abs().max().item() / want.abs().max().clamp_min(1e-6).item()
+        row = {"us": round(ms_ours * 1e3, 2), "GBps": round(nbytes / ms_ours / 1e6),
+               "cublas_us": round(ms_ref * 1e3, 2), "cublas_GBps": round(nbytes / ms_ref / 1e6),
+               "rel_err": float(f"{err:.2e}")}
+        row["fraction"] = round(row["GBps"] / read_GBps, 3)
+        row["cublas_fraction"] = round(row["cublas_GBps"] / read_GBps, 3)
+        out[f"M={M}"] = row
+        print(f"{name:>12} N={N:>6} K={K:>5} M={M}: {row['us']:8.2f} us {row['GBps']:5d} GB/s "
+              f"({row['fraction'] * 100:4.1f}% of read) | cuBLAS {row['cublas_us']:8.2f} us "
+              f"{row['cublas_GBps']:5d} GB/s "
+              f"({row['cublas_fraction'] * 100:4.1f}%) | rel err {row['rel_err']:.1e}", flush=True)
+    del ws
+    return out
+
+
+def bench_kv_write(dry: bool) -> dict:
+    """V2-Lite's cache entry (L 512, R 64, pages of 64) from a column slice of the fused projection output."""
+    from gpu_timing import graphed, timed
+
+    from kernels_cpu.fused import mla_kv_write as reference
+    from kernels_cuda.elementwise import rope
+    from kernels_cuda.kv_cache import paged_kv_write
+    from kernels_cuda.mla_kv_write import mla_kv_write
+    from kernels_cuda.norm import rms_norm
+
+    dev = "cpu" if dry else "cuda"
+    L, R, BS, width = 512, 64, 64, 16 * 192 + 576
+    out = {}
+    for T in (1, 64):
+        xa = torch.randn(T, width, device=dev).to(torch.bfloat16)
+        kv_a = xa[:, width - L - R:]
+        w = torch.ones(L, dtype=torch.bfloat16, device=dev)
+        pos = torch.arange(T, device=dev)
+        cs = torch.randn(4096, R, device=dev)
+        cache = torch.zeros(64, BS, L + R, dtype=torch.bfloat16, device=dev)
+        slots = torch.randperm(64 * BS, device=dev)[:T]
+        fused = functools.partial(mla_kv_write, kv_a, w, 1e-6, pos, cs, cache, slots)
+
+        def unfused(kv_a=kv_a, w=w, pos=pos, cs=cs, cache=cache, slots=slots):
+            latent, k_pe = kv_a.split([L, R], dim=-1)
+            entry = torch.cat((rms_norm(latent, w, 1e-6), rope(k_pe[:, None], pos, cs)[:, 0]), -1)
+            paged_kv_write(cache, slots, entry)
+            return entry
+
+        if dry:
+            fused()
+            unfused()
+            continue
+        ref_cache = cache.clone()
+        ref_entry = reference(kv_a, w, 1e-6, pos, cs, ref_cache, slots)
+        entry = fused()
+        err = max((entry.float() - ref_entry.float()).abs().max().item(),
+                  (cache.float() - ref_cache.float()).abs().max().item())
+        a, b = timed(graphed(fused), reps=20), timed(graphed(unfused), reps=20)
+        out[f"T={T}"] = {"fused_us": round(a * 1e3, 2), "unfused_us": round(b * 1e3, 2), "max_abs_err": err}
+        print(f"mla_kv_write T={T}: fused {a * 1e3:.2f} us, unfused (4 ops + slice) {b * 1e3:.2f} us, "
+              f"max abs err {err:.1e}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--shapes", default="v2-lite,v3")
+    ap.add_argument("--m", default="1,8", help="activation rows")
+    ap.add_argument("--dry", action="store_true", help="compile only (DEEPINFER_TL_DRYRUN=1, no GPU)")
+    args = ap.parse_args(argv)
+    if args.dry:
+        os.environ["DEEPINFER_TL_DRYRUN"] = "1"
+    Ms = [int(m) for m in args.m.split(",")]
+    res: dict = {}
+    if not args.dry:
+        from gpu_timing import measure_ceilings
+
+        res["device"] = torch.cuda.get_device_name()
+        res["ceilings"] = measure_ceilings("cuda")
+        print(f"read ceiling {res['ceilings']['read_GBps']:.0f} GB/s", flush=True)
+    read = res.get("ceilings", {}).get("read_GBps", 1.0)
+    for shape in args.shapes.split(","):
+        res[shape] = {name: bench_projection(name, N, K, wdt, Ms, args.dry, read) for name, N, K, wdt in SHAPES[shape]}
+    res["mla_kv_write"] = bench_kv_write(args.dry)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Decode fusion on the CPU (reference ops): the shared experts folded into the routed ``fused_moe`` as
+always-selected experts, MLA's cache entry through ``mla_kv_write``, the router through ``linear_f32``.
+The fused and unfused paths (``set_decode_fusion``) give the same greedy tokens and logprobs, on the
+trained embedded model (one shared expert: the shared MLP becomes a view of the stacked tensors) and on
+the V2-Lite shape (two shared experts of the shared MLP's width split in two); a placement change of the
+routed experts turns the folding off instead of reading stale weights."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.models.deepseek import MoE
+from deepinfer_core.models.loader import EMBEDDED_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _moes(llm: LLM) -> list[MoE]:
+    return [layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, MoE)]
+
+
+def _greedy(llm: LLM, prompts, n: int):
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    lps = [[o.outputs[0].logprobs[j][t].logprob for j, t in enumerate(o.outputs[0].token_ids)] for o in outs]
+    return tokens, lps
+
+
+def _fused_vs_unfused(llm: LLM, prompts, n: int, tol: float) -> None:
+    fused, fused_lp = _greedy(llm, prompts, n)
+    llm.engine.model.set_decode_fusion(False)
+    assert not any(m._folded() for m in _moes(llm))
+    plain, plain_lp = _greedy(llm, prompts, n)
+    llm.engine.model.set_decode_fusion(True)
+    assert fused == plain
+    err = max(abs(a - b) for x, y in zip(fused_lp, plain_lp) for a, b in zip(x, y))
+    assert err < tol, f"logprobs of the fused and unfused paths differ by {err:.2e}"
+
+
+def test_trained_model_fused_and_unfused_agree():
+    if not (EMBEDDED_MODEL / "config.json").is_file():
+        pytest.skip("the embedded default model is not trained yet")
+    llm = LLM(dtype="float32", accelerator="cpu", kv_cache_memory=8 << 20, enable_prefix_caching=False)
+    try:
+        moes = _moes(llm)
+        assert moes and all(m._folded() for m in moes)
+        for m in moes:  # one shared expert: routed and shared parameters are views of the stacked tensors
+            E = m.num_local
+            assert m.w13_all.shape[0] == E + 1 and m.w13.data_ptr() == m.w13_all.data_ptr()
+            assert m.shared.w13.data_ptr() == m.w13_all[E].data_ptr()
+            assert m.shared.w2.data_ptr() == m.w2_all[E].data_ptr()
+        prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Stack:\n", "# read the config\n"]
+        _fused_vs_unfused(llm, prompts, 24, 1e-4)
+    finally:
+        llm.shutdown()
+
+
+def test_v2_lite_shape_two_shared_experts(tmp_path):
+    from h200_suite import suite_config
+    from random_checkpoint import write_config
+
+    cfg = suite_config("v2-lite", "tiny", None)
+    assert cfg["n_shared_experts"] == 2
+    model_dir = write_config(tmp_path / "v2-lite", cfg)
+    llm = LLM(str(model_dir), dtype="float32", accelerator="cpu", load_format="random", seed=3,
+              kv_cache_memory=4 << 20, enable_prefix_caching=False)
+    try:
+        model = llm.engine.model
+        with torch.no_grad():  # far from flat logits, so that a wrong expert layout shows
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.mul_(15.0)
+        model.post_load()  # weights changed: restack
+        moe = _moes(llm)[0]
+        E, I = moe.num_local, cfg["moe_intermediate_size"]
+        assert moe._folded() and moe.w13_all.shape == (E + 2, 2 * I, cfg["hidden_size"])
+        # shared expert j = channels j*I..(j+1)*I of the shared MLP: gate rows, up rows, down columns
+        sh = moe.shared
+        assert torch.equal(moe.w13_all[E + 1, :I], sh.w13[I : 2 * I])
+        assert torch.equal(moe.w13_all[E + 1, I:], sh.w13[3 * I : 4 * I])
+        assert torch.equal(moe.w2_all[E + 1], sh.w2[:, I : 2 * I])
+        x = torch.randn(5, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
+        fused = moe(x)
+        moe.fold_shared = False
+        plain = moe(x)
+        moe.fold_shared = True
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+        g = torch.Generator().manual_seed(1)
+        prompts = [{"prompt_token_ids": torch.randint(2, 500, (n,), generator=g).tolist()} for n in (7, 30, 64)]
+        _fused_vs_unfused(llm, prompts, 12, 1e-4)
+        # a placement change (expert parallelism installs new routed weights): the shared MLP runs on its own
+        moe.w13.data = moe.w13.data.clone()
+        assert not moe._folded()
+        torch.testing.assert_close(moe(x), plain, rtol=1e-5, atol=1e-5)
+    finally:
+        llm.shutdown()
+
+
+def test_gemv_dispatch_rules(monkeypatch):
+    """Which projections the CUDA backend's ``linear`` / ``linear_f32`` run as its GEMV (the rest go to cuBLAS),
+    and the GEMV's tiles: one warp per weight row with at least two CTAs per SM, or split-K for small N."""
+    from kernels_cuda import _tl
+    from kernels_cuda.gemv import MAX_M, applies, m_bucket, tile_config
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")  # CPU tensors stand in for device ones
+    bf = torch.bfloat16
+    w = torch.empty(3648, 2048, dtype=bf)
+    assert MAX_M == 1  # measured: the GEMV wins at one row, loses at eight (kernels_cuda/gemv.py)
+    assert applies(torch.empty(1, 2048, dtype=bf), w) and applies(torch.empty(1, 1, 2048, dtype=bf), w)
+    assert not applies(torch.empty(2, 2048, dtype=bf), w)  # 2 rows: cuBLAS
+    assert not applies(torch.empty(0, 2048, dtype=bf), w)
+    assert not applies(torch.empty(1, 2048), w.float())  # float32 activations: cuBLAS (the reference)
+    assert applies(torch.empty(1, 2048, dtype=bf), torch.empty(64, 2048))  # the router's float32 gate
+    assert not applies(torch.empty(1, 2044, dtype=bf), torch.empty(64, 2044, dtype=bf))  # K not in 16-byte vectors
+    assert applies(torch.empty(1, 2044, dtype=bf), torch.empty(64, 2044))  # ... of float32 it is
+    assert not applies(torch.empty(1, 2042, dtype=bf), torch.empty(64, 2042))
+    assert not applies(torch.empty(1, 2048, dtype=bf), torch.empty(64, 4096, dtype=bf)[:, ::2])  # strided W
+    assert not applies(torch.empty(1, 2048, dtype=bf), torch.empty(65 * 2048 + 1, dtype=bf)[1:].view(65, 2048))
+    assert [m_bucket(m) for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert tile_config(3648, 2048, 132) == (8, 32)  # 456 CTAs of 8 rows
+    assert tile_config(2048, 2048, 132) == (4, 32)  # 8 rows would give 256 < 2 x 132 CTAs
+    assert tile_config(64, 2048, 132, VEC=4) == (1, 128)  # router: a row per CTA, K split over 4 warps
+    assert tile_config(256, 7168, 132, VEC=4) == (1, 256)
