@@ -183,3 +183,44 @@ def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_t
         for i, tok in zip(bonus_req, draw(p, seeds[idx], pos).tolist()):
             out[i].append(tok)
     return out, accepted
+
+
+def verify_on_device(target: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, rows: SamplingRows | None,
+                     seeds: torch.Tensor, first_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for point-mass drafts on a fixed grid, without reading anything on the host
+    (async speculative steps): the same accept tests, residual and bonus draws, bit for bit.
+
+    ``target`` [R, K + 1, V]: each request's rows p_0..p_K (logits); ``drafts`` [R, K]; ``lengths``
+    [R]: drafts of each request to verify (rows past them are ignored); ``rows``: each request's
+    sampling parameters (None: every request is greedy); ``first_pos`` [R]: the token index of d_1.
+    Returns (tokens [R, K + 1]: request i emits its first ``accepted[i] + 1``; accepted [R])."""
+    R, K = drafts.shape
+    dev = target.device
+    j = torch.arange(K, device=dev)
+    valid = j[None, :] < lengths[:, None]
+    safe = drafts.clamp(min=0)
+    if rows is None:
+        argmax = target.argmax(-1)
+        ok = safe == argmax[:, :K]
+    else:
+        V = target.shape[-1]
+        probs = filtered_probs(target.reshape(R * (K + 1), V),
+                               rows.index(torch.arange(R, device=dev).repeat_interleave(K + 1))).view(R, K + 1, V)
+        p_tok = probs[:, :K].gather(2, safe[..., None])[..., 0]
+        u = uniform(stream(seeds, STREAM_ACCEPT).repeat_interleave(K), (first_pos[:, None] + j).reshape(-1))
+        ok = u.view(R, K) < p_tok  # u * q < p with q(d) = 1
+    accepted = (ok & valid).long().cumprod(1).sum(1)
+    if rows is None:
+        final = argmax.gather(1, accepted[:, None])[:, 0]
+    else:
+        p = probs[torch.arange(R, device=dev), accepted]  # [R, V]: p_a
+        rejected = accepted < lengths
+        d = safe.gather(1, accepted.clamp(max=K - 1)[:, None])
+        res = p.scatter(1, d, (p.gather(1, d) - 1.0).clamp(min=0))  # max(0, p - q) for a point mass q
+        mass = res.sum(-1, keepdim=True)
+        res = torch.where(mass > 0, res / mass.clamp(min=1e-30), p)
+        dist = torch.where(rejected[:, None], res, p)
+        final = draw(dist, torch.where(rejected, stream(seeds, STREAM_RESIDUAL), seeds.long()), first_pos + accepted)
+    tokens = torch.cat([safe, torch.zeros(R, 1, dtype=torch.long, device=dev)], 1)
+    tokens.scatter_(1, accepted[:, None], final[:, None])
+    return tokens, accepted
