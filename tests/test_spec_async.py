@@ -49,6 +49,7 @@ class DeviceOracle(Proposer):
 
     def __init__(self, section):
         self.conf = section.pop("confidences", False)
+        self.sparse = section.pop("sparse", False)  # requests with an even prompt length get no drafts
         super().__init__(section)
         self.calls = 0
         self.feedback = []
@@ -74,6 +75,9 @@ class DeviceOracle(Proposer):
         toks = table.gather(1, cols)
         if self.calls % 2 == 0:
             toks[:, -1] = (toks[:, -1] + 1) % 60 + 4
+        if self.sparse:
+            even = torch.tensor([len(r.prompt_token_ids) % 2 == 0 for r in requests], device=toks.device)
+            toks[even] = -1
         if not self.conf:
             return DeviceDraft(toks)
         conf = torch.full(toks.shape, 0.95, device=toks.device)
@@ -207,6 +211,24 @@ def test_device_draft_lengths_cut_by_confidence(tiny_v3_path, device_proposers):
     fb = llm.engine.spec.proposer.feedback
     assert fb and max(d for nd, _ in fb for d in nd) == 2
     assert llm.engine.metrics()["spec_accepted"] > 0
+
+
+def test_unfilled_slots_cost_no_verify_rows(tiny_v3_path, device_proposers):
+    """Half the requests get no drafts: the host's verify budget follows the filled share, and the
+    device lays the decode rows out anew (each request its query and kept drafts, then padding);
+    outputs and logprobs stay exact, no block leaks."""
+    import device_proposers as dp
+
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2) for _ in PROMPTS]
+    ref = run(make(tiny_v3_path, async_on=False), PROMPTS, params)
+    dp.DeviceOracle.outputs = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, ref)}
+    llm = make(tiny_v3_path, speculative={"proposer": "device_oracle", "k": 4, "sparse": True})
+    outs = run(llm, PROMPTS, params)
+    assert tokens(outs) == tokens(ref)
+    same_logprobs(outs, ref)
+    m = llm.engine.metrics()
+    assert m["spec_verify_budget"] < 0.8 * m["spec_draft_slots"] and m["spec_accepted"] > 0
+    assert m["overlapped_steps"] >= m["steps"] - 2
 
 
 def test_stops_and_stop_strings_inside_accepted_drafts(tiny_v3_path, device_proposers):

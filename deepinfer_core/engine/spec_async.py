@@ -56,6 +56,8 @@ class LaunchDrafts:
     tokens: torch.Tensor | None = None  # [n, K] int64
     lengths: torch.Tensor | None = None  # [n] int64: drafts to verify (<= slots), chosen on the device
     first_pos: torch.Tensor | None = None  # [n] int64: true length (index of d_1)
+    where: torch.Tensor | None = None  # [n] int64: each request's index in ``out.decodes``
+    budget: int = 0  # verify rows for drafts this step (host-fixed): sum(lengths) <= budget <= sum(slots)
 
 
 @dataclass
@@ -85,6 +87,14 @@ class AsyncSpec:
 
     def __init__(self, engine: LLMEngine, spec: SpecDecoder) -> None:
         self.engine, self.spec = engine, spec
+        self.used = 1.0  # running share of the offered draft slots the device filled (learned one step late)
+        self.n = dict(spec_verify_budget=0, spec_draft_slots=0)
+
+    def budget(self, slots: int) -> int:
+        """The step's verify budget (draft rows laid out), fixed by the host before the drafts exist:
+        the share of slots recent steps filled, with headroom, so that slots no draft fills cost no
+        verify rows; the device picks the lengths within it (``draft_lengths``)."""
+        return max(1, min(slots, -(-int(slots * min(1.0, self.used * 1.25 + 0.05) * 1000) // 1000)))
 
     # ---- schedule ----------------------------------------------------------------------------
     def offer_slots(self) -> list[Sequence]:
@@ -119,6 +129,8 @@ class AsyncSpec:
             s.seq.spec_tokens, s.seq.spec_probs = [], None
         if decodes and (prev_flight is not None or drafts is not None):
             self._patch(batch, out, last, rej, drafts)
+        if drafts is not None and drafts.budget < sum(drafts.slots):
+            self._compact(batch, out, drafts)
         return batch, drafts
 
     def _resolve(self, decodes: list[ScheduledSeq], prev: SpecFlight | None, prev_tokens: torch.Tensor | None
@@ -183,11 +195,15 @@ class AsyncSpec:
         V = eng.model_config.vocab_size
         inside = ((tokens >= 0) & (tokens < V)).long().cumprod(1).sum(1)  # an id outside ends the drafts
         lengths = torch.minimum(cap, inside)
-        if got.confidences is not None:  # lengths from the confidences under the step's verify budget
-            conf = got.confidences[:, :K].to(dev, torch.float32)
-            lengths = eng.kernels.draft_lengths(conf, lengths, sum(slots), float(got.min_confidence))
+        budget = sum(slots) if eng.runner.batch_invariant else self.budget(sum(slots))
+        if got.confidences is not None or budget < sum(slots):  # lengths under the step's verify budget
+            conf = (got.confidences[:, :K].to(dev, torch.float32) if got.confidences is not None
+                    else torch.ones(tokens.shape, dtype=torch.float32, device=dev))  # no confidences: fair shares
+            lengths = eng.kernels.draft_lengths(conf, lengths, budget, float(got.min_confidence))
         spec.n["spec_proposed"] += sum(slots)
-        return LaunchDrafts(seqs, slots, tokens.clamp(0, V - 1), lengths, true_len[sel])
+        self.n["spec_verify_budget"] += budget
+        self.n["spec_draft_slots"] += sum(slots)
+        return LaunchDrafts(seqs, slots, tokens.clamp(0, V - 1), lengths, true_len[sel], sel, budget)
 
     def _patch(self, batch: StepBatch, out: SchedulerOutput, last: torch.Tensor, rej: torch.Tensor,
                drafts: LaunchDrafts | None) -> None:
@@ -239,6 +255,74 @@ class AsyncSpec:
         d.host_seq_lens = None  # not known on the host until the step in flight completes
         if meta.seq_lens is not None and meta.seq_lens is not d.seq_lens:
             meta.seq_lens[batch.num_prefills : batch.num_prefills + nd] -= rej
+
+    def _compact(self, batch: StepBatch, out: SchedulerOutput, drafts: LaunchDrafts) -> None:
+        """Lay the decode rows out anew on the device: request j keeps its first 1 + length_j rows, at
+        row ``cu[j]`` (cumulative on the device), within decodes + budget rows fixed by the host; the
+        rows left over form one padding sequence that writes no KV. Logit rows past a request's length
+        repeat its last one (the verify ignores them)."""
+        eng = self.engine
+        dev, pin, bs = eng.device, eng._pin, eng.block_size
+        meta, d = batch.meta, batch.meta.decode
+        P, np_, R = meta.num_prefill_tokens, batch.num_prefills, len(out.decodes)
+        T = R + drafts.budget
+        starts = to_device(batch.row_starts[np_ : np_ + R], torch.long, dev, pin)
+        ell = torch.zeros(R, dtype=torch.long, device=dev)
+        ell[drafts.where] = drafts.lengths
+        cu = torch.zeros(R + 1, dtype=torch.long, device=dev)
+        cu[1:] = torch.cumsum(1 + ell, 0)
+        r = torch.arange(T, device=dev)
+        j = torch.searchsorted(cu[1:], r, right=True)  # R: a padding row
+        pad = j >= R
+        jc = j.clamp(max=R - 1)
+        old = torch.where(pad, starts[0], starts[jc] + r - cu[jc])
+        batch.input_ids = torch.cat([batch.input_ids[:P], torch.where(pad, 0, batch.input_ids[old])])
+        batch.positions = torch.cat([batch.positions[:P], torch.where(pad, 0, batch.positions[old])])
+        new_slots = {}
+        for g in meta.groups.values():
+            key = id(g.slot_mapping)
+            if key not in new_slots:
+                s = g.slot_mapping
+                new_slots[key] = torch.cat([s[:P], torch.where(pad, -1, s[old])])
+            g.slot_mapping = new_slots[key]
+        meta.slot_mapping = new_slots.get(id(meta.slot_mapping), meta.slot_mapping)
+        pad_len = (T - cu[R]).reshape(1)
+        slots = to_device([len(s.spec_tokens) for s in out.decodes], torch.long, dev, pin)
+        seq_lens = torch.cat([d.seq_lens - (slots - ell), pad_len])
+        cu_q = torch.cat([cu, torch.full((1,), T, dtype=torch.long, device=dev)])
+        width = -(-drafts.budget // bs)
+
+        def with_pad_row(t: torch.Tensor) -> torch.Tensor:  # a table row for the padding sequence (reads only)
+            if t.shape[1] < width:
+                t = torch.cat([t, torch.zeros(t.shape[0], width - t.shape[1], dtype=t.dtype, device=dev)], 1)
+            return torch.cat([t, torch.zeros(1, t.shape[1], dtype=t.dtype, device=dev)])
+
+        tables = {}
+        for g in meta.groups.values():
+            key = id(g.block_tables)
+            if key not in tables:
+                tables[key] = with_pad_row(g.block_tables)
+            g.block_tables = tables[key]
+        only = meta.cu_q_lens is d.cu_q_lens
+        d.block_tables = tables[id(d.block_tables)] if id(d.block_tables) in tables else with_pad_row(d.block_tables)
+        if only:
+            meta.cu_q_lens, meta.seq_lens = cu_q, seq_lens
+        else:
+            meta.cu_q_lens = torch.cat([meta.cu_q_lens[: np_ + 1], P + cu_q[1:]])
+            meta.seq_lens = torch.cat([meta.seq_lens[:np_], seq_lens])
+        d.cu_q_lens, d.seq_lens, d.max_q_len = cu_q, seq_lens, max(d.max_q_len, drafts.budget)
+        # logit rows: request j's entries t = 0..slots_j at its new row cu[j] + min(t, length_j)
+        ent, ent_j, ent_t = [], [], []
+        pos_of = {id(s): i for i, s in enumerate(batch.sample_seqs)}
+        for jj, s in enumerate(out.decodes):
+            e0 = batch.sample_rows[pos_of[id(s.seq)]]
+            for t in range(len(s.spec_tokens) + 1):
+                ent.append(e0 + t)
+                ent_j.append(jj)
+                ent_t.append(t)
+        ej = to_device(ent_j, torch.long, dev, pin)
+        batch.logit_index[to_device(ent, torch.long, dev, pin)] = \
+            P + cu[ej] + torch.minimum(to_device(ent_t, torch.long, dev, pin), ell[ej])
 
     # ---- sample and verify -------------------------------------------------------------------
     def sample(self, batch: StepBatch, logits: torch.Tensor, drafts: LaunchDrafts
@@ -378,6 +462,7 @@ class AsyncSpec:
                 fb_drafts.append(lengths[d_of[i]])
                 fb_acc.append(a)
         if flight.drafted:
+            self.used = 0.7 * self.used + 0.3 * sum(lengths) / max(1, sum(flight.drafts[i] for i in flight.drafted))
             n = self.spec.n
             n["spec_steps"] += 1
             n["spec_verified"] += sum(lengths)

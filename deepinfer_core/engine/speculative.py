@@ -324,6 +324,8 @@ class SpecDecoder:
 
     def metrics(self) -> dict:
         n = self.n
+        if self.on_device is not None:
+            n = {**n, **self.on_device.n}
         return {**n, "spec_proposer": self.proposer.name or self.name, "spec_k": self.k,
                 "spec_accept_rate": n["spec_accepted"] / n["spec_verified"] if n["spec_verified"] else 0.0,
                 "spec_accepted_per_step": n["spec_accepted"] / n["spec_steps"] if n["spec_steps"] else 0.0}
