@@ -124,7 +124,8 @@ class Proposer(ABC):
         """
 
     def propose_on_device(self, engine: EngineView, requests: list[Sequence], max_drafts: list[int],
-                          last_tokens: torch.Tensor, num_tokens: torch.Tensor) -> DeviceDraft:
+                          last_tokens: torch.Tensor, num_tokens: torch.Tensor, pending: torch.Tensor
+                          ) -> DeviceDraft:
         """Drafts for the step being launched while the previous one is still on the device (async
         scheduling; only when ``proposes_on_device``). Never read device values on the host here.
 
@@ -134,6 +135,8 @@ class Proposer(ABC):
         :param max_drafts: draft slots of each (>= 1), fixed by the host.
         :param last_tokens: [R] int64 on the device: each request's last token (its query token).
         :param num_tokens: [R] int64 on the device: each request's true length, that last token included.
+        :param pending: [R, P] int64 on the device: each request's tokens after its host-known ones
+            (``token_ids[:num_known_tokens]``), still in flight, padded with -1 (a row of -1: none).
         :return: a :class:`DeviceDraft` of ``R`` rows and at least ``max(max_drafts)`` columns.
         """
         raise NotImplementedError(f"proposer {self.name!r} does not propose on the device")

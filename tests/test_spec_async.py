@@ -33,7 +33,7 @@ class DevicePrevious(Proposer):
     def propose(self, engine, requests, max_drafts, batch):
         return [Draft([r.token_ids[-1]] * m) for r, m in zip(requests, max_drafts)]
 
-    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens):
+    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens, pending):
         DevicePrevious.calls += 1
         return DeviceDraft(last_tokens[:, None].expand(-1, max(max_drafts)).clone())
 
@@ -67,7 +67,7 @@ class DeviceOracle(Proposer):
             out.append(Draft(toks) if toks else None)
         return out
 
-    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens):
+    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens, pending):
         self.calls += 1
         K = max(max_drafts)
         table = self._table(requests, K, last_tokens.device)
@@ -93,13 +93,13 @@ class DeviceFlaky(DevicePrevious):
     """Raises on every 3rd call, returns a malformed result on every 3rd + 1."""
     name = "device_flaky"
 
-    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens):
+    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens, pending):
         DeviceFlaky.calls += 1
         if DeviceFlaky.calls % 3 == 0:
             raise ValueError("draft kernel fell over")
         if DeviceFlaky.calls % 3 == 1:
             return DeviceDraft(last_tokens[:, None])  # one column: too few
-        return super().propose_on_device(engine, requests, max_drafts, last_tokens, num_tokens)
+        return super().propose_on_device(engine, requests, max_drafts, last_tokens, num_tokens, pending)
 '''
 
 

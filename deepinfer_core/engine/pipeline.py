@@ -105,6 +105,8 @@ class StepPipeline:
         start = eng._idle.start() if eng._idle is not None else None
         tf = time.perf_counter()
         logits = eng.runner.forward(batch)
+        if drafts is not None and drafts.expand is not None:  # decode rows laid out on the device
+            logits = logits[drafts.expand]
         eng.stats.forward_time += time.perf_counter() - tf
         step = self.submit(batch, logits, drafts)
         if eng._idle is not None:

@@ -25,6 +25,7 @@ rows past a request's device-chosen length are computed and ignored.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -58,6 +59,8 @@ class LaunchDrafts:
     first_pos: torch.Tensor | None = None  # [n] int64: true length (index of d_1)
     where: torch.Tensor | None = None  # [n] int64: each request's index in ``out.decodes``
     budget: int = 0  # verify rows for drafts this step (host-fixed): sum(lengths) <= budget <= sum(slots)
+    wanted: torch.Tensor | None = None  # [n] int64: drafts each request had before the budget cut
+    expand: torch.Tensor | None = None  # compacted steps: logits row of each host-layout logit entry
 
 
 @dataclass
@@ -70,10 +73,10 @@ class SpecFlight:
     accepted: torch.Tensor  # [R] int64
     plain: list[int]  # sampling rows sampled by the plain sampler (its DeviceSample rows, in order)
     drafted: list[int]  # sampling rows verified against drafts
-    extra: list[torch.Tensor | None]  # [lengths, logprobs [Rd, stride], top ids, top logprobs] of the drafted
+    extra: list[torch.Tensor | None]  # [lengths, wanted, logprobs [Rd, stride], top ids, top logprobs] of the drafted
     epochs: list[int] = field(default_factory=list)  # per sampling row: its preemptions at launch
 
-    NUM_TENSORS = 6
+    NUM_TENSORS = 7
 
     def tensors(self) -> list[torch.Tensor | None]:
         return [self.emitted, self.accepted, *self.extra]
@@ -87,14 +90,14 @@ class AsyncSpec:
 
     def __init__(self, engine: LLMEngine, spec: SpecDecoder) -> None:
         self.engine, self.spec = engine, spec
-        self.used = 1.0  # running share of the offered draft slots the device filled (learned one step late)
+        self.used = 1.0  # running share of the offered draft slots the proposer filled (learned one step late)
         self.n = dict(spec_verify_budget=0, spec_draft_slots=0)
 
     def budget(self, slots: int) -> int:
         """The step's verify budget (draft rows laid out), fixed by the host before the drafts exist:
         the share of slots recent steps filled, with headroom, so that slots no draft fills cost no
         verify rows; the device picks the lengths within it (``draft_lengths``)."""
-        return max(1, min(slots, -(-int(slots * min(1.0, self.used * 1.25 + 0.05) * 1000) // 1000)))
+        return max(0, min(slots, math.ceil(slots * self.used * 1.15 - 0.25)))
 
     # ---- schedule ----------------------------------------------------------------------------
     def offer_slots(self) -> list[Sequence]:
@@ -120,10 +123,10 @@ class AsyncSpec:
         eng = self.engine
         dev, pin = eng.device, eng._pin
         decodes = out.decodes
-        last, rej = self._resolve(decodes, prev_flight, prev_tokens)
+        last, rej, pending = self._resolve(decodes, prev_flight, prev_tokens)
         host_len = to_device([s.seq.num_tokens for s in decodes], torch.long, dev, pin) if decodes else None
         true_len = host_len - rej if decodes else None
-        drafts = self._draft(decodes, last, true_len)
+        drafts = self._draft(decodes, last, true_len, pending)
         batch = eng.runner.prepare(out, prev_tokens=prev_tokens, keep_hidden=self.spec.proposer.needs_hidden)
         for s in decodes:  # the slots live on in ``ScheduledSeq.spec_tokens``
             s.seq.spec_tokens, s.seq.spec_probs = [], None
@@ -134,11 +137,12 @@ class AsyncSpec:
         return batch, drafts
 
     def _resolve(self, decodes: list[ScheduledSeq], prev: SpecFlight | None, prev_tokens: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Per decode, on the device: its last (query) token and how many of its placeholders the
-        step in flight rejected (0 where its tokens are known or that step was a plain one)."""
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Per decode, on the device: its last (query) token, how many of its placeholders the step
+        in flight rejected (0 where its tokens are known or that step was a plain one), and the
+        tokens that step emits for it ([R, stride], -1 padded)."""
         if not decodes:
-            return None, None
+            return None, None, None
         eng = self.engine
         dev, pin = eng.device, eng._pin
         stride = prev.stride if prev is not None else 1
@@ -151,20 +155,24 @@ class AsyncSpec:
             host_tok.append(max(tok, 0))
         src_t = to_device(src, torch.long, dev, pin)
         host_t = to_device(host_tok, torch.long, dev, pin)
+        none = torch.full((len(decodes), 1), -1, dtype=torch.long, device=dev)
         if prev_tokens is None:
-            return host_t, torch.zeros_like(host_t)
+            return host_t, torch.zeros_like(host_t), none
         row = src_t.clamp(min=0)
         pending = src_t >= 0
         if prev is None:  # a plain step in flight: its one token per row
-            return torch.where(pending, prev_tokens[row], host_t), torch.zeros_like(host_t)
+            last = torch.where(pending, prev_tokens[row], host_t)
+            return last, torch.zeros_like(host_t), torch.where(pending[:, None], last[:, None], none)
         acc = prev.accepted[row]
         drafts = to_device(prev.drafts, torch.long, dev, pin)[row]
         last = torch.where(pending, prev.emitted[row, acc], host_t)
         rej = torch.where(pending, drafts - acc, torch.zeros_like(acc))
-        return last, rej
+        j = torch.arange(prev.stride, device=dev)
+        tail = torch.where(pending[:, None] & (j[None, :] <= acc[:, None]), prev.emitted[row], -1)
+        return last, rej, tail
 
-    def _draft(self, decodes: list[ScheduledSeq], last: torch.Tensor | None, true_len: torch.Tensor | None
-               ) -> LaunchDrafts | None:
+    def _draft(self, decodes: list[ScheduledSeq], last: torch.Tensor | None, true_len: torch.Tensor | None,
+               pending: torch.Tensor | None) -> LaunchDrafts | None:
         """Device drafts for the decodes given slots; a proposer that raises or returns a malformed
         result loses its drafts for this step (their slots go unused)."""
         idx = [j for j, s in enumerate(decodes) if s.spec_tokens]
@@ -177,7 +185,7 @@ class AsyncSpec:
         sel = to_device(idx, torch.long, dev, pin)
         K = max(slots)
         try:
-            got = spec.proposer.propose_on_device(eng, seqs, slots, last[sel], true_len[sel])
+            got = spec.proposer.propose_on_device(eng, seqs, slots, last[sel], true_len[sel], pending[sel])
             if (not isinstance(got, DeviceDraft) or not isinstance(got.tokens, torch.Tensor)
                     or got.tokens.dim() != 2 or got.tokens.shape[0] != len(seqs) or got.tokens.shape[1] < K):
                 raise TypeError(f"propose_on_device() must return a DeviceDraft with tokens of shape "
@@ -194,7 +202,7 @@ class AsyncSpec:
         cap = to_device(slots, torch.long, dev, pin)
         V = eng.model_config.vocab_size
         inside = ((tokens >= 0) & (tokens < V)).long().cumprod(1).sum(1)  # an id outside ends the drafts
-        lengths = torch.minimum(cap, inside)
+        lengths = wanted = torch.minimum(cap, inside)
         budget = sum(slots) if eng.runner.batch_invariant else self.budget(sum(slots))
         if got.confidences is not None or budget < sum(slots):  # lengths under the step's verify budget
             conf = (got.confidences[:, :K].to(dev, torch.float32) if got.confidences is not None
@@ -203,7 +211,7 @@ class AsyncSpec:
         spec.n["spec_proposed"] += sum(slots)
         self.n["spec_verify_budget"] += budget
         self.n["spec_draft_slots"] += sum(slots)
-        return LaunchDrafts(seqs, slots, tokens.clamp(0, V - 1), lengths, true_len[sel], sel, budget)
+        return LaunchDrafts(seqs, slots, tokens.clamp(0, V - 1), lengths, true_len[sel], sel, budget, wanted)
 
     def _patch(self, batch: StepBatch, out: SchedulerOutput, last: torch.Tensor, rej: torch.Tensor,
                drafts: LaunchDrafts | None) -> None:
@@ -311,18 +319,19 @@ class AsyncSpec:
             meta.cu_q_lens = torch.cat([meta.cu_q_lens[: np_ + 1], P + cu_q[1:]])
             meta.seq_lens = torch.cat([meta.seq_lens[:np_], seq_lens])
         d.cu_q_lens, d.seq_lens, d.max_q_len = cu_q, seq_lens, max(d.max_q_len, drafts.budget)
-        # logit rows: request j's entries t = 0..slots_j at its new row cu[j] + min(t, length_j)
-        ent, ent_j, ent_t = [], [], []
+        # logits of every decode row (decodes + budget of them), then the host layout's entries
+        # gathered from them: request j's entries t = 0..slots_j read its row cu[j] + min(t, length_j)
         pos_of = {id(s): i for i, s in enumerate(batch.sample_seqs)}
+        e_p = batch.sample_rows[pos_of[id(out.decodes[0].seq)]]  # the decodes' entries come last
+        ent_j, ent_t = [], []
         for jj, s in enumerate(out.decodes):
-            e0 = batch.sample_rows[pos_of[id(s.seq)]]
-            for t in range(len(s.spec_tokens) + 1):
-                ent.append(e0 + t)
-                ent_j.append(jj)
-                ent_t.append(t)
+            ent_j.extend([jj] * (len(s.spec_tokens) + 1))
+            ent_t.extend(range(len(s.spec_tokens) + 1))
         ej = to_device(ent_j, torch.long, dev, pin)
-        batch.logit_index[to_device(ent, torch.long, dev, pin)] = \
-            P + cu[ej] + torch.minimum(to_device(ent_t, torch.long, dev, pin), ell[ej])
+        batch.logit_index = torch.cat([batch.logit_index[:e_p], P + r])
+        batch.logit_rows = batch.logit_rows[:e_p] + list(range(P, P + T))
+        drafts.expand = torch.cat([torch.arange(e_p, device=dev),
+                                   e_p + cu[ej] + torch.minimum(to_device(ent_t, torch.long, dev, pin), ell[ej])])
 
     # ---- sample and verify -------------------------------------------------------------------
     def sample(self, batch: StepBatch, logits: torch.Tensor, drafts: LaunchDrafts
@@ -393,7 +402,7 @@ class AsyncSpec:
         if n:
             top_lps, top_ids = target.topk(n, dim=-1)
             top_lps = top_lps - lse[..., None]
-        return [lengths, lps, top_ids, top_lps]
+        return [lengths, drafts.wanted[sel], lps, top_ids, top_lps]
 
     # ---- complete ----------------------------------------------------------------------------
     def settle(self, step, host: list[torch.Tensor | None]) -> None:
@@ -401,7 +410,7 @@ class AsyncSpec:
         placeholders, drop the rejected ones, roll back computed tokens and KV slots, register
         blocks; then ``tokens_sampled``, ``request_finished`` (stops) and the proposer's feedback."""
         eng, flight = self.engine, step.spec
-        emitted, accepted, lengths, lps, top_ids, top_lps = (t.tolist() if t is not None else None
+        emitted, accepted, lengths, wanted, lps, top_ids, top_lps = (t.tolist() if t is not None else None
                                                              for t in host[: SpecFlight.NUM_TENSORS])
         res = None
         if step.sample is not None:
@@ -462,7 +471,7 @@ class AsyncSpec:
                 fb_drafts.append(lengths[d_of[i]])
                 fb_acc.append(a)
         if flight.drafted:
-            self.used = 0.7 * self.used + 0.3 * sum(lengths) / max(1, sum(flight.drafts[i] for i in flight.drafted))
+            self.used = 0.5 * self.used + 0.5 * sum(wanted) / max(1, sum(flight.drafts[i] for i in flight.drafted))
             n = self.spec.n
             n["spec_steps"] += 1
             n["spec_verified"] += sum(lengths)

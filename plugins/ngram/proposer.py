@@ -3,9 +3,8 @@ earlier occurrence of the request's last token in its own prompt and output.
 
 No model and no state: a cheap proposer that pays where text repeats (code, quoting the prompt,
 greedy loops). It proposes on the host (synchronous speculative steps) and on the device (async
-scheduling: ``Proposer.propose_on_device``). On the device the search runs over the tokens the host
-knew when the step was launched (the step in flight's tokens are missing from it, the last token
-excepted), so its drafts can differ from the host's; verification keeps the output exact either way.
+scheduling: ``Proposer.propose_on_device``), where the tokens the step in flight emits are placed
+after the host-known ones on the device, so both search the same history.
 """
 
 from __future__ import annotations
@@ -31,16 +30,20 @@ class NgramProposer(Proposer):
             out.append(Draft(draft) if draft else None)
         return out
 
-    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens) -> DeviceDraft:
+    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens, pending) -> DeviceDraft:
         dev = last_tokens.device
-        K = max(max_drafts)
+        K, P = max(max_drafts), pending.shape[1]
         known = [r.token_ids[: r.num_known_tokens] for r in requests]
-        L = max(len(h) for h in known) + K
+        L = max(len(h) for h in known) + P + K
         pin = engine.platform.supports_pinned_memory()
         hist = to_device([h + [-1] * (L - len(h)) for h in known], torch.long, dev, pin)
+        n_known = to_device([len(h) for h in known], torch.long, dev, pin)
+        hist.scatter_(1, n_known[:, None] + torch.arange(P, device=dev)[None, :], pending)  # the tokens in flight
         pos = torch.arange(L, device=dev)
         hit = (hist == last_tokens[:, None]) & (pos[None, :] < num_tokens[:, None] - 1)
         p = torch.where(hit, pos[None, :], torch.full_like(hist, -1)).amax(1)  # latest occurrence, -1: none
         cols = (p[:, None] + 1 + torch.arange(K, device=dev)[None, :]).clamp(max=L - 1)
         drafts = hist.gather(1, cols)
-        return DeviceDraft(torch.where(p[:, None] >= 0, drafts, torch.full_like(drafts, -1)))
+        # never past the true end (the drafts would copy the tokens being verified)
+        past = cols >= num_tokens[:, None]
+        return DeviceDraft(torch.where((p[:, None] >= 0) & ~past, drafts, torch.full_like(drafts, -1)))
