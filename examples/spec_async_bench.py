@@ -40,10 +40,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--measure-idle", action="store_true", help="device idle share between steps (a GPU)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     concs = [int(c) for c in args.concurrency.split(",")]
-    common = dict(max_num_seqs=max(concs), enable_prefix_caching=False)
+    common = dict(max_num_seqs=max(concs), enable_prefix_caching=False, measure_device_idle=args.measure_idle)
     spec = {"proposer": args.proposer, "k": args.k}
     engines = {
         "plain_async": LLM(async_scheduling=True, **common),
@@ -87,6 +88,9 @@ def main(argv=None) -> None:
             "async_over_plain_median_round": round(statistics.median(
                 a / b for a, b in zip(per_round["spec_async"], per_round["plain_async"])), 3),
         }
+    if args.measure_idle:
+        results["device_idle_share"] = {n: round(llm.metrics().get("device_idle_share", 0.0), 4)
+                                        for n, llm in engines.items()}
     print(json.dumps(results, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

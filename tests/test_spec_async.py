@@ -337,16 +337,18 @@ def _grid_case(seed: int, R: int = 24, K: int = 4, V: int = 12):
     drafts = torch.where(torch.rand(R, K, generator=g) < 0.6, argmax[:, :K], torch.randint(0, V, (R, K), generator=g))
     seeds = torch.randint(0, 2**40, (R,), generator=g)
     first = torch.randint(5, 50, (R,), generator=g)
-    return logits, drafts, lengths, rows, seeds, first, greedy
+    return logits, drafts, lengths, rows, seeds, first, greedy, params
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_device_verify_equals_host_verify(seed):
     from deepinfer_core.engine.rejection import filtered_probs, verify, verify_on_device
 
-    logits, drafts, lengths, rows, seeds, first, greedy = _grid_case(seed)
+    logits, drafts, lengths, rows, seeds, first, greedy, params = _grid_case(seed)
     R, K1, V = logits.shape
     toks, acc = verify_on_device(logits, drafts, lengths, rows, seeds, first)
+    with_flags = verify_on_device(logits, drafts, lengths, rows, seeds, first, params)  # filters decided on the host
+    assert torch.equal(with_flags[0], toks) and torch.equal(with_flags[1], acc)
     dl = [drafts[i, : lengths[i]].tolist() for i in range(R)]
     flat = torch.cat([logits[i, : lengths[i] + 1] for i in range(R)])
     row_idx = torch.cat([torch.full((int(lengths[i]) + 1,), i) for i in range(R)])

@@ -55,15 +55,18 @@ class SamplingRows:
         return SamplingRows(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
 
 
-def filtered_probs(logits: torch.Tensor, s: SamplingRows) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, s: SamplingRows, needs_filter: bool | None = None,
+                   any_greedy: bool | None = None) -> torch.Tensor:
     """The distribution the engine's ``sample`` op draws from: temperature, top-k, top-p (on the
-    top-k distribution), min-p, the top token always kept. Rows with temperature 0 are one-hot."""
+    top-k distribution), min-p, the top token always kept. Rows with temperature 0 are one-hot.
+    ``needs_filter`` / ``any_greedy``: known on the host (else read from ``s``, a device sync)."""
     logits = logits.float()
     N, V = logits.shape
     greedy = s.temperature <= 0
     t = torch.where(greedy, torch.ones_like(s.temperature), s.temperature)
     scaled = logits / t[:, None]
-    needs_filter = bool(((s.top_k > 0) & (s.top_k < V)).any() | (s.top_p < 1).any() | (s.min_p > 0).any())
+    if needs_filter is None:
+        needs_filter = bool(((s.top_k > 0) & (s.top_k < V)).any() | (s.top_p < 1).any() | (s.min_p > 0).any())
     if needs_filter:
         sorted_logits, sorted_idx = scaled.sort(-1, descending=True)
         ranks = torch.arange(V, device=logits.device)[None, :]
@@ -76,7 +79,7 @@ def filtered_probs(logits: torch.Tensor, s: SamplingRows) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
     probs = scaled.softmax(-1)
-    if bool(greedy.any()):
+    if any_greedy if any_greedy is not None else bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
@@ -186,13 +189,15 @@ def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_t
 
 
 def verify_on_device(target: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, rows: SamplingRows | None,
-                     seeds: torch.Tensor, first_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     seeds: torch.Tensor, first_pos: torch.Tensor, params: list | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify` for point-mass drafts on a fixed grid, without reading anything on the host
     (async speculative steps): the same accept tests, residual and bonus draws, bit for bit.
 
     ``target`` [R, K + 1, V]: each request's rows p_0..p_K (logits); ``drafts`` [R, K]; ``lengths``
     [R]: drafts of each request to verify (rows past them are ignored); ``rows``: each request's
-    sampling parameters (None: every request is greedy); ``first_pos`` [R]: the token index of d_1.
+    sampling parameters (None: every request is greedy), ``params`` their ``SamplingParams`` where
+    known (the filters to apply are then decided on the host); ``first_pos`` [R]: the token index of d_1.
     Returns (tokens [R, K + 1]: request i emits its first ``accepted[i] + 1``; accepted [R])."""
     R, K = drafts.shape
     dev = target.device
@@ -204,8 +209,12 @@ def verify_on_device(target: torch.Tensor, drafts: torch.Tensor, lengths: torch.
         ok = safe == argmax[:, :K]
     else:
         V = target.shape[-1]
-        probs = filtered_probs(target.reshape(R * (K + 1), V),
-                               rows.index(torch.arange(R, device=dev).repeat_interleave(K + 1))).view(R, K + 1, V)
+        flags = {}
+        if params is not None:
+            flags = dict(needs_filter=any(0 < p.top_k < V or p.top_p < 1 or p.min_p > 0 for p in params),
+                         any_greedy=any(p.temperature <= 0 for p in params))
+        per_row = rows.index(torch.arange(R, device=dev).repeat_interleave(K + 1))
+        probs = filtered_probs(target.reshape(R * (K + 1), V), per_row, **flags).view(R, K + 1, V)
         p_tok = probs[:, :K].gather(2, safe[..., None])[..., 0]
         u = uniform(stream(seeds, STREAM_ACCEPT).repeat_interleave(K), (first_pos[:, None] + j).reshape(-1))
         ok = u.view(R, K) < p_tok  # u * q < p with q(d) = 1

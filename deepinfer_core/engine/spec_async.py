@@ -392,7 +392,8 @@ class AsyncSpec:
         rows = None if all(p.temperature <= 0 for p in params) else SamplingRows.from_params(params, dev)
         seeds = to_device([s.seed for s in seqs], torch.long, dev, pin)
         lengths = drafts.lengths[sel]
-        tokens, acc = verify_on_device(target, drafts.tokens[sel], lengths, rows, seeds, drafts.first_pos[sel])
+        tokens, acc = verify_on_device(target, drafts.tokens[sel], lengths, rows, seeds, drafts.first_pos[sel],
+                                       params)
         emitted[where, : K + 1] = tokens
         accepted[where] = acc
         lse = torch.logsumexp(target, dim=-1)  # [Rd, K + 1]
