@@ -72,8 +72,11 @@ class SpecDecoder:
                       spec_proposer_errors=0)
         self._active = True
         self._pending_drafts = False  # the last speculative step proposed drafts
-        #: async speculative steps (drafts proposed and verified on the device), or None: synchronous ones
-        self.on_device = AsyncSpec(engine, self) if proposer.proposes_on_device and engine.async_scheduling else None
+        #: async speculative steps (drafts proposed and verified on the device), or None: synchronous ones.
+        #: Not with window cache groups: their blocks are freed from the (optimistic) computed count.
+        windows = any(g.window is not None for g in engine.cache_layout.groups)
+        self.on_device = (AsyncSpec(engine, self) if proposer.proposes_on_device and engine.async_scheduling
+                          and not windows else None)
 
     def active(self) -> bool:
         """Whether the coming step is speculative (synchronous, verified, proposals after it). With
