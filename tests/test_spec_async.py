@@ -382,3 +382,15 @@ def test_device_verify_keeps_the_target_distribution():
     pvalue = float(torch.special.gammaincc(torch.tensor((V - 1) / 2.0, dtype=torch.float64),
                                            torch.tensor(stat / 2.0, dtype=torch.float64)))
     assert pvalue > 1e-3 and 0.2 < float(acc.float().mean()) < 0.99
+
+
+def test_ngram_proposer_sync_and_async_are_greedy_exact(tiny_v3_path, plain_ref):
+    """The shipped prompt-lookup proposer (entry point ``ngram``) drafts on the host (synchronous
+    steps) and on the device (overlapped steps): both identical to plain decoding."""
+    for async_on in (False, True):
+        llm = make(tiny_v3_path, async_on=async_on, speculative={"proposer": "ngram", "k": 3})
+        assert (llm.engine.spec.on_device is not None) == async_on
+        outs = run(llm, PROMPTS, mixed_params())
+        assert tokens(outs) == tokens(plain_ref)
+        same_logprobs(outs, plain_ref)
+        assert llm.engine.metrics()["spec_verified"] > 0

@@ -259,7 +259,7 @@ class AsyncSpec:
                 new = torch.where((pos + 1) % m == 0, block * (bs // m) + (pos % bs) // m, torch.full_like(pos, -1))
             slot[rows_t] = new
         d = meta.decode
-        d.seq_lens -= rej
+        d.seq_lens[d.seq_lens.shape[0] - nd :] -= rej  # (batch-invariant mode: the prefills come first)
         d.host_seq_lens = None  # not known on the host until the step in flight completes
         if meta.seq_lens is not None and meta.seq_lens is not d.seq_lens:
             meta.seq_lens[batch.num_prefills : batch.num_prefills + nd] -= rej
