@@ -394,3 +394,61 @@ def test_ngram_proposer_sync_and_async_are_greedy_exact(tiny_v3_path, plain_ref)
         assert tokens(outs) == tokens(plain_ref)
         same_logprobs(outs, plain_ref)
         assert llm.engine.metrics()["spec_verified"] > 0
+
+
+def test_launching_a_speculative_step_reads_nothing_back_from_the_device(tiny_v3_path, device_proposers, monkeypatch):
+    """The engine's part of an overlapped speculative launch (accepted counts -> last tokens and
+    rejections, proposing, the input correction and re-layout, the verify) never reads a tensor's
+    values on the host: every ``tolist``/``item``/``bool``/``int``/``float`` of a tensor raises
+    inside it (the ``draft_lengths`` op excepted: its torch reference counts on the host, the device
+    kernels do not)."""
+    import device_proposers as dp
+
+    from deepinfer_core.engine.spec_async import AsyncSpec
+
+    inside = [0]
+
+    def guarded(name):
+        orig = getattr(torch.Tensor, name)
+
+        def read(self, *a, **kw):
+            if inside[0]:
+                raise AssertionError(f"Tensor.{name} read a device value during an async speculative launch")
+            return orig(self, *a, **kw)
+        return read
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    for name in ("_resolve", "_draft", "_patch", "_compact", "_verify"):
+        orig = getattr(AsyncSpec, name)
+
+        def wrapped(self, *a, _orig=orig, **kw):
+            inside[0] += 1
+            try:
+                return _orig(self, *a, **kw)
+            finally:
+                inside[0] -= 1
+        monkeypatch.setattr(AsyncSpec, name, wrapped)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seq_seed=i, max_tokens=8, ignore_eos=True, logprobs=1)
+              for i in range(len(PROMPTS))]
+    llm = make(tiny_v3_path, speculative={"proposer": "device_previous", "k": 3})
+    run(llm, PROMPTS, params)
+    m = llm.engine.metrics()
+    assert m["spec_verified"] > 0 and m["overlapped_steps"] > 0
+    # rows laid out anew (half the requests draft nothing)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in PROMPTS]
+    dp.DeviceOracle.outputs = {tuple(p): t[0] for p, t in zip(PROMPTS, tokens(run(make(tiny_v3_path), PROMPTS,
+                                                                                     greedy)))}
+    llm = make(tiny_v3_path, speculative={"proposer": "device_oracle", "k": 4, "sparse": True})
+    kernel = llm.engine.kernels.draft_lengths
+
+    def unguarded(*a, **kw):
+        saved, inside[0] = inside[0], 0
+        try:
+            return kernel(*a, **kw)
+        finally:
+            inside[0] = saved
+    monkeypatch.setattr(llm.engine.kernels, "draft_lengths", unguarded)
+    run(llm, PROMPTS, greedy)
+    m = llm.engine.metrics()
+    assert m["spec_accepted"] > 0 and m["spec_verify_budget"] < m["spec_draft_slots"]
