@@ -141,6 +141,13 @@ class Proposer(ABC):
         """
         raise NotImplementedError(f"proposer {self.name!r} does not propose on the device")
 
+    def verify_budget(self, engine: EngineView, num_requests: int, num_slots: int) -> int | None:
+        """Async speculative steps: how many draft rows (of ``num_slots`` reserved for
+        ``num_requests`` decodes) the coming step verifies, fixed on the host before the drafts exist
+        (e.g. from a measured step-time curve); the device then picks each request's length within
+        it. None (the default): the engine's estimate, the share of slots recent steps filled."""
+        return None
+
     def verified(self, engine: EngineView, requests: list[Sequence], num_drafts: list[int],
                  num_accepted: list[int]) -> None:
         """Feedback after verification: how many of each request's drafts were checked and kept."""

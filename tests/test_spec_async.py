@@ -50,6 +50,7 @@ class DeviceOracle(Proposer):
     def __init__(self, section):
         self.conf = section.pop("confidences", False)
         self.sparse = section.pop("sparse", False)  # requests with an even prompt length get no drafts
+        self.budget = section.pop("budget", None)  # verify rows per step (Proposer.verify_budget)
         super().__init__(section)
         self.calls = 0
         self.feedback = []
@@ -84,6 +85,9 @@ class DeviceOracle(Proposer):
         if K >= 3:
             conf[:, 2] = 0.3
         return DeviceDraft(toks, conf, min_confidence=0.5)
+
+    def verify_budget(self, engine, num_requests, num_slots):
+        return self.budget
 
     def verified(self, engine, requests, num_drafts, num_accepted):
         self.feedback.append((num_drafts, num_accepted))
@@ -229,6 +233,22 @@ def test_unfilled_slots_cost_no_verify_rows(tiny_v3_path, device_proposers):
     m = llm.engine.metrics()
     assert m["spec_verify_budget"] < 0.8 * m["spec_draft_slots"] and m["spec_accepted"] > 0
     assert m["overlapped_steps"] >= m["steps"] - 2
+
+
+def test_a_proposers_verify_budget_bounds_each_step(tiny_v3_path, device_proposers):
+    """``Proposer.verify_budget`` fixes the step's draft rows on the host (3 here, over 6 requests
+    offered 4 slots each); the device shares them out: never more verified, output exact."""
+    import device_proposers as dp
+
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in PROMPTS]
+    ref = run(make(tiny_v3_path, async_on=False), PROMPTS, params)
+    dp.DeviceOracle.outputs = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, ref)}
+    llm = make(tiny_v3_path, speculative={"proposer": "device_oracle", "k": 4, "budget": 3})
+    outs = run(llm, PROMPTS, params)
+    assert tokens(outs) == tokens(ref)
+    fb = llm.engine.spec.proposer.feedback
+    assert fb and all(sum(nd) <= 3 for nd, _ in fb) and max(sum(nd) for nd, _ in fb) == 3
+    assert llm.engine.metrics()["spec_accepted"] > 0
 
 
 def test_stops_and_stop_strings_inside_accepted_drafts(tiny_v3_path, device_proposers):

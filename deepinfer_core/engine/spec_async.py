@@ -93,10 +93,14 @@ class AsyncSpec:
         self.used = 1.0  # running share of the offered draft slots the proposer filled (learned one step late)
         self.n = dict(spec_verify_budget=0, spec_draft_slots=0)
 
-    def budget(self, slots: int) -> int:
+    def budget(self, requests: int, slots: int) -> int:
         """The step's verify budget (draft rows laid out), fixed by the host before the drafts exist:
-        the share of slots recent steps filled, with headroom, so that slots no draft fills cost no
-        verify rows; the device picks the lengths within it (``draft_lengths``)."""
+        the proposer's (``Proposer.verify_budget``), else the share of slots recent steps filled, with
+        headroom, so that slots no draft fills cost no verify rows; the device picks the lengths
+        within it (``draft_lengths``)."""
+        own = self.spec.proposer.verify_budget(self.engine, requests, slots)
+        if own is not None:
+            return max(0, min(slots, int(own)))
         return max(0, min(slots, math.ceil(slots * self.used * 1.15 - 0.25)))
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -203,7 +207,7 @@ class AsyncSpec:
         V = eng.model_config.vocab_size
         inside = ((tokens >= 0) & (tokens < V)).long().cumprod(1).sum(1)  # an id outside ends the drafts
         lengths = wanted = torch.minimum(cap, inside)
-        budget = sum(slots) if eng.runner.batch_invariant else self.budget(sum(slots))
+        budget = sum(slots) if eng.runner.batch_invariant else self.budget(len(decodes), sum(slots))
         if got.confidences is not None or budget < sum(slots):  # lengths under the step's verify budget
             conf = (got.confidences[:, :K].to(dev, torch.float32) if got.confidences is not None
                     else torch.ones(tokens.shape, dtype=torch.float32, device=dev))  # no confidences: fair shares
