@@ -12,6 +12,11 @@ request that samples, a placeholder id ``-(i + 1)`` (``i``: its row in the step'
 tensor) appended to ``token_ids``; completing writes the real tokens over the placeholders. Hook
 order on completion: ``tokens_sampled`` for every placed token, then ``request_finished`` for the
 requests that stopped on them.
+
+Speculative steps whose drafts are proposed on the device go through the same two calls
+(``engine/spec_async.py``): launching corrects the inputs from the step in flight's accepted counts
+and verifies on the device; a sampling row with m drafts gets m + 1 placeholders
+``-(i * stride + j + 1)``; completing settles them (kept tokens placed, the rest rolled back).
 """
 
 from __future__ import annotations
