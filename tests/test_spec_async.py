@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from stevedore import ExtensionManager
 from tiny_models import kv_bytes_per_block, rand_ids
 
 from deepinfer_core import LLM, SamplingParams
@@ -122,8 +123,10 @@ def device_proposers(tmp_path_factory):
         device_flaky = device_proposers:DeviceFlaky
         """))
     sys.path.insert(0, str(root))
+    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)  # stevedore lists a group once
     yield root
     sys.path.remove(str(root))
+    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)
     sys.modules.pop("device_proposers", None)
 
 
