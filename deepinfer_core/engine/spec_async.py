@@ -209,7 +209,7 @@ class AsyncSpec:
         lengths = wanted = torch.minimum(cap, inside)
         budget = sum(slots) if eng.runner.batch_invariant else self.budget(len(decodes), sum(slots))
         if got.confidences is not None or budget < sum(slots):  # lengths under the step's verify budget
-            conf = (got.confidences[:, :K].to(dev, torch.float32) if got.confidences is not None
+            conf = (got.confidences[:, :K].to(dev, torch.float32).contiguous() if got.confidences is not None
                     else torch.ones(tokens.shape, dtype=torch.float32, device=dev))  # no confidences: fair shares
             lengths = eng.kernels.draft_lengths(conf, lengths, budget, float(got.min_confidence))
         spec.n["spec_proposed"] += sum(slots)
