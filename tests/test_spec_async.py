@@ -238,6 +238,27 @@ def test_unfilled_slots_cost_no_verify_rows(tiny_v3_path, device_proposers):
     assert m["overlapped_steps"] >= m["steps"] - 2
 
 
+def test_chunked_prefills_beside_relaid_drafted_decodes(tiny_v3_path, device_proposers):
+    """Steps mixing prefill chunks (token budget 16, prompts up to 38 tokens, prompt logprobs) with
+    drafted decodes whose rows are laid out anew on the device: greedy-identical to the synchronous
+    loop without speculation, logprobs and prompt logprobs included."""
+    import device_proposers as dp
+
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1,
+                             prompt_logprobs=1 if i == 4 else None) for i in range(len(PROMPTS))]
+    ref = run(make(tiny_v3_path, async_on=False, max_num_batched_tokens=16), PROMPTS, params)
+    dp.DeviceOracle.outputs = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, ref)}
+    llm = make(tiny_v3_path, max_num_batched_tokens=16,
+               speculative={"proposer": "device_oracle", "k": 3, "sparse": True})
+    outs = run(llm, PROMPTS, params)
+    assert tokens(outs) == tokens(ref)
+    same_logprobs(outs, ref)
+    for a, b in zip(outs[4].prompt_logprobs[1:], ref[4].prompt_logprobs[1:]):
+        assert {t: round(lp.logprob, 4) for t, lp in a.items()} == {t: round(lp.logprob, 4) for t, lp in b.items()}
+    m = llm.engine.metrics()
+    assert m["spec_accepted"] > 0 and m["spec_verify_budget"] < m["spec_draft_slots"]
+
+
 def test_a_proposers_verify_budget_bounds_each_step(tiny_v3_path, device_proposers):
     """``Proposer.verify_budget`` fixes the step's draft rows on the host (3 here, over 6 requests
     offered 4 slots each); the device shares them out: never more verified, output exact."""
