@@ -5,10 +5,12 @@ host sync between steps (the proposer must propose on the device: ``Proposer.pro
                    with step N's drafts all accepted: an upper bound); the scheduler reserves them in
                    the token and KV budgets like any lookahead
     launch(N+1):   from step N's device results (emitted tokens, accepted counts): each request's
-                   last token and true length -> ``propose_on_device`` -> draft lengths on the device
-                   (``draft_lengths`` op when the proposer gives confidences) -> inputs, positions,
-                   slot mappings and context lengths corrected on the device -> forward -> verify
-                   on the device (``rejection.verify_on_device``) -> copy to the host
+                   last token, true length and tokens in flight -> ``propose_on_device`` -> draft
+                   lengths on the device (``draft_lengths`` op, from the proposer's confidences, under
+                   the verify budget the host fixed) -> inputs, positions, slot mappings and context
+                   lengths corrected on the device, decode rows laid out anew (decodes + budget rows,
+                   the rest padding) -> forward -> verify on the device
+                   (``rejection.verify_on_device``) -> copy to the host
     complete(N):   the host learns the accepted tokens one step late: it writes them over their
                    placeholders, drops the placeholders of rejected drafts, rolls back
                    ``num_computed_tokens`` and the KV slots past the kept tokens, registers blocks
@@ -18,8 +20,11 @@ m + 1 placeholders (``-(i * stride + j + 1)``: row i, emitted slot j of the step
 tensor) and counts its drafts as computed. The next step's lengths are thus upper bounds (slots and
 blocks are reserved for them) and its device inputs are shifted back by the rejected count. A
 request preempted while its drafts are undecided is not readmitted before they are
-(``Sequence.pending_drafts``). Verify rows are laid out per request on the host (1 + slots each);
-rows past a request's device-chosen length are computed and ignored.
+(``Sequence.pending_drafts``). The host lays the step out with 1 + slots rows per decode; when the
+verify budget is below the slots (``AsyncSpec.budget``: the proposer's ``verify_budget``, else the
+share of slots recent steps filled), the device re-lays the decode rows to 1 + length each within
+decodes + budget rows (``_compact``); logits are computed for those rows only. Not used with window
+cache groups, with batch-invariant kernels the rows are not re-laid (every slot is verified).
 """
 
 from __future__ import annotations
