@@ -496,3 +496,24 @@ def test_launching_a_speculative_step_reads_nothing_back_from_the_device(tiny_v3
     run(llm, PROMPTS, greedy)
     m = llm.engine.metrics()
     assert m["spec_accepted"] > 0 and m["spec_verify_budget"] < m["spec_draft_slots"]
+
+
+def test_dp_ep_2_with_async_speculation_equals_one_rank_without(tmp_path_factory):
+    """Every rank drafts on the device, verifies and settles its own requests one step late, its
+    steps overlapping: greedy outputs and logprobs equal dp = ep = 1 without speculation."""
+    from parallel_helpers import assert_same, ep_checkpoint, make_llm, workload
+
+    ckpt = ep_checkpoint(tmp_path_factory.getbasetemp())
+    ps = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0) for _ in range(6)]
+    prompts = workload(6)
+    ref_llm = make_llm(ckpt)
+    ref = ref_llm.generate(prompts, ps, use_tqdm=False)
+    ref_llm.shutdown()
+    llm = make_llm(ckpt, dp=2, ep=2, async_scheduling=True, speculative={"proposer": "ngram", "k": 3})
+    try:
+        outs = llm.generate(prompts, ps, use_tqdm=False)
+        assert_same(outs, ref)
+        m = llm.metrics()
+        assert all(r["spec_verified"] > 0 and r["overlapped_steps"] > 0 for r in m["ranks"])
+    finally:
+        llm.shutdown()
