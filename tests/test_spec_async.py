@@ -94,6 +94,19 @@ class DeviceOracle(Proposer):
         self.feedback.append((num_drafts, num_accepted))
 
 
+class DeviceSometimes(DevicePrevious):
+    """Speculates on every third step only (dormant otherwise: plain steps right after speculative ones)."""
+    name = "device_sometimes"
+
+    def __init__(self, section):
+        super().__init__(section)
+        self.asked = 0
+
+    def active(self, engine):
+        self.asked += 1
+        return self.asked % 3 == 0
+
+
 class DeviceFlaky(DevicePrevious):
     """Raises on every 3rd call, returns a malformed result on every 3rd + 1."""
     name = "device_flaky"
@@ -121,6 +134,7 @@ def device_proposers(tmp_path_factory):
         device_previous = device_proposers:DevicePrevious
         device_oracle = device_proposers:DeviceOracle
         device_flaky = device_proposers:DeviceFlaky
+        device_sometimes = device_proposers:DeviceSometimes
         """))
     sys.path.insert(0, str(root))
     ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)  # stevedore lists a group once
@@ -321,6 +335,17 @@ def test_preemption_mid_async_speculation(tiny_v3_path, device_proposers):
     assert tokens(outs) == tokens(ref)
     m = llm.engine.metrics()
     assert m["preemptions"] > 0 and m["spec_accepted"] > 0
+
+
+def test_a_dormant_device_proposer_between_speculative_steps(tiny_v3_path, device_proposers, plain_ref):
+    """Plain steps launched right after speculative ones (their inputs corrected from the accepted
+    counts in flight) and speculative steps after plain ones, all overlapped: exact."""
+    llm = make(tiny_v3_path, speculative={"proposer": "device_sometimes", "k": 3})
+    outs = run(llm, PROMPTS, mixed_params())
+    assert tokens(outs) == tokens(plain_ref)
+    same_logprobs(outs, plain_ref)
+    m = llm.engine.metrics()
+    assert m["spec_dormant_steps"] > 0 and m["spec_steps"] > 0 and m["overlapped_steps"] > m["steps"] // 2
 
 
 def test_a_failing_device_proposer_loses_only_its_drafts(tiny_v3_path, device_proposers, plain_ref, caplog):
