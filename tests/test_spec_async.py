@@ -540,5 +540,6 @@ def test_dp_ep_2_with_async_speculation_equals_one_rank_without(tmp_path_factory
         assert_same(outs, ref)
         m = llm.metrics()
         assert all(r["spec_verified"] > 0 and r["overlapped_steps"] > 0 for r in m["ranks"])
+        assert m["spec_draft_slots"] == sum(r["spec_draft_slots"] for r in m["ranks"])
     finally:
         llm.shutdown()
