@@ -33,6 +33,8 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="instead: host seconds by engine function (cProfile, cumulative) over one more run")
     args = ap.parse_args(argv)
     spec = None if args.speculative == "none" else {"proposer": args.speculative, "k": args.k}
     llm = LLM(async_scheduling=bool(args.async_scheduling), speculative=spec, max_num_seqs=args.concurrency,
@@ -68,6 +70,20 @@ def main(argv=None) -> None:
     m = llm.metrics()
     print({k: m[k] for k in ("overlapped_steps", "spec_verified", "spec_accepted", "spec_verify_budget",
                              "spec_draft_slots") if k in m})
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate(prompts, greedy, use_tqdm=False)
+        torch.cuda.synchronize()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(
+            r"(spec_async|speculative|pipeline|model_runner|graph_runner|ngram|rejection|engine|deepseek|ops)\.py", 40)
+        print(out.getvalue())
 
 
 if __name__ == "__main__":
