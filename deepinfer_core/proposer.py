@@ -18,6 +18,13 @@ requests decode on, one token per step, as without speculation):
 ``propose`` returns one :class:`Draft` (or None) per request, at most ``max_drafts[i]`` tokens,
 each in the vocabulary. Every decoding request is offered, penalties and feature options
 (``so_args``: their masks reach the verify rows through ``process_logits``) included.
+
+Async scheduling (``engine/spec_async.py``): a proposer that sets ``proposes_on_device`` also
+implements :meth:`Proposer.propose_on_device`, which drafts from device tensors (the tokens the
+step in flight emits, the requests' true lengths) without waiting for the host, so speculative steps
+overlap like plain ones: the host fixes each request's draft slots, the device fills them. Steps
+with a request that needs its tokens on the host (penalties, grammar masks) still run synchronously
+through :meth:`Proposer.propose`.
 """
 
 from __future__ import annotations
@@ -51,6 +58,21 @@ class Draft:
     confidences: list[float] | None = None
 
 
+@dataclass
+class DeviceDraft:
+    """Drafts proposed on the device (``Proposer.propose_on_device``) for R requests.
+
+    ``tokens`` [R, K] int64: row i's first ``max_drafts[i]`` entries are its drafts (ids outside the
+    vocabulary end a row's drafts there). ``confidences`` [R, K] float32 (optional): per-position
+    estimates of P(accepted | drafts before accepted); with them the engine cuts each row's length on
+    the device with the ``draft_lengths`` op (cumulative confidence >= ``min_confidence``, best first
+    under the step's verify budget). Drafts are point masses (no draft distributions)."""
+
+    tokens: torch.Tensor
+    confidences: torch.Tensor | None = None
+    min_confidence: float = 0.0
+
+
 class Proposer(ABC):
     """A draft proposer (see the module docstring)."""
 
@@ -65,6 +87,9 @@ class Proposer(ABC):
     #: whose last token gets no slot is not offered), and afterwards gives back what the kept drafts
     #: do not use. Requests with no room for drafts are offered too (``max_drafts`` 0: catch up only).
     writes_draft_kv: bool = False
+    #: True: :meth:`propose_on_device` is implemented; with async scheduling on, speculative steps
+    #: then overlap (their drafts are proposed on the device when the next step is launched)
+    proposes_on_device: bool = False
 
     def __init__(self, section: dict) -> None:
         """``section``: the ``[speculative]`` keys other than ``proposer`` and ``k``; raise
@@ -97,6 +122,31 @@ class Proposer(ABC):
         :param batch: the step just completed (``batch.hidden`` when ``needs_hidden``).
         :return: one Draft or None per request.
         """
+
+    def propose_on_device(self, engine: EngineView, requests: list[Sequence], max_drafts: list[int],
+                          last_tokens: torch.Tensor, num_tokens: torch.Tensor, pending: torch.Tensor
+                          ) -> DeviceDraft:
+        """Drafts for the step being launched while the previous one is still on the device (async
+        scheduling; only when ``proposes_on_device``). Never read device values on the host here.
+
+        :param engine: the engine.
+        :param requests: the step's decodes given draft slots (their host ``token_ids`` may end in
+            placeholders: tokens the step in flight is still sampling).
+        :param max_drafts: draft slots of each (>= 1), fixed by the host.
+        :param last_tokens: [R] int64 on the device: each request's last token (its query token).
+        :param num_tokens: [R] int64 on the device: each request's true length, that last token included.
+        :param pending: [R, P] int64 on the device: each request's tokens after its host-known ones
+            (``token_ids[:num_known_tokens]``), still in flight, padded with -1 (a row of -1: none).
+        :return: a :class:`DeviceDraft` of ``R`` rows and at least ``max(max_drafts)`` columns.
+        """
+        raise NotImplementedError(f"proposer {self.name!r} does not propose on the device")
+
+    def verify_budget(self, engine: EngineView, num_requests: int, num_slots: int) -> int | None:
+        """Async speculative steps: how many draft rows (of ``num_slots`` reserved for
+        ``num_requests`` decodes) the coming step verifies, fixed on the host before the drafts exist
+        (e.g. from a measured step-time curve); the device then picks each request's length within
+        it. None (the default): the engine's estimate, the share of slots recent steps filled."""
+        return None
 
     def verified(self, engine: EngineView, requests: list[Sequence], num_drafts: list[int],
                  num_accepted: list[int]) -> None:

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+from stevedore import ExtensionManager
 from tiny_models import kv_bytes_per_block, rand_ids
 
 from deepinfer_core import LLM, SamplingParams
@@ -128,8 +129,10 @@ def proposer_package(tmp_path_factory):
         reserving = toy_proposers:Reserving
         """))
     sys.path.insert(0, str(root))
+    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)  # stevedore lists a group once
     yield root
     sys.path.remove(str(root))
+    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)
     sys.modules.pop("toy_proposers", None)
 
 

@@ -21,6 +21,8 @@ class EngineAdmission:
             return False
         if seq.last_token_pending:  # preempted while its last token is sampled: it finishes when that lands
             return False
+        if seq.pending_drafts:  # preempted while its drafts are verified: its length is known when they land
+            return False
         try:
             ready = eng.pm.hook.request_ready(engine=eng, request=seq)
         except Exception as exc:  # a feature failed this request alone

@@ -26,9 +26,13 @@ schedule(N+1), launches forward(N+1), and only then post-processes N:
 * Synchronous steps. A request whose next step needs its previous token on the host (penalties count
   output tokens; the ``request_needs_sync`` hook, e.g. a grammar mask) makes every step run
   synchronously while it is unfinished, and so does any step for which a feature's ``step_needs_sync``
-  hook says so, and every speculative step (``engine/speculative.py``: the verify decides the next
-  step's input). Such a step first completes the step in flight, so every token is on the host
-  before it is scheduled.
+  hook says so, and every speculative step whose proposer drafts on the host only
+  (``engine/speculative.py``: the verify decides the next step's input). Such a step first completes
+  the step in flight, so every token is on the host before it is scheduled.
+* Speculative steps with a proposer that drafts on the device (``engine/spec_async.py``) overlap:
+  schedule(N+1) reserves draft slots counting step N's drafts as accepted; launch(N+1) proposes, picks
+  draft lengths and corrects positions and slots on the device from step N's accepted counts; complete(N)
+  drops the rejected drafts' placeholders and rolls back their KV slots, one step late.
 
 Failures never poison the engine. An exception while sampling a request or scoring its prompt
 logprobs fails that request alone (``StepPipeline._sample``: rows are independent, so a failing batch is retried
@@ -192,9 +196,9 @@ class LLMEngine(TokenAccounting):
         route = self.pm.hook.moe_route_hook(engine=self)
         if route is not None:
             self.runner.set_route_hook(route)
-        if self.async_scheduling and self.spec is not None:
-            logger.info("async scheduling: speculative steps (proposer %s) run synchronously; plain steps "
-                        "while it is dormant overlap", self.spec.name)
+        if self.async_scheduling and self.spec is not None and self.spec.on_device is None:
+            logger.info("async scheduling: speculative steps (proposer %s, which does not propose on the device) "
+                        "run synchronously; plain steps while it is dormant overlap", self.spec.name)
         # after the features: they may hook the model (moe_route_hook) or allocate device memory
         self.runner.setup_graphs(self.platform, cfg, self.max_model_len)
         # The model, caches and plugins live as long as the engine: keep the cyclic GC from rescanning
@@ -493,10 +497,11 @@ class LLMEngine(TokenAccounting):
         overlap = self._can_overlap(speculate)
         if not overlap:
             pipe.drain()
-        out = self._schedule()
+        drafts_on_device = overlap and speculate  # draft slots reserved now, filled on the device at launch
+        out = self._schedule(drafts_on_device)
         if not out and pipe.inflight is not None:  # nothing new to launch: finish the step in flight
             pipe.drain()
-            out = self._schedule()
+            out = self._schedule(drafts_on_device)
         finished = [s for s in self._seqs.values() if s.is_finished]
         if not out:
             return self._idle_step(finished)
@@ -529,11 +534,17 @@ class LLMEngine(TokenAccounting):
             self._idle.break_chain()
         return finished
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, drafts_on_device: bool = False) -> SchedulerOutput:
         """``scheduler.schedule()``, noting the requests the step now involves (for ``_fail_step``) and
-        its preemptions."""
+        its preemptions. ``drafts_on_device``: decodes are offered draft slots to reserve first
+        (``engine/spec_async.py``)."""
         involved, self._step_seqs = self._step_seqs, None  # a failure inside: the scheduler's state is unknown
-        out = self.scheduler.schedule()
+        offered = self.spec.on_device.offer_slots() if drafts_on_device else []
+        try:
+            out = self.scheduler.schedule()
+        finally:
+            for seq in offered:  # the scheduled ones keep theirs in ``ScheduledSeq.spec_tokens``
+                seq.spec_tokens = []
         self._step_seqs = involved + [s.seq for s in (*out.prefills, *out.decodes)]
         self.stats.preemptions += len(out.preempted)  # also when nothing could be scheduled after all
         return out
@@ -568,7 +579,7 @@ class LLMEngine(TokenAccounting):
     # ---- async scheduling ---------------------------------------------------------------
     def _can_overlap(self, speculate: bool) -> bool:
         """Whether the coming step may be launched before the one in flight is post-processed."""
-        if not self.async_scheduling or self._sync_requests or speculate:
+        if not self.async_scheduling or self._sync_requests or (speculate and self.spec.on_device is None):
             return False
         return not any(self.pm.hook.step_needs_sync(engine=self))
 

@@ -12,6 +12,11 @@ request that samples, a placeholder id ``-(i + 1)`` (``i``: its row in the step'
 tensor) appended to ``token_ids``; completing writes the real tokens over the placeholders. Hook
 order on completion: ``tokens_sampled`` for every placed token, then ``request_finished`` for the
 requests that stopped on them.
+
+Speculative steps whose drafts are proposed on the device go through the same two calls
+(``engine/spec_async.py``): launching corrects the inputs from the step in flight's accepted counts
+and verifies on the device; a sampling row with m drafts gets m + 1 placeholders
+``-(i * stride + j + 1)``; completing settles them (kept tokens placed, the rest rolled back).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from deepinfer_core.engine.model_runner import StepBatch
 from deepinfer_core.engine.sampler import DeviceSample, Sampler
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.engine.spec_async import LaunchDrafts, SpecFlight
 from deepinfer_core.engine.transfer import HostCopy, to_device
 from deepinfer_core.outputs import Logprob
 from deepinfer_core.scheduler import SchedulerOutput
@@ -42,6 +48,13 @@ class InflightStep:
     copy: HostCopy  # the sampled tokens, logprobs and prompt logprobs on their way to the host
     computed: list[int]  # per batch.scheduled: its num_computed_tokens after this step
     prompt_lp: list[tuple[Sequence, int]]  # (request, first position) per prompt-logprob block
+    spec: SpecFlight | None = None  # a speculative step's verify results (engine/spec_async.py)
+
+    def tokens(self) -> torch.Tensor | None:
+        """The step's emitted tokens on the device, indexed by its placeholders (``-(id + 1)``)."""
+        if self.spec is not None:
+            return self.spec.flat()
+        return self.sample.tokens if self.sample is not None else None
 
     def seqs(self) -> list[Sequence]:
         return [s.seq for s in self.batch.scheduled]
@@ -86,20 +99,30 @@ class StepPipeline:
         """prepare + forward + sampling of a scheduled step, queued without waiting for the device.
         ``prev``: the step still in flight, whose sampled tokens fill this step's placeholders."""
         eng = self.engine
-        prev_tokens = prev.sample.tokens if prev is not None and prev.sample is not None else None
-        batch = eng.runner.prepare(out, prev_tokens=prev_tokens)
+        prev_tokens = prev.tokens() if prev is not None else None
+        prev_flight = prev.spec if prev is not None else None
+        on_device = eng.spec.on_device if eng.spec is not None else None
+        drafts = None
+        if on_device is not None and (prev_flight is not None or any(s.spec_tokens for s in out.decodes)):
+            batch, drafts = on_device.launch(out, prev_flight, prev_tokens)  # drafts proposed on the device
+        else:
+            batch = eng.runner.prepare(out, prev_tokens=prev_tokens)
         start = eng._idle.start() if eng._idle is not None else None
         tf = time.perf_counter()
         logits = eng.runner.forward(batch)
+        if drafts is not None and drafts.expand is not None:  # decode rows laid out on the device
+            logits = logits[drafts.expand]
         eng.stats.forward_time += time.perf_counter() - tf
-        step = self.submit(batch, logits)
+        step = self.submit(batch, logits, drafts)
         if eng._idle is not None:
             eng._idle.end(start)
         return step
 
-    def submit(self, batch: StepBatch, logits: torch.Tensor) -> InflightStep:
+    def submit(self, batch: StepBatch, logits: torch.Tensor, drafts: LaunchDrafts | None = None) -> InflightStep:
         """Queue a step's device work after its forward (prompt logprobs, ``process_logits``, sampling,
-        the copy of the results to the host) and advance its requests' scheduling state."""
+        the copy of the results to the host) and advance its requests' scheduling state. ``drafts``:
+        drafts proposed on the device (async speculative steps), verified on the device; their
+        placeholders count them as accepted until the host learns better (``spec_async.settle``)."""
         eng = self.engine
         tensors: list[torch.Tensor | None] = []
         prompt_lp = []
@@ -111,28 +134,37 @@ class StepPipeline:
                 continue
             prompt_lp.append((seq, first))
             tensors += lp
-        sample = None
-        if batch.sample_seqs:
+        sample = flight = None
+        if batch.sample_seqs and drafts is not None:
+            sample, flight = self.engine.spec.on_device.sample(batch, logits, drafts)
+            tensors = flight.tensors() + (sample.tensors() if sample is not None else
+                                          [None] * DeviceSample.NUM_TENSORS) + tensors
+        elif batch.sample_seqs:
             batch, sample = self._sample(batch, logits)
-        if sample is not None:
+        if sample is not None and flight is None:
             tensors = sample.tensors() + tensors
         copy = HostCopy(tensors, eng.platform, eng._pin)
         computed = []
         for s in batch.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens + (len(s.spec_tokens) if flight is not None else 0)
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 seq.metrics.num_computed_prompt_tokens += s.num_new_tokens
             computed.append(seq.num_computed_tokens)
+        stride = flight.stride if flight is not None else 1
         for i, seq in enumerate(batch.sample_seqs):
-            seq.token_ids.append(-(i + 1))
-            seq.num_pending_tokens += 1
+            if seq.is_finished:  # its sampling failed (a speculative step keeps the row)
+                continue
+            m = flight.drafts[i] if flight is not None else 0
+            seq.token_ids.extend(-(i * stride + j + 1) for j in range(m + 1))
+            seq.num_pending_tokens += m + 1
+            seq.pending_drafts = m
             max_tokens = seq.params.max_tokens
             if ((max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens)
                     or seq.num_tokens >= eng.max_model_len):
                 seq.last_token_pending = True
         eng.stats.launched_steps += 1
-        return InflightStep(batch, sample, copy, computed, prompt_lp)
+        return InflightStep(batch, sample, copy, computed, prompt_lp, flight)
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor) -> tuple[StepBatch, DeviceSample | None]:
         """``process_logits`` and sampling of the batch's sampling rows. Rows are independent (a draw
@@ -179,14 +211,19 @@ class StepPipeline:
         tw = time.perf_counter()
         host = step.copy.wait()
         eng.stats.forward_time += time.perf_counter() - tw
-        base = DeviceSample.NUM_TENSORS if step.sample is not None else 0
+        if step.spec is not None:
+            base = SpecFlight.NUM_TENSORS + DeviceSample.NUM_TENSORS
+        else:
+            base = DeviceSample.NUM_TENSORS if step.sample is not None else 0
         for j, (seq, first) in enumerate(step.prompt_lp):
             if not seq.is_finished:
                 self._add_prompt_logprobs(seq, first, *host[base + 3 * j : base + 3 * j + 3])
         for s, computed in zip(step.batch.scheduled, step.computed):
             if not s.seq.is_finished:
                 eng.blocks.register_full_blocks(s.seq, computed)
-        if step.sample is not None:
+        if step.spec is not None:
+            eng.spec.on_device.settle(step, host)
+        elif step.sample is not None:
             self._complete_tokens(step, host)
         eng.stats.completed_steps += 1
 

@@ -55,15 +55,18 @@ class SamplingRows:
         return SamplingRows(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
 
 
-def filtered_probs(logits: torch.Tensor, s: SamplingRows) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, s: SamplingRows, needs_filter: bool | None = None,
+                   any_greedy: bool | None = None) -> torch.Tensor:
     """The distribution the engine's ``sample`` op draws from: temperature, top-k, top-p (on the
-    top-k distribution), min-p, the top token always kept. Rows with temperature 0 are one-hot."""
+    top-k distribution), min-p, the top token always kept. Rows with temperature 0 are one-hot.
+    ``needs_filter`` / ``any_greedy``: known on the host (else read from ``s``, a device sync)."""
     logits = logits.float()
     N, V = logits.shape
     greedy = s.temperature <= 0
     t = torch.where(greedy, torch.ones_like(s.temperature), s.temperature)
     scaled = logits / t[:, None]
-    needs_filter = bool(((s.top_k > 0) & (s.top_k < V)).any() | (s.top_p < 1).any() | (s.min_p > 0).any())
+    if needs_filter is None:
+        needs_filter = bool(((s.top_k > 0) & (s.top_k < V)).any() | (s.top_p < 1).any() | (s.min_p > 0).any())
     if needs_filter:
         sorted_logits, sorted_idx = scaled.sort(-1, descending=True)
         ranks = torch.arange(V, device=logits.device)[None, :]
@@ -76,7 +79,7 @@ def filtered_probs(logits: torch.Tensor, s: SamplingRows) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
     probs = scaled.softmax(-1)
-    if bool(greedy.any()):
+    if any_greedy if any_greedy is not None else bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
@@ -183,3 +186,50 @@ def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_t
         for i, tok in zip(bonus_req, draw(p, seeds[idx], pos).tolist()):
             out[i].append(tok)
     return out, accepted
+
+
+def verify_on_device(target: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, rows: SamplingRows | None,
+                     seeds: torch.Tensor, first_pos: torch.Tensor, params: list | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for point-mass drafts on a fixed grid, without reading anything on the host
+    (async speculative steps): the same accept tests, residual and bonus draws, bit for bit.
+
+    ``target`` [R, K + 1, V]: each request's rows p_0..p_K (logits); ``drafts`` [R, K]; ``lengths``
+    [R]: drafts of each request to verify (rows past them are ignored); ``rows``: each request's
+    sampling parameters (None: every request is greedy), ``params`` their ``SamplingParams`` where
+    known (the filters to apply are then decided on the host); ``first_pos`` [R]: the token index of d_1.
+    Returns (tokens [R, K + 1]: request i emits its first ``accepted[i] + 1``; accepted [R])."""
+    R, K = drafts.shape
+    dev = target.device
+    j = torch.arange(K, device=dev)
+    valid = j[None, :] < lengths[:, None]
+    safe = drafts.clamp(min=0)
+    if rows is None:
+        argmax = target.argmax(-1)
+        ok = safe == argmax[:, :K]
+    else:
+        V = target.shape[-1]
+        flags = {}
+        if params is not None:
+            flags = dict(needs_filter=any(0 < p.top_k < V or p.top_p < 1 or p.min_p > 0 for p in params),
+                         any_greedy=any(p.temperature <= 0 for p in params))
+        per_row = rows.index(torch.arange(R, device=dev).repeat_interleave(K + 1))
+        probs = filtered_probs(target.reshape(R * (K + 1), V), per_row, **flags).view(R, K + 1, V)
+        p_tok = probs[:, :K].gather(2, safe[..., None])[..., 0]
+        u = uniform(stream(seeds, STREAM_ACCEPT).repeat_interleave(K), (first_pos[:, None] + j).reshape(-1))
+        ok = u.view(R, K) < p_tok  # u * q < p with q(d) = 1
+    accepted = (ok & valid).long().cumprod(1).sum(1)
+    if rows is None:
+        final = argmax.gather(1, accepted[:, None])[:, 0]
+    else:
+        p = probs[torch.arange(R, device=dev), accepted]  # [R, V]: p_a
+        rejected = accepted < lengths
+        d = safe.gather(1, accepted.clamp(max=K - 1)[:, None])
+        res = p.scatter(1, d, (p.gather(1, d) - 1.0).clamp(min=0))  # max(0, p - q) for a point mass q
+        mass = res.sum(-1, keepdim=True)
+        res = torch.where(mass > 0, res / mass.clamp(min=1e-30), p)
+        dist = torch.where(rejected[:, None], res, p)
+        final = draw(dist, torch.where(rejected, stream(seeds, STREAM_RESIDUAL), seeds.long()), first_pos + accepted)
+    tokens = torch.cat([safe, torch.zeros(R, 1, dtype=torch.long, device=dev)], 1)
+    tokens.scatter_(1, accepted[:, None], final[:, None])
+    return tokens, accepted

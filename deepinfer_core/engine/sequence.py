@@ -65,6 +65,9 @@ class Sequence:
         #: step), and their draft distributions [len, vocab] (None: point masses)
         self.spec_tokens: list[int] = []
         self.spec_probs = None
+        #: async speculative steps: drafts of the step in flight whose outcome the host does not know
+        #: yet (its placeholders count them as accepted); not readmitted after a preemption until known
+        self.pending_drafts = 0
 
     @property
     def block_table(self) -> list[int]:
@@ -94,6 +97,7 @@ class Sequence:
             del self.token_ids[-self.num_pending_tokens :]
         self.num_pending_tokens = 0
         self.last_token_pending = False
+        self.pending_drafts = 0
 
     @property
     def is_finished(self) -> bool:

@@ -7,7 +7,12 @@
                    rejection sampling (``engine.rejection``), ``append_tokens`` and a roll-back of
                    the rejected tokens (KV slots past the kept tokens, block registration)
 
-Steps run synchronously while speculation is on: the verify result decides the next step's input.
+Without async scheduling, or with a proposer that proposes on the host only, speculative steps run
+synchronously: the verify result decides the next step's input. With async scheduling and a proposer
+that proposes on the device (``Proposer.proposes_on_device``) they overlap like plain steps:
+``engine/spec_async.py`` keeps the accepted counts, positions and slots on the device and the host
+learns the kept tokens one step later; a step with a request that needs its tokens on the host
+(penalties, grammar masks) runs here, synchronously.
 Hook order is the engine's: ``tokens_sampled`` for every kept token, then ``request_finished``.
 """
 
@@ -25,6 +30,7 @@ from deepinfer_core.engine.model_runner import StepBatch
 from deepinfer_core.engine.rejection import SamplingRows, filtered_probs, verify
 from deepinfer_core.engine.sampler import has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
+from deepinfer_core.engine.spec_async import AsyncSpec
 from deepinfer_core.proposer import GROUP, MAX_K, Draft, Proposer
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -66,6 +72,11 @@ class SpecDecoder:
                       spec_proposer_errors=0)
         self._active = True
         self._pending_drafts = False  # the last speculative step proposed drafts
+        #: async speculative steps (drafts proposed and verified on the device), or None: synchronous ones.
+        #: Not with window cache groups: their blocks are freed from the (optimistic) computed count.
+        windows = any(g.window is not None for g in engine.cache_layout.groups)
+        self.on_device = (AsyncSpec(engine, self) if proposer.proposes_on_device and engine.async_scheduling
+                          and not windows else None)
 
     def active(self) -> bool:
         """Whether the coming step is speculative (synchronous, verified, proposals after it). With
@@ -252,7 +263,7 @@ class SpecDecoder:
             drafts = self.proposer.propose(eng, ready, room, batch)
         except Exception as exc:  # noqa: BLE001  (a proposer's bug costs its drafts, not the requests)
             drafts = None
-            self._broken(f"propose() raised {type(exc).__name__}: {exc}", exc)
+            self.broken(f"propose() raised {type(exc).__name__}: {exc}", exc)
         self._check(ready, room, drafts)
         if self.proposer.writes_draft_kv:  # give back the reserved slots no kept draft uses
             for seq in ready:
@@ -287,7 +298,7 @@ class SpecDecoder:
         if drafts is None:
             return
         if not isinstance(drafts, list) or len(drafts) != len(ready):
-            return self._broken(f"propose() must return a list of {len(ready)} drafts (one Draft or None per "
+            return self.broken(f"propose() must return a list of {len(ready)} drafts (one Draft or None per "
                                 f"request), got {type(drafts).__name__}")
         V = self.engine.model_config.vocab_size
         for seq, m, d in zip(ready, room, drafts):
@@ -295,18 +306,18 @@ class SpecDecoder:
                 continue
             if not isinstance(d, Draft) or len(d.tokens) > m or not all(
                     isinstance(t, int) and 0 <= t < V for t in d.tokens):
-                self._broken(f"request {seq.request_id} got an invalid draft {d!r}; expected a Draft of at most "
+                self.broken(f"request {seq.request_id} got an invalid draft {d!r}; expected a Draft of at most "
                              f"{m} token ids in [0, {V})")
                 continue
             if d.probs is not None and tuple(d.probs.shape) != (len(d.tokens), V):
-                self._broken(f"request {seq.request_id}: draft probs of shape {tuple(d.probs.shape)}, expected "
+                self.broken(f"request {seq.request_id}: draft probs of shape {tuple(d.probs.shape)}, expected "
                              f"{(len(d.tokens), V)}")
                 continue
             seq.spec_tokens, seq.spec_probs = list(d.tokens), d.probs
             self.n["spec_proposed"] += len(d.tokens)
             self._pending_drafts = True
 
-    def _broken(self, what: str, exc: Exception | None = None) -> None:
+    def broken(self, what: str, exc: Exception | None = None) -> None:
         """A proposer broke its contract: the drafts concerned are dropped for this step (those
         requests decode one token, as without speculation), logged with the proposer named and
         counted (``spec_proposer_errors``)."""
@@ -316,6 +327,8 @@ class SpecDecoder:
 
     def metrics(self) -> dict:
         n = self.n
+        if self.on_device is not None:
+            n = {**n, **self.on_device.n}
         return {**n, "spec_proposer": self.proposer.name or self.name, "spec_k": self.k,
                 "spec_accept_rate": n["spec_accepted"] / n["spec_verified"] if n["spec_verified"] else 0.0,
                 "spec_accepted_per_step": n["spec_accepted"] / n["spec_steps"] if n["spec_steps"] else 0.0}

@@ -272,7 +272,8 @@ class ParallelEngine(RankProcesses):
         per_rank = self._roundtrip([("metrics",)] * self.world_size, float(self.cfg.worker_timeout_s))
         out = dict(per_rank[0])
         for key in ("prefill_tokens", "decode_tokens", "preemptions", "kv_blocks_free", "kv_blocks_total",
-                    "dummy_steps", "spec_steps", "spec_verified", "spec_accepted", "spec_proposed"):
+                    "dummy_steps", "spec_steps", "spec_verified", "spec_accepted", "spec_proposed",
+                    "spec_verify_budget", "spec_draft_slots"):
             if key in out:
                 out[key] = sum(m.get(key, 0) for m in per_rank)
         for key in {k for m in per_rank for k in m}:  # KV hand-off counters and seconds (handoff.py), drain
