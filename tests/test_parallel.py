@@ -242,8 +242,11 @@ DRIVER = textwrap.dedent("""
 def test_no_orphans_when_the_driver_is_interrupted_or_killed(ckpt, tmp_path, how):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
+    # Ctrl-C as from a terminal: a runner started in the background (no job control) ignores SIGINT and
+    # its children inherit that, so restore the default disposition in the driver
     proc = subprocess.Popen([sys.executable, str(script), ckpt], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), line + proc.stderr.read()

@@ -306,7 +306,7 @@ def test_kernels_fall_back_to_the_reference_and_log_it(caplog):
     spec = ["draft_lengths"]  # speculative draft lengths: the torch reference on the device
     fused = ["linear_f32", "mla_kv_write"]  # decode-fusion compositions: the reference (planes unfused)
     kv8 = ["latent_kv_dequant"]  # FP8 latent KV rows: the platform does not list kv_cache_dtype "fp8"
-    expected = ["linear", "head_linear", *fused, *kv8, *fp8, *v4, "apply_penalties", *mxfp8, *spec, "logsumexp"]
+    expected = ["linear", "head_linear", *kv8, *fused, *fp8, *v4, "apply_penalties", *mxfp8, *spec, "logsumexp"]
     assert k.fallbacks == expected
     assert [r.getMessage() for r in caplog.records] == [
         f"kernel backend 'ascend' has no {', '.join(expected)}; using the reference ops"
