@@ -8,8 +8,9 @@ them per 128x128 tile (what ``random_checkpoint.py --fp8`` writes; ``weight_dtyp
 writes each weight back as its dequantised FP8 tiles (``quantize_model_fp8(round_trip=True)``, what
 ``weight_dtype = "bf16"`` loads from that checkpoint), so the two differ only in the GEMMs: block-scaled
 FP8 with activations quantised per token and 128 channels, against bf16 cuBLAS. Greedy agreement: the
-tokens of ``--prompts`` prompts up to their first difference. Decode tok/s come from ``h200_suite``'s
-steady-state sweep (prefill all, then ``window`` timed steps per batch).
+tokens of ``--prompts`` prompts up to their first difference; random weights give flat logits, so the telling
+figure is the teacher-forced top-1 agreement (both engines score the FP8 engine's tokens) by the bf16 margin.
+Decode tok/s come from ``h200_suite``'s steady-state sweep (prefill all, then ``window`` timed steps per batch).
 """
 
 import argparse
@@ -26,7 +27,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def run_engine(mode: str, model_dir: Path, args, prompts: list[list[int]]) -> dict:
+def score(llm, prompts: list[list[int]], forced: list[list[int]]) -> list[list[list]]:
+    """Teacher-forced top-2 of every continuation position: ``[token, logprob]`` pairs per position, the
+    continuation being ``forced`` (the FP8 engine's greedy tokens) so both engines see identical prefixes."""
+    from deepinfer_core import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p + f} for p, f in zip(prompts, forced)], sp, use_tqdm=False)
+    rows = []
+    for p, o in zip(prompts, outs):
+        pos = o.prompt_logprobs[len(p):]  # entry i: the distribution that predicted token len(p) + i
+        rows.append([sorted(([t, lp.logprob] for t, lp in d.items() if lp.rank in (1, 2)), key=lambda r: -r[1])
+                     for d in pos])
+    return rows
+
+
+def agreement(a: list[list[list]], b: list[list[list]]) -> dict:
+    """Top-1 agreement of two engines on the same teacher-forced positions, by the bf16 engine's top-1 margin
+    (random weights give flat logits: near-ties flip under any rounding, clear choices must not)."""
+    out = {}
+    for floor in (0.0, 0.05, 0.2, 0.5):
+        n = same = 0
+        for pa, pb in zip(a, b):
+            for ra, rb in zip(pa, pb):
+                if len(rb) < 2 or rb[0][1] - rb[1][1] < floor:
+                    continue
+                n += 1
+                same += ra[0][0] == rb[0][0]
+        out[f"margin>={floor}"] = f"{same}/{n}"
+    drift = [abs(ra[0][1] - rb[0][1]) for pa, pb in zip(a, b) for ra, rb in zip(pa, pb) if ra[0][0] == rb[0][0]]
+    out["top1_logprob_drift_mean"] = sum(drift) / max(len(drift), 1)
+    return out
+
+
+def run_engine(mode: str, model_dir: Path, args, prompts: list[list[int]],
+               forced: list[list[int]] | None = None) -> dict:
     from gpu_timing import measure_ceilings
     from h200_suite import FULL, ExpertCounter, build_llm, decode_sweep
 
@@ -50,6 +85,7 @@ def run_engine(mode: str, model_dir: Path, args, prompts: list[list[int]]) -> di
     sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+    res["scored"] = score(llm, prompts, forced or res["greedy"])  # the first engine: its own tokens
     mc = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     ceil = measure_ceilings(str(llm.engine.device)) if args.repeats else {}
     res["decode"] = []
@@ -87,8 +123,10 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(2, cfg["vocab_size"]) for _ in range(64)] for _ in range(args.prompts)]
     result = {"layers": args.layers, "args": vars(args)}
+    forced = None
     for mode in ("fp8", "bf16_dequantised"):
-        result[mode] = run_engine(mode, model_dir, args, prompts)
+        result[mode] = run_engine(mode, model_dir, args, prompts, forced)
+        forced = forced or result[mode]["greedy"]
         (out / "fp8_slice.json").write_text(json.dumps(result, indent=1))
     a, b = result["fp8"]["greedy"], result["bf16_dequantised"]["greedy"]
     prefix = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
@@ -96,6 +134,7 @@ def main() -> None:
     result["greedy_agreement"] = {"equal_prefix_per_prompt": prefix, "tokens_equal": f"{same}/{sum(map(len, a))}",
                                   "first_token_equal": f"{sum(p > 0 for p in prefix)}/{len(a)}",
                                   "prompts_identical": f"{sum(p == q for p, q in zip(a, b))}/{len(a)}"}
+    result["teacher_forced_top1"] = agreement(result["fp8"]["scored"], result["bf16_dequantised"]["scored"])
     result["weight_memory_ratio_fp8_over_bf16"] = result["fp8"]["weight_bytes"] / result["bf16_dequantised"][
         "weight_bytes"]
     (out / "fp8_slice.json").write_text(json.dumps(result, indent=1))

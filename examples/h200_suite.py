@@ -124,6 +124,11 @@ def kv_bytes_per_token(engine) -> float:
     return sum(g.bytes_per_token(engine.dtype) for g in engine.cache_layout.groups)
 
 
+def fp8_weights(engine) -> bool:
+    """Whether the engine holds e4m3 GEMM weights (the FP8 roofline applies)."""
+    return any(t.dtype == torch.float8_e4m3fn for t in engine.model.parameters())
+
+
 def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
 
@@ -205,7 +210,7 @@ def decode_sweep(llm: LLM, mc: ModelConfig, batches: list[int], context: int, wa
                "experts_hit": hits if isinstance(hits, float) else sum(hits) / max(1, len(hits)),
                "experts_source": source,
                **decode_roofline(mc, B, mean_ctx, tok_s, ceil["read_GBps"], hits, wbytes=engine.dtype.itemsize,
-                                 kv_bytes_per_token=kv_bytes_per_token(engine))}
+                                 kv_bytes_per_token=kv_bytes_per_token(engine), fp8_matrices=fp8_weights(engine))}
         if idle0 and idle1:  # the window's own device idle time between steps (measure_device_idle)
             d_idle = idle1["device_idle_ms"] - idle0["device_idle_ms"]
             d_busy = idle1["device_busy_ms"] - idle0["device_busy_ms"]
@@ -364,8 +369,8 @@ def run(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-decode-fusion", action="store_true",
                     help="the engine's unfused decode ops (config decode_fusion = false), for a before/after")
     ap.add_argument("--weight-dtype", default=None, choices=["bf16", "fp8"],
-                    help="fp8: the random weights quantised per 128x128 tile, run by the fp8_* ops (the "
-                         "rooflines still count 2-byte weights)")
+                    help="fp8: the random weights quantised per 128x128 tile, run by the fp8_* ops (the decode "
+                         "roofline counts their e4m3 bytes and tile scales)")
     args = ap.parse_args(argv)
     opts = {k: (getattr(args, k) if getattr(args, k) is not None else d)
             for k, d in (FULL if args.scale == "full" else SMALL).items()}

@@ -15,7 +15,10 @@ Decode (memory-bound): the bytes one step must read at ``batch`` sequences of ``
                       x w x layers; the engine's declared cache spec gives it otherwise (``kv_bytes_per_token``:
                       656 x layers for the FP8 latent rows of kv_cache_dtype "fp8")
 
-(w: bytes per weight; activations are ignored). The bound is bytes / (measured read bandwidth), so
+(w: bytes per weight; activations are ignored). With FP8 weights (``fp8_matrices``) the GEMM matrices that an
+FP8 checkpoint stores as e4m3 (q / q_a / q_b, kv_a, o, the experts, the dense MLPs) count 1 byte plus a float32
+scale per 128x128 tile; kv_b (dequantised at load for the absorbed decode), norms, router, head and
+embedding keep w. The bound is bytes / (measured read bandwidth), so
 the roofline tokens/s is batch / bound and the fraction is measured tok/s over it. With uniform random
 routing the expected number of distinct experts hit by ``batch`` tokens is E (1 - (1 - k/E)^batch);
 the benchmark uses the router's own count where it can observe it.
@@ -41,8 +44,11 @@ def expected_distinct_experts(n_experts: int, top_k: int, tokens: int) -> float:
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
 
 
-def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
-    """(matmul parameters, norm parameters) of one layer's attention."""
+FP8_WBYTES = 1 + 4 / (128 * 128)  # e4m3 weight + its share of the tile's float32 scale
+
+
+def _attention_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(matmul parameters, norm parameters, kv_b's parameters among the matmul ones) of one layer's attention."""
     C, H, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     if cfg.q_lora_rank is None:
         q, q_norm = H * cfg.qk_head_dim * C, 0
@@ -51,7 +57,7 @@ def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
     kv_a = (L + R) * C
     kv_b = H * (cfg.qk_nope_head_dim + cfg.v_head_dim) * L
     o = C * H * cfg.v_head_dim
-    return q + kv_a + kv_b + o, q_norm + L
+    return q + kv_a + kv_b + o, q_norm + L, kv_b
 
 
 def _layers(cfg: ModelConfig) -> tuple[int, int]:
@@ -60,24 +66,27 @@ def _layers(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: float, experts_hit: float | list[float],
-                      wbytes: int = 2, kv_bytes_per_token: float | None = None) -> dict[str, float]:
+                      wbytes: int = 2, kv_bytes_per_token: float | None = None,
+                      fp8_matrices: bool = False) -> dict[str, float]:
     """Bytes one decode step must read, by component (module docstring); ``experts_hit``: distinct
     routed experts per MoE layer in one step (one number for all layers, or one per MoE layer);
-    ``kv_bytes_per_token``: cached bytes per token over all layers (``KVCacheSpec.bytes_per_token``)."""
+    ``kv_bytes_per_token``: cached bytes per token over all layers (``KVCacheSpec.bytes_per_token``);
+    ``fp8_matrices``: the GEMM weights are e4m3 with 128x128 scales (the FP8 roofline)."""
     C, I = cfg.hidden_size, cfg.moe_intermediate_size
     n_moe, n_dense = _layers(cfg)
     hits = [experts_hit] * n_moe if isinstance(experts_hit, (int, float)) else list(experts_hit)
     if len(hits) != n_moe:
         raise ValueError(f"experts_hit has {len(hits)} entries, the model has {n_moe} MoE layers")
-    attn, attn_norm = _attention_params(cfg)
+    attn, attn_norm, kv_b = _attention_params(cfg)
+    mb = FP8_WBYTES if fp8_matrices else wbytes
     E = cfg.n_routed_experts or 0
     router = E * C * 4 + (E * 4 if cfg.topk_method == "noaux_tc" else 0)
     out = {
-        "routed_experts": sum(hits) * 3 * C * I * wbytes,
-        "shared_experts": n_moe * cfg.n_shared_experts * 3 * C * I * wbytes,
+        "routed_experts": sum(hits) * 3 * C * I * mb,
+        "shared_experts": n_moe * cfg.n_shared_experts * 3 * C * I * mb,
         "router": n_moe * router,
-        "dense_mlp": n_dense * 3 * C * cfg.intermediate_size * wbytes,
-        "attention": cfg.num_hidden_layers * (attn + attn_norm) * wbytes,
+        "dense_mlp": n_dense * 3 * C * cfg.intermediate_size * mb,
+        "attention": cfg.num_hidden_layers * ((attn - kv_b) * mb + (kv_b + attn_norm) * wbytes),
         "norms": (cfg.num_hidden_layers * 2 * C + C) * wbytes,
         "lm_head": cfg.vocab_size * C * wbytes,
         "embedding": batch * C * wbytes,
@@ -92,7 +101,7 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int, num_prompts: int = 1) -> di
     """FLOPs of prefilling ``num_prompts`` prompts of ``prompt_len`` tokens, by component (module docstring)."""
     C, S = cfg.hidden_size, prompt_len
     n_moe, n_dense = _layers(cfg)
-    attn, _ = _attention_params(cfg)
+    attn = _attention_params(cfg)[0]
     E = cfg.n_routed_experts or 0
     per_token = (cfg.num_hidden_layers * attn + n_dense * 3 * C * cfg.intermediate_size
                  + n_moe * (E * C + (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * C
@@ -109,9 +118,9 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int, num_prompts: int = 1) -> di
 
 def decode_roofline(cfg: ModelConfig, batch: int, context: float, tok_s: float, read_GBps: float,
                     experts_hit: float | list[float], wbytes: int = 2,
-                    kv_bytes_per_token: float | None = None) -> dict[str, float]:
+                    kv_bytes_per_token: float | None = None, fp8_matrices: bool = False) -> dict[str, float]:
     """Measured decode tok/s against its bandwidth roofline: bytes per step / measured read bandwidth."""
-    step = decode_step_bytes(cfg, batch, context, experts_hit, wbytes, kv_bytes_per_token)
+    step = decode_step_bytes(cfg, batch, context, experts_hit, wbytes, kv_bytes_per_token, fp8_matrices)
     bound_s = step["total"] / (read_GBps * 1e9)
     roof = batch / bound_s
     return {"bytes_per_step": step["total"], "roofline_tok_s": roof, "fraction": tok_s / roof,

@@ -40,6 +40,14 @@ def test_roofline_hand_computed():
     b8 = decode_step_bytes(cfg, batch=2, context=3, experts_hit=3, wbytes=2, kv_bytes_per_token=2 * 5)
     assert b8["kv_cache"] == 2 * 3 * 10 and b8["total"] == 1184 - 144 + 60
     assert r["roofline_tok_s"] == pytest.approx(2.0) and r["fraction"] == pytest.approx(0.5)
+    # FP8 weights: the GEMM matrices (experts, dense MLP, q, kv_a, o) count 1 byte + a float32 scale per
+    # 128x128 tile; kv_b (32 per layer), norms, router, head, embedding and the cache keep their bytes
+    f = decode_step_bytes(cfg, batch=2, context=3, experts_hit=3, wbytes=2, fp8_matrices=True)
+    w8 = 1 + 4 / 128**2
+    assert f["routed_experts"] == pytest.approx(108 * w8) and f["dense_mlp"] == pytest.approx(60 * w8)
+    assert f["attention"] == pytest.approx(2 * ((108 - 4 - 32) * w8 + (32 + 4) * 2))
+    assert {k: f[k] for k in ("router", "norms", "lm_head", "embedding", "kv_cache")} == {
+        k: b[k] for k in ("router", "norms", "lm_head", "embedding", "kv_cache")}
     # prefill of one 3-token prompt: per token 2*104 (attention) + 60 (dense) + 16 (router) + 3*36 (experts)
     # = 392 params -> 2*392*3 = 2352; attention 2 layers * 2 * (2 heads * 6) * 6 pairs = 288; LM head 2*10*4 = 80
     p = prefill_roofline(cfg, 3, 1, tok_s=1.5, matmul_TFLOPs=2720e-12)
