@@ -19,8 +19,9 @@ from deepinfer_core import plugins
 from deepinfer_core.config import ConfigError
 from deepinfer_core.kv_store import KVLayout
 from deepinfer_core.testing import check_kv_store
+from deepinfer_core.units import parse_duration, parse_size
 from plugins.kv_3fs import record
-from plugins.kv_3fs.store import ThreeFSStore, parse_duration, parse_size
+from plugins.kv_3fs.store import ThreeFSStore
 
 LAYOUT = KVLayout("feedfacecafebeef", 2, 4, 24, torch.float32)
 OTHER = KVLayout("0123456789abcdef", 2, 4, 24, torch.float32)

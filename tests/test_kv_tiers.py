@@ -284,7 +284,7 @@ def test_store_fills_up_mid_run(tiny_v3_path, reference, tmp_path, monkeypatch):
     with tiny_file_system(store) as real:
         if not real:  # no tmpfs mount allowed here: fail writes after the first few instead
             calls = {"n": 0}
-            original = store_mod._write_all
+            original = store_mod.write_all
 
             def enospc(fd, buffers):
                 calls["n"] += 1
@@ -292,7 +292,7 @@ def test_store_fills_up_mid_run(tiny_v3_path, reference, tmp_path, monkeypatch):
                     raise OSError(28, "No space left on device")
                 original(fd, buffers)
 
-            monkeypatch.setattr(store_mod, "_write_all", enospc)
+            monkeypatch.setattr(store_mod, "write_all", enospc)
         a = make_llm(tiny_v3_path, store)
         prompts = [prompt(30 + i, 41) for i in range(6)]
         out = run(a, prompts)

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from deepinfer_core.engine.transfer import can_pin_memory
 from deepinfer_core.kv_store import KVStore, KVStoreStats
 
 logger = logging.getLogger("deepinfer.kv_store.host")
@@ -64,7 +65,9 @@ class HostMemoryStore(KVStore):
         if (block_shape is None) != (dtype is None):
             raise ValueError("HostMemoryStore: give both block_shape and dtype, or neither")
         self.capacity_bytes = capacity_bytes
-        self.pinned = bool(pin_memory) and self._can_pin()
+        self.pinned = bool(pin_memory) and can_pin_memory()
+        if pin_memory and not self.pinned:
+            logger.warning("HostMemoryStore: pinned memory is not available here; using pageable memory")
         self.block_shape = tuple(int(d) for d in block_shape) if block_shape is not None else None
         self.dtype = dtype
         self._bb = math.prod(self.block_shape) * dtype.itemsize if dtype is not None else 0  # pooled block bytes
@@ -75,16 +78,6 @@ class HostMemoryStore(KVStore):
         self._allocated = 0
         self._lock = threading.Lock()
         self._stats = KVStoreStats()
-
-    @staticmethod
-    def _can_pin() -> bool:
-        try:
-            torch.empty(1, pin_memory=True)
-            return True
-        except RuntimeError as exc:
-            logger.warning("HostMemoryStore: pinned memory is not available here (%s); using pageable memory",
-                           exc)
-            return False
 
     # ---- KVStore ------------------------------------------------------------------------
     def contains(self, key: int) -> bool:

@@ -34,7 +34,6 @@ import inspect
 import logging
 import math
 import queue
-import re
 import threading
 import time
 import weakref
@@ -51,6 +50,7 @@ from deepinfer_core.engine.hashing import chain
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.kv_cache_spec import cache_planes
 from deepinfer_core.kv_store import KVLayout, KVStore, KVStoreStats
+from deepinfer_core.units import parse_size
 
 logger = logging.getLogger("deepinfer.kv_tiers")
 
@@ -60,19 +60,6 @@ TIER_KEYS = {
     "backend": None, "host_capacity_bytes": "2GiB", "offload_on_finish": False, "max_pending_writes": 4096,
     "fetch_threads": 2, "flush_timeout": 30.0, "fetch_buffer_bytes": "64MiB",
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(value, what: str) -> int:
-    """Bytes from an int or a string like "4GiB" (1024-based), "500MB" (1000-based)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    m = _SIZE.match(value) if isinstance(value, str) else None
-    if m is None or (m.group(3) and not m.group(2)):
-        raise ConfigError(f"[kv_store] {what}: expected bytes (int >= 0) or a size like '4GiB', "
-                          f"got {value!r}")
-    power = " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * (1000 if m.group(4) and not m.group(3) else 1024) ** power)
 
 
 class _BoundedSet:

@@ -15,6 +15,15 @@ from typing import Any
 import torch
 
 
+def can_pin_memory() -> bool:
+    """Whether this process can allocate page-locked host memory (a CUDA/NPU runtime is present)."""
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError:
+        return False
+
+
 def to_device(data: Sequence, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
     """``data`` (a list, possibly nested) as a tensor on ``device``, without synchronising."""
     if device.type == "cpu":

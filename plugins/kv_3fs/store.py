@@ -33,11 +33,9 @@ is logged once and counted (``stats().extra["symlinks_refused"]``).
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
-import re
 import secrets
 import stat
 import struct
@@ -45,75 +43,24 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from deepinfer_core.config import ConfigError
+from deepinfer_core.engine.transfer import can_pin_memory
 from deepinfer_core.kv_store import KVLayout, KVStore, KVStoreStats
-from plugins.kv_3fs import record
+from deepinfer_core.units import parse_duration, parse_size
+from plugins.kv_3fs import index, record
 from plugins.kv_3fs.confined import ConfinedDir
+from plugins.kv_3fs.fileio import errname, miss_reason, pread_full, write_all
+from plugins.kv_3fs.index import SUFFIX, Entry
 from plugins.kv_3fs.record import HEADER_SIZE, RecordError
 
 logger = logging.getLogger("deepinfer.kv_store.3fs")
 
 DEFAULT_TTL = {"agent": "3d", "chatbot": "7d"}
-SUFFIX = ".kvb"
-INDEX_NAME = "index.v1"
-_INDEX_MAGIC = b"DIKVIDX\x00"
 _TAIL = struct.Struct("<dd16sQ")  # created, ttl_seconds, ttl_class, checksum at offset 80 of a header
-_INDEX_HEAD = struct.Struct("<8sIQdI")  # magic, version, count, saved at, CRC32 of the body
-_INDEX_DTYPE = np.dtype([("key", "<u8"), ("size", "<u8"), ("created", "<f8"), ("atime", "<f8"),
-                         ("ttl", "<f8")])
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_duration(value, what: str) -> float:
-    """Seconds from 3600, 3600.0, "3600s", "30m", "72h", "3d" or "1w"; ConfigError otherwise."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    else:
-        raise ConfigError(f"[kv_store] {what}: cannot parse the duration {value!r}; "
-                          "use seconds or a string like '3600s', '30m', '72h', '3d', '1w'")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"[kv_store] {what} must be a finite duration >= 0, got {value!r}")
-    return seconds
-
-
-def parse_size(value, what: str) -> int:
-    """Bytes from an int or a string like "512MiB", "64GB", "1.5GiB"; ConfigError otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ConfigError(f"[kv_store] {what} must be >= 0, got {value}")
-        return value
-    if isinstance(value, str) and (m := _SIZE.match(value)):
-        number, prefix, binary, b = m.groups()
-        power = " kmgt".index(prefix.lower() or " ")
-        # KiB/MiB/K/M are powers of 1024, KB/MB powers of 1000, B or nothing bytes
-        base = 1000 if b and not binary else 1024
-        if binary and not power:
-            raise ConfigError(f"[kv_store] {what}: cannot parse the size {value!r}")
-        return int(float(number) * base**power)
-    raise ConfigError(f"[kv_store] {what}: cannot parse the size {value!r}; "
-                      "use bytes or e.g. '512MiB', '64GiB'")
-
-
-@dataclass
-class _Entry:
-    size: int  # file bytes, header included
-    created: float
-    atime: float  # last access (unix time)
-    ttl: float  # seconds after the last access; 0 = no expiry
-    touched: float = 0.0  # when the file's mtime was last set to a last access
-
-    def expired(self, now: float) -> bool:
-        return self.ttl > 0 and now - self.atime > self.ttl
 
 
 def _longer(a: float, b: float) -> float:
@@ -182,7 +129,7 @@ class ThreeFSStore(KVStore):
         if not isinstance(fsync, bool):
             raise ConfigError(f"[kv_store] fsync must be true or false, got {fsync!r}")
         self.fsync = fsync
-        self.pin_memory = bool(pin_memory) and _can_pin()
+        self.pin_memory = bool(pin_memory) and can_pin_memory()
 
         raw_path = _default_path() if path is None else path
         if not isinstance(raw_path, (str, os.PathLike)) or not str(raw_path):
@@ -209,7 +156,7 @@ class ThreeFSStore(KVStore):
 
         self._lock = threading.Lock()
         self._gc_lock = threading.Lock()
-        self._index: dict[int, _Entry] = {}
+        self._index: dict[int, Entry] = {}
         self._usage = 0
         self._absent: dict[int, float] = {}
         self._stats = KVStoreStats()
@@ -319,7 +266,7 @@ class ThreeFSStore(KVStore):
                     self._absent.clear()
                 self._absent[key] = now
             return False
-        entry = _Entry(st.st_size, st.st_mtime, st.st_mtime, self.ttl[self.default_class], st.st_mtime)
+        entry = Entry(st.st_size, st.st_mtime, st.st_mtime, self.ttl[self.default_class], st.st_mtime)
         if st.st_size < HEADER_SIZE or entry.expired(now):
             return False
         with self._lock:
@@ -362,7 +309,7 @@ class ThreeFSStore(KVStore):
         with self._lock:
             old = self._index.get(key)
             self._usage += size - (old.size if old else 0)
-            self._index[key] = _Entry(size, now, now, ttl, now)
+            self._index[key] = Entry(size, now, now, ttl, now)
             self._absent.pop(key, None)
             self._stats.puts += 1
             self._stats.write_bytes += size
@@ -453,7 +400,7 @@ class ThreeFSStore(KVStore):
             try:
                 fd = self._dir.open(*self._loc(key))
             except OSError as exc:
-                self._miss(key, path, _miss_reason(exc), exc)
+                self._miss(key, path, miss_reason(exc), exc)
                 continue
             try:
                 n = os.preadv(fd, [hmv, views[i], emv], 0)
@@ -492,7 +439,7 @@ class ThreeFSStore(KVStore):
                     ttl = _longer(ttl, cls_ttl)
                 e = self._index.get(key)
                 if e is None:
-                    self._index[key] = e = _Entry(fsize, created, now, ttl, now)
+                    self._index[key] = e = Entry(fsize, created, now, ttl, now)
                     self._usage += fsize
                 e.atime, e.ttl = now, _longer(e.ttl, ttl)
                 if now - e.touched > self.touch_interval:
@@ -603,7 +550,7 @@ class ThreeFSStore(KVStore):
                 return False
             fd = self._dir.open(shard, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
-                _write_all(fd, [header, payload])
+                write_all(fd, [header, payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -612,7 +559,7 @@ class ThreeFSStore(KVStore):
             return True
         except OSError as exc:
             self._dir.unlink(shard, tmp)
-            self._count_write_failure(_errname(exc), exc)
+            self._count_write_failure(errname(exc), exc)
             return False
 
     def _count_write_failure(self, reason: str, exc: BaseException | None = None) -> None:
@@ -659,7 +606,7 @@ class ThreeFSStore(KVStore):
         with self._lock:
             e = self._index.get(key)
             if e is None:
-                self._index[key] = e = _Entry(hdr.file_size, hdr.created, now, ttl)
+                self._index[key] = e = Entry(hdr.file_size, hdr.created, now, ttl)
                 self._usage += hdr.file_size
             e.atime, e.ttl = now, _longer(e.ttl, ttl)
             touch = now - e.touched > self.touch_interval
@@ -696,13 +643,13 @@ class ThreeFSStore(KVStore):
         try:
             fd = self._dir.open(*self._loc(key))
         except OSError as exc:
-            self._miss(key, path, _miss_reason(exc), exc)
+            self._miss(key, path, miss_reason(exc), exc)
             return None
         try:
             if self.layout is not None:  # the record's size is known: one read for header and payload
                 block = self._dest(self.layout.block_shape, self.layout.dtype, out)
                 head, view, extra = bytearray(HEADER_SIZE), record.payload_view(block), bytearray(1)
-                n = _pread_full(fd, [memoryview(head), view, memoryview(extra)], 0)
+                n = pread_full(fd, [memoryview(head), view, memoryview(extra)], 0)
                 hdr = record.unpack_header(head)
                 self._check(hdr, key, n if n <= hdr.file_size else None)
                 if n > hdr.file_size:
@@ -713,7 +660,7 @@ class ThreeFSStore(KVStore):
                 self._check(hdr, key, size)
                 block = self._dest(hdr.shape, hdr.dtype, out)
                 view = record.payload_view(block)
-                if _pread_full(fd, [view], HEADER_SIZE) != hdr.payload_len:
+                if pread_full(fd, [view], HEADER_SIZE) != hdr.payload_len:
                     raise RecordError("truncated", "file ended early")
             if record.checksum(hdr.checksum_algo, view) != hdr.checksum:
                 raise RecordError("corrupt", "payload checksum mismatch")
@@ -772,33 +719,29 @@ class ThreeFSStore(KVStore):
     # ---- the index ----------------------------------------------------------------------
     def save_index(self) -> bool:
         """Write the index snapshot (atomically); False when it cannot be written."""
-        with self._lock:
-            arr = np.empty(len(self._index), dtype=_INDEX_DTYPE)
-            for i, (k, e) in enumerate(self._index.items()):
-                arr[i] = (k, e.size, e.created, e.atime, e.ttl)
-        body = arr.tobytes()
         now = time.time()
-        head = _INDEX_HEAD.pack(_INDEX_MAGIC, 1, len(arr), now, zlib.crc32(body) & 0xFFFFFFFF)
+        with self._lock:
+            snapshot = index.encode(self._index, now)
         if self._dir.dir_fd() is None:
             return False
-        tmp = f"{INDEX_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        tmp = f"{index.FILE_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             fd = self._dir.open("", tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
-                _write_all(fd, [head, body])
+                write_all(fd, snapshot)
             finally:
                 os.close(fd)
-            self._dir.replace("", tmp, INDEX_NAME)  # over a link: replaces the link itself
+            self._dir.replace("", tmp, index.FILE_NAME)  # over a link: replaces the link itself
         except OSError as exc:
             self._dir.unlink("", tmp)
-            self._count_write_failure("index_" + _errname(exc), exc)
+            self._count_write_failure("index_" + errname(exc), exc)
             return False
         self._last_index_save = now
         return True
 
-    def _read_snapshot(self) -> tuple[dict[int, _Entry], float] | None:
+    def _read_snapshot(self) -> tuple[dict[int, Entry], float] | None:
         try:
-            fd = self._dir.open("", INDEX_NAME)
+            fd = self._dir.open("", index.FILE_NAME)
         except OSError:  # absent, or a link (refused)
             return None
         try:
@@ -806,150 +749,20 @@ class ThreeFSStore(KVStore):
                 raw = f.read()
         except OSError:
             return None
-        if len(raw) < _INDEX_HEAD.size:
-            return None
-        magic, version, count, saved, crc = _INDEX_HEAD.unpack_from(raw)
-        body = raw[_INDEX_HEAD.size :]
-        if (magic != _INDEX_MAGIC or version != 1 or len(body) != count * _INDEX_DTYPE.itemsize
-                or zlib.crc32(body) & 0xFFFFFFFF != crc):
+        snap = index.decode(raw)
+        if snap is None:
             logger.warning("KV store: index snapshot in %s is unusable; rescanning the directory", self.root)
-            return None
-        arr = np.frombuffer(body, dtype=_INDEX_DTYPE)
-        entries = {int(k): _Entry(int(size), float(created), float(atime), float(ttl), float(atime))
-                   for k, size, created, atime, ttl in arr.tolist()}
-        return entries, saved
+        return snap
 
     def _load_index(self) -> None:
         t0 = time.perf_counter()
         snap = self._read_snapshot()
-        entries, saved = snap if snap is not None else ({}, None)
-        by_shard: dict[str, list[int]] = {}
-        for key in entries:
-            by_shard.setdefault(f"{key:016x}"[:2], []).append(key)
-        shards = []
-        for d in self._dir.scandir():
-            if len(d.name) != 2:
-                continue
-            if d.is_symlink():
-                self._dir.refuse(d.name, "shard directory")
-            elif d.is_dir(follow_symlinks=False) and self._dir.dir_fd(d.name) is not None:
-                shards.append(d)
-        scanned = 0
-        for d in shards:
-            try:
-                changed = saved is None or d.stat(follow_symlinks=False).st_mtime >= saved - 2.0
-            except OSError:
-                continue
-            if changed:
-                scanned += 1
-                self._rescan(d.name, entries, by_shard.get(d.name, []))
-        on_disk = {d.name for d in shards}
-        for name, keys in by_shard.items():
-            if name not in on_disk:
-                for key in keys:
-                    entries.pop(key, None)
+        entries, scanned = index.rebuild(self._dir, self.root, snap, self._check, self._corrupt)
         with self._lock:
             self._index = entries
             self._usage = sum(e.size for e in entries.values())
         removed = self.gc()
         logger.info("KV store %s: %d blocks, %.1f MiB (snapshot %s, %d shard dirs scanned, %d expired) "
                     "in %.2fs",
-                    self.root, len(self._index), self._usage / 2**20, "used" if saved else "absent", scanned,
+                    self.root, len(self._index), self._usage / 2**20, "used" if snap else "absent", scanned,
                     removed, time.perf_counter() - t0)
-
-    def _rescan(self, shard: str, entries: dict[int, _Entry], known: list[int]) -> None:
-        now = time.time()
-        seen: set[int] = set()
-        for de in self._dir.scandir(shard):
-            name = de.name
-            if de.is_symlink():
-                if name.endswith((SUFFIX, ".tmp")):
-                    self._dir.refuse(f"{shard}/{name}", "record")
-                continue
-            try:
-                st = de.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if name.endswith(".tmp"):
-                if now - st.st_mtime > 3600:  # left by a writer that died
-                    self._dir.unlink(shard, name)
-                continue
-            if not name.endswith(SUFFIX) or len(name) != 16 + len(SUFFIX):
-                continue
-            try:
-                key = int(name[:16], 16)
-            except ValueError:
-                continue
-            seen.add(key)
-            e = entries.get(key)
-            if e is not None and e.size == st.st_size:
-                e.atime = e.touched = max(e.atime, st.st_mtime)
-                continue
-            path = f"{self.root}/{shard}/{name}"
-            try:
-                with os.fdopen(self._dir.open(shard, name), "rb") as f:
-                    hdr = record.unpack_header(f.read(HEADER_SIZE))
-                self._check(hdr, key, st.st_size)
-            except (OSError, RecordError) as exc:
-                if isinstance(exc, OSError) and exc.errno == errno.ELOOP:  # became a link since the listing
-                    continue
-                reason = getattr(exc, "reason", "io_error")
-                self._corrupt[reason] = self._corrupt.get(reason, 0) + 1
-                logger.warning("KV store: %s is unusable (%s); removed", path, exc)
-                self._dir.unlink(shard, name)
-                entries.pop(key, None)
-                continue
-            entries[key] = _Entry(st.st_size, hdr.created, st.st_mtime, hdr.ttl_seconds, st.st_mtime)
-        for key in known:
-            if key not in seen:
-                entries.pop(key, None)
-
-
-def _write_all(fd: int, buffers: list) -> None:
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while views:
-        n = os.writev(fd, views)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
-
-
-def _pread_full(fd: int, views: list, offset: int) -> int:
-    """Fill ``views`` from ``offset`` on (fewer bytes only at the end of the file); bytes read."""
-    total = 0
-    while views:
-        n = os.preadv(fd, views, offset + total)
-        if n <= 0:
-            break
-        total += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views = views[1:]
-            else:
-                views = [views[0][n:], *views[1:]]
-                n = 0
-    return total
-
-
-def _errname(exc: OSError) -> str:
-    return errno.errorcode.get(exc.errno, "OSError") if exc.errno else "OSError"
-
-
-def _miss_reason(exc: OSError) -> str | None:
-    """How a failed open counts: absent (or a refused link) is a plain miss, anything else an IO error."""
-    return None if isinstance(exc, FileNotFoundError) or exc.errno == errno.ELOOP else "io_error"
-
-
-def _can_pin() -> bool:
-    try:
-        torch.empty(1, pin_memory=True)
-        return True
-    except RuntimeError:
-        return False
