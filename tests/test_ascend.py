@@ -353,8 +353,9 @@ def ascend_emulated(tmp_path, monkeypatch):
     registered as a distribution's entry point like any accelerator; it runs inside
     ``npu_emulation.install()`` (entered by the test, after anything that imports transformers, which
     probes for torch_npu)."""
-    from test_plugins import make_distribution
+    from test_plugins import forget_entry_points, make_distribution
 
+    forget_entry_points(monkeypatch, tmp_path)  # whatever earlier tests loaded, this distribution is seen
     entry = "[deepinfer.hardware]\nascend_emulated = npu_emulation.platform:EmulatedAscendPlatform\n"
     make_distribution(tmp_path, entry, {}, dist="dit-ascend-emulated")
     monkeypatch.syspath_prepend(str(tmp_path))

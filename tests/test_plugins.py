@@ -32,11 +32,16 @@ HW = "deepinfer.hardware"
 DIST = "deepinfer-testplugs"
 
 
-@pytest.fixture(autouse=True)
-def fresh_entry_point_cache(monkeypatch, tmp_path):
-    """stevedore caches entry points per group in a class dict, and on disk keyed by sys.path."""
+def forget_entry_points(monkeypatch, tmp_path) -> None:
+    """stevedore caches entry points per group in a class dict, and on disk keyed by sys.path: a
+    distribution put on sys.path by a test is seen only with both caches fresh."""
     monkeypatch.setattr(ExtensionManager, "ENTRY_POINT_CACHE", {})
     monkeypatch.setattr(stevedore_cache._c, "_dir", str(tmp_path / "entry-point-cache"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_entry_point_cache(monkeypatch, tmp_path):
+    forget_entry_points(monkeypatch, tmp_path)
     yield
 
 
