@@ -13,7 +13,7 @@ from deepinfer_core.proposer import MAX_K
 from deepinfer_core.scheduler import SchedulerOutput
 from plugins.dspark import confidence as conf_mod
 from plugins.dspark.lean import context_slot_table
-from plugins.dspark.policy import worth_drafting
+from plugins.dspark.policy import budget_settled, worth_drafting
 from plugins.dspark.state import KEY, _Rows, _State
 
 DECODE_SPAN = MAX_K + 1  # catch-up spans up to this long use the decode (absorbed) attention path
@@ -44,7 +44,8 @@ class Drafter:
         mtp = src.needs_hidden
         items = []  # (seq, st, lo, hi, cap)
         n_live = sum(1 for s in scheduled.prefills + scheduled.decodes if not s.seq.is_finished)
-        allowed = self._worth_speculating(scheduled, n_live) if self.varlen else True
+        # the "budget" policy drafts every step, like fixed k (the step's verify budget does the cutting)
+        allowed = self._worth_speculating(scheduled, n_live) if self.varlen and not self.budgeted else True
         kept = {}  # request_id -> kept hidden states of positions lo..c0-1 (MTP)
         for s in scheduled.prefills + scheduled.decodes:
             seq = s.seq
@@ -250,15 +251,18 @@ class Drafter:
             top, greedy_tok = logp.topk(2, dim=-1)
             greedy_tok, logq, logq2 = greedy_tok[:, 0], top[:, 0], top[:, 1]
             ent = -(logp.exp() * logp).sum(-1)
-            c = self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2)
+            c = self._calibrated(self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2), depth)
             return greedy_tok, None, c, (logq, ent, logq2)
         greedy_tok = logits.argmax(-1)
         q = filtered_probs(logits, rows.params)
         sampled = draw(q, stream(rows.seeds, STREAM_DRAFT), rows.base + (depth - 1))
         tok = torch.where(rows.greedy, greedy_tok, sampled)
         logq, ent, logq2 = conf_mod.draft_stats(logits, tok)
-        c = self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2)
+        c = self._calibrated(self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2), depth)
         return tok, q, c, (logq, ent, logq2)
+
+    def _calibrated(self, conf: torch.Tensor, depth: int) -> torch.Tensor:
+        return conf if self.calib is None else self.calib.apply(conf, depth)
 
     def _ar_step(self, rows: _Rows, prev_tok: torch.Tensor, prev_carry: torch.Tensor | None, depth: int):
         """Feed d_{depth-1}; returns (carry, normed) of the rows."""
@@ -298,8 +302,12 @@ class Drafter:
         expected = R + sum(cum)
         depth = 1
         t_loop = time.perf_counter()
+        budget = self.share_budget(sum(rows.caps)) if self.varlen and self.budgeted else None
         while depth < K:
-            if self.varlen:
+            if budget is not None:
+                if budget_settled(cum_hist, [i for i in range(R) if rows.caps[i] > depth], cum, budget):
+                    break
+            elif self.varlen:
                 live = [i for i in range(R) if rows.caps[i] > depth]
                 c_last = confs[-1].tolist()
                 fixed = cost.overhead(n_live) + cost.drafting(R, depth)

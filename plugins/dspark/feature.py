@@ -8,16 +8,23 @@ Enable with ``features=["dspark"]``; configure in its ``[dspark]`` section (vali
                                           target's tokenizer); or a dir holding ``mtp.safetensors``
     k                       int, 5        most draft tokens per request and step (1..16)
     budget_policy           str           "throughput" (default: confidence-scheduled variable
-                                          length), "threshold" (the drafts whose cumulative
+                                          length), "budget" (the step verifies verify_share of the
+                                          offered draft slots: the global top-k of the batch's
+                                          drafts by cumulative confidence, the ``draft_lengths``
+                                          kernel op), "threshold" (the drafts whose cumulative
                                           confidence reaches min_confidence, best first under the
-                                          budget: the ``draft_lengths`` kernel op) or "fixed"
-                                          (always k, as far as memory allows)
+                                          budget: the same op) or "fixed" (always k, as far as
+                                          memory allows)
+    verify_share            float, 0.75   the "budget" policy's verify budget per step, as a share
+                                          of the draft slots offered (0..1)
     min_confidence          float, 0.2    the "threshold" policy's cut (0..1)
     confidence_temperature  float, 1.0    calibration temperature of the confidence head
     verify_budget           int, 0        most draft tokens verified per step over the batch
                                           (0: what the step's token budget leaves)
 
-``DEEPINFER_ENABLE_MTP_VARLEN=0`` turns variable length off (fixed k).
+``DEEPINFER_ENABLE_MTP_VARLEN=0`` turns variable length off (fixed k). A calibration file beside the
+confidence head (``confidence_calibration.json``, ``plugins.dspark.calibration``) maps the head's
+output to calibrated per-depth acceptance probabilities.
 
 DSpark is the engine's draft proposer (``deepinfer_core.proposer``, given through the
 ``speculative_proposer`` hook); the engine schedules its drafts as lookahead tokens, verifies them
@@ -59,8 +66,10 @@ from deepinfer_core.kv_cache_spec import KVCacheSpec
 from deepinfer_core.models.loader import EMBEDDED_MODEL, load_model_config
 from deepinfer_core.proposer import MAX_K, Draft, Proposer
 from deepinfer_core.scheduler import SchedulerOutput
+from plugins.dspark import calibration as calib_mod
 from plugins.dspark import confidence as conf_mod
 from plugins.dspark.calibrate import load_or_measure_cost
+from plugins.dspark.calibration import Calibration
 from plugins.dspark.draft import CACHE_GROUP, DraftModel, MTPDraft, has_mtp, is_mtp_dir
 from plugins.dspark.drafter import Drafter
 from plugins.dspark.policy import (
@@ -75,10 +84,11 @@ from plugins.dspark.state import KEY, _Rows, _State  # noqa: F401 (_Rows: tests,
 
 logger = logging.getLogger("deepinfer.dspark")
 DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_temperature": 1.0,
-            "verify_budget": 0, "min_confidence": 0.2}
+            "verify_budget": 0, "min_confidence": 0.2, "verify_share": 0.75}
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
+POLICIES = ("throughput", "budget", "threshold", "fixed")
 # while dormant: no exploratory step when drafts accepted this often would still not pay at this batch size
 OPTIMISTIC_CONF = 0.9
 
@@ -96,12 +106,15 @@ class DSpark(Drafter, Feature, Proposer):
         o = self.check_keys(self.name, section, DEFAULTS)
         if isinstance(o["k"], bool) or not 1 <= o["k"] <= MAX_K:
             raise ConfigError(f"[dspark] k must be an int in 1..{MAX_K}, got {o['k']!r}")
-        if o["budget_policy"] not in ("throughput", "threshold", "fixed"):
-            raise ConfigError("[dspark] budget_policy must be 'throughput', 'threshold' or 'fixed', got "
+        if o["budget_policy"] not in POLICIES:
+            raise ConfigError(f"[dspark] budget_policy must be one of {', '.join(map(repr, POLICIES))}, got "
                               f"{o['budget_policy']!r}")
         mc = o["min_confidence"]
         if isinstance(mc, bool) or not (isinstance(mc, (int, float)) and 0 <= mc <= 1):
             raise ConfigError(f"[dspark] min_confidence must be a number in 0..1, got {mc!r}")
+        vs = o["verify_share"]
+        if isinstance(vs, bool) or not (isinstance(vs, (int, float)) and 0 <= vs <= 1):
+            raise ConfigError(f"[dspark] verify_share must be a number in 0..1, got {vs!r}")
         t = o["confidence_temperature"]
         if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise ConfigError(f"[dspark] confidence_temperature must be a positive number, got {t!r}")
@@ -111,12 +124,14 @@ class DSpark(Drafter, Feature, Proposer):
             raise ConfigError("[dspark] draft must be 'auto', 'mtp' or a draft checkpoint directory")
         self.opts = o
         self.k = o["k"]
-        self.varlen = o["budget_policy"] in ("throughput", "threshold") and varlen_enabled()
+        self.varlen = o["budget_policy"] != "fixed" and varlen_enabled()
         self.threshold = o["budget_policy"] == "threshold"
+        self.budgeted = o["budget_policy"] == "budget"  # always drafts k deep; verifies a share of the slots
         self.engine = None
         self._source_plan: tuple | None = None  # (kind, path) of the draft, decided in cache_groups
         self.source = None
         self.head = None
+        self.calib: Calibration | None = None  # per-depth calibration of the head's output, when shipped
         self.cost: StepCost | None = None  # the start-up measurement
         self.live: LiveCost | None = None  # it, corrected by each step's measured times (what the policy uses)
         self._pending: tuple | None = None  # the last decode step's times, until the next step starts
@@ -151,14 +166,20 @@ class DSpark(Drafter, Feature, Proposer):
                                                      temp, engine.device)
         else:
             self.head = conf_mod.ConfidenceHead.fallback(temp)
+        if head_path is not None and (Path(head_path) / calib_mod.FILENAME).is_file():
+            try:
+                self.calib = Calibration.load(Path(head_path) / calib_mod.FILENAME)
+            except ValueError as exc:
+                raise ConfigError(f"[dspark] the draft's confidence calibration is unusable: {exc}") from None
         if self.head.uses_target and not self.source.needs_hidden:
             raise ConfigError(f"[dspark] the confidence head {head_path}/{conf_mod.FILENAME} reads the target's "
                               "features, which only an MTP draft is fed")
         self._check_trained_for(engine)
         self.cost = load_or_measure_cost(engine, self)
         self.live = LiveCost(self.cost)
-        logger.info("dspark: draft %s, k=%d, %s length, confidence head %s", self.source.kind, self.k,
-                    "variable" if self.varlen else "fixed", "trained" if self.head.trained else "q(d)")
+        logger.info("dspark: draft %s, k=%d, %s length, confidence head %s%s", self.source.kind, self.k,
+                    "variable" if self.varlen else "fixed", "trained" if self.head.trained else "q(d)",
+                    ", calibrated per depth" if self.calib is not None else "")
 
     def _check_trained_for(self, engine) -> None:
         """A draft whose training report names another target still works (verification keeps the
@@ -334,7 +355,13 @@ class DSpark(Drafter, Feature, Proposer):
         budget = engine.cfg.max_num_batched_tokens - n_tokens
         if self.opts["verify_budget"]:
             budget = min(budget, self.opts["verify_budget"])
-        if self.varlen and self.threshold:
+        if self.varlen and self.budgeted:  # the global top-k by cumulative confidence under the step's budget
+            slots = [min(m, len(seq.block_table) * engine.block_size - seq.num_tokens)
+                     for (seq, _), m in zip(cands, (max_drafts[i] for i in idx))]
+            budget = min(budget, self.share_budget(sum(slots)))
+            lengths = self._threshold_lengths(engine, [st.conf[:c] for (_, st), c in zip(cands, caps)], budget, 0.0)
+            self.n["plans"] += 1
+        elif self.varlen and self.threshold:
             lengths = self._threshold_lengths(engine, [st.conf[:c] for (_, st), c in zip(cands, caps)], budget)
         elif self.varlen:
             fixed = self.live.overhead(len(requests)) + self.live.drafting(len(cands), self.last_depth)
@@ -356,17 +383,28 @@ class DSpark(Drafter, Feature, Proposer):
                 st.drafts, st.q, st.feats = [], None, None
         return out
 
-    def _threshold_lengths(self, engine, conf: list[list[float]], budget: int) -> list[int]:
-        """The "threshold" policy through the ``draft_lengths`` kernel op (a TileLang kernel on
-        nvidia): per request, its drafts whose cumulative confidence reaches ``min_confidence``,
-        the likeliest first while the verify budget lasts."""
+    def share_budget(self, slots: int) -> int:
+        """The "budget" policy's verify budget for a step offered ``slots`` draft slots."""
+        return max(0, math.floor(float(self.opts["verify_share"]) * slots + 0.5))
+
+    def verify_budget(self, engine, num_requests: int, num_slots: int) -> int | None:
+        """Async steps (``Proposer.verify_budget``): the "budget" policy fixes the step's verify
+        rows on the host; the other policies leave it to the engine."""
+        return self.share_budget(num_slots) if self.varlen and self.budgeted else None
+
+    def _threshold_lengths(self, engine, conf: list[list[float]], budget: int,
+                           min_conf: float | None = None) -> list[int]:
+        """Lengths through the ``draft_lengths`` kernel op (a TileLang kernel on nvidia): per
+        request, its drafts whose cumulative confidence reaches ``min_conf`` (default: the
+        ``min_confidence`` setting), the likeliest over the whole batch first while the verify
+        budget lasts."""
         K = max(len(c) for c in conf)
         mat = torch.zeros(len(conf), K, dtype=torch.float32)
         for i, c in enumerate(conf):
             mat[i, : len(c)] = torch.tensor(c, dtype=torch.float32)
         caps = torch.tensor([len(c) for c in conf], dtype=torch.int64)
-        out = engine.kernels.draft_lengths(mat.to(engine.device), caps.to(engine.device), budget,
-                                           float(self.opts["min_confidence"]))
+        cut = float(self.opts["min_confidence"]) if min_conf is None else float(min_conf)
+        out = engine.kernels.draft_lengths(mat.to(engine.device), caps.to(engine.device), budget, cut)
         return out.tolist()
 
     def _state(self, seq: Sequence) -> _State | None:

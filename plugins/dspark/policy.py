@@ -11,8 +11,11 @@ throughput policy picks the lengths that maximise expected tokens per second of 
 under ``sum_i m_i <= budget``. Since P_ij falls with j, taking candidates in descending order of
 P_ij always gives valid prefixes; the objective is evaluated at every prefix of that order and the
 best prefix wins. The same rule decides, while drafting, whether one more draft step is worth its
-cost. The functions here take plain lists and floats only, so a device-side implementation can
-replace them.
+cost. The "budget" policy instead fixes the step's verify budget on the host (a share of the draft
+slots offered) and verifies the global top-k drafts of the whole batch by cumulative confidence (the
+``draft_lengths`` op), so the budget flows to the requests most likely to accept; its draft loop stops
+once deeper drafts could not win a slot (``budget_settled``). The functions here take plain lists and
+floats only, so a device-side implementation can replace them.
 """
 
 from __future__ import annotations
@@ -210,6 +213,18 @@ def choose_lengths(cum_conf: list[list[float]], base_tokens: int, budget: int, c
     for _, _, i in cands[:best_n]:
         lengths[i] += 1
     return lengths
+
+
+def budget_settled(cum_hist: list[list[float]], live: list[int], cum: list[float], budget: int) -> bool:
+    """The "budget" policy's stop for the draft loop: whether drafting deeper can still change the
+    step's global top-``budget`` drafts by cumulative confidence. A row's deeper drafts have P at most
+    its latest P_ij (``cum[i]``), so once ``budget`` drafts already proposed (``cum_hist[depth][row]``)
+    beat every row that can still draft (``live``), no deeper draft would win a verify slot, and
+    stopping changes nothing the ``draft_lengths`` op picks."""
+    if not live or budget <= 0:
+        return True
+    bound = max(cum[i] for i in live)
+    return sum(1 for ps in cum_hist for p in ps if p > bound) >= budget
 
 
 def fixed_lengths(available: list[int], budget: int) -> list[int]:
