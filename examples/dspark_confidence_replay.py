@@ -19,6 +19,7 @@ first (the trade and calibration with and without it), then refitted on all of t
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -89,8 +90,8 @@ def fit_calibration(head: ConfidenceHead, o, args, out: Path) -> dict:
               f"calibrated {report[name]['calibrated']['ece']}")
     d = o.decided
     cal = Calibration.fit(raw[d], o.y[d], o.depth[d], args.k, prompts=args.prompts, prompt_seed=args.seed,
-                          max_tokens=args.max_tokens, draft=args.draft, verifications=int(o.step.max()) + 1,
-                          fitted_by="examples/dspark_confidence_replay.py --fit-calibration")
+                          max_tokens=args.max_tokens, draft=args.draft, k=args.k,
+                          verifications=int(o.step.max()) + 1, command=shlex.join(["python", *sys.argv]))
     cal.save(out)
     print(f"calibration ({int(d.sum())} decided positions) written to {out}")
     return report

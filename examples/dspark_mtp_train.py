@@ -9,7 +9,9 @@ with the target's (frozen) embedding and LM head. ``h_p`` at depth 1 is the targ
 hidden state (what ``ModelRunner.prepare(keep_hidden=True)`` keeps); at depth d > 1 it is the module's
 own ``h'`` (before ``shared_head.norm``) of depth d - 1 at the previous position, as ``_ar_step``
 feeds it. Training is teacher-forced on the target's tokens and distributions, depth 1 and depth 2
-(recursive, run over the whole sequence in parallel), the latter at half weight.
+(recursive, run over the whole sequence in parallel), the latter at half weight; optionally depth 3
+(``depth3``: the weight of the next recursion, for drafts verified deeper than two under a budget),
+and optionally starting from a trained layer (``load_mtp``: fine-tuning the shipped one).
 """
 
 from __future__ import annotations
@@ -65,8 +67,27 @@ def target_hidden(target_dir: Path, ids: torch.Tensor, batch: int = 32) -> torch
     return torch.cat(out)
 
 
-def mtp_loss(mod: MTPModule, ids, H, tidx, tp, mask, depth2: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, depth-1 top-1 agreement counts [hit, total]). Position p predicts token p + 2."""
+def load_mtp(mod: MTPModule, path: Path, layer_index: int) -> None:
+    """Start from a trained layer: ``path/mtp.safetensors`` as ``save_mtp`` writes it (a dense layer)."""
+    from safetensors.torch import load_file
+
+    pre = f"model.layers.{layer_index}."
+    t = {k[len(pre):]: v.float() for k, v in load_file(str(Path(path) / MTP_FILENAME)).items() if k.startswith(pre)}
+    with torch.no_grad():
+        for name in ("enorm", "hnorm", "eh_proj"):
+            getattr(mod, name).copy_(t.pop(name + ".weight"))
+        mod.student.model.norm.weight.copy_(t.pop("shared_head.norm.weight"))
+    missing, unexpected = mod.student.load_state_dict({"model.layers.0." + k: v for k, v in t.items()}, strict=False)
+    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    layer = [k for k in missing if k.startswith("model.layers.0.") and "rotary_emb" not in k]
+    if unexpected or layer:
+        raise RuntimeError(f"{path}: MTP tensors do not match the module (missing {layer}, unexpected {unexpected})")
+
+
+def mtp_loss(mod: MTPModule, ids, H, tidx, tp, mask, depth2: float = 0.5, depth3: float = 0.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, depth-1 top-1 agreement counts [hit, total]). Position p predicts token p + 2; depth
+    d > 1 at position q reads depth d - 1's carry at q - 1 (the same targets)."""
     L = ids.shape[1]
     pos = torch.arange(L - 1)[None].expand(ids.shape[0], -1)
     tok, ti, p, m = ids[:, 1:], tidx[:, 1:], tp[:, 1:], mask[:, 1:]
@@ -80,10 +101,15 @@ def mtp_loss(mod: MTPModule, ids, H, tidx, tp, mask, depth2: float = 0.5) -> tup
     hit = ((logits.argmax(-1) == ti[..., 0]).float() * m).sum().detach()
     if depth2 > 0 and L > 3:  # position q: token q + 1 and the depth-1 carry of position q - 1
         h2 = torch.cat((H[:, :1], carry[:, :-1]), dim=1)
-        lg2, _ = mod.step(tok, h2, pos)
+        lg2, carry2 = mod.step(tok, h2, pos)
         m2 = m.clone()
         m2[:, 0] = 0
         loss = loss + depth2 * ce(lg2, ti, p, m2)
+        if depth3 > 0 and L > 4:
+            lg3, _ = mod.step(tok, torch.cat((H[:, :1], carry2[:, :-1]), dim=1), pos)
+            m3 = m2.clone()
+            m3[:, 1] = 0
+            loss = loss + depth3 * ce(lg3, ti, p, m3)
     return loss, torch.stack((hit, m.sum()))
 
 
@@ -131,7 +157,8 @@ def train_mtp(mod: MTPModule, ids, H, tidx, tp, mask, args, deadline: float, log
     def batch_loss(b):
         m = mask[b]
         L = used_length(m, 3)
-        return mtp_loss(mod, ids[b, :L], H[b, :L], tidx[b, :L], tp[b, :L], m[:, :L])[0]
+        return mtp_loss(mod, ids[b, :L], H[b, :L], tidx[b, :L], tp[b, :L], m[:, :L],
+                        depth3=getattr(args, "depth3", 0.0))[0]
 
     mod.train()
     stats = train_loop([{"params": params, "weight_decay": 0.0}], batch_loss, ids.shape[0], args, deadline, log,

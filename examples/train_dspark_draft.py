@@ -216,18 +216,21 @@ def save_draft(cfg, student, target_dir: Path, out: Path) -> None:
 
 def train_mtp_kind(args, cfg, student, target_dir: Path, ids, tidx, tp, mask, n_eval: int, t0: float):
     """Phase 2 for ``--kind mtp``: (temporary dir holding ``mtp.safetensors``, report entries)."""
-    from dspark_mtp_train import MTPModule, mtp_agreement, save_mtp, target_hidden, train_mtp
+    from dspark_mtp_train import MTPModule, load_mtp, mtp_agreement, save_mtp, target_hidden, train_mtp
 
     H = target_hidden(target_dir, ids)
     log(f"target hidden states {tuple(H.shape)}", t0)
     mod = MTPModule(student, cfg.rms_norm_eps)
+    n_layers = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]  # the target's
+    if args.init_mtp is not None:
+        load_mtp(mod, args.init_mtp, n_layers)
+        log(f"MTP initialised from {args.init_mtp}", t0)
     agree0 = mtp_agreement(mod, ids[:n_eval], H[:n_eval], tidx[:n_eval], mask[:n_eval])
     stats = train_mtp(mod, ids[n_eval:], H[n_eval:], tidx[n_eval:], tp[n_eval:], mask[n_eval:], args,
                       t0 + args.minutes * 60 * 0.72, lambda m: log(m, t0))
     agree1 = mtp_agreement(mod, ids[:n_eval], H[:n_eval], tidx[:n_eval], mask[:n_eval])
     log(f"MTP depth-1 top-1 agreement on {n_eval} unseen sequences: {agree0:.3f} (init) -> {agree1:.3f}", t0)
     tmp = Path(tempfile.mkdtemp(prefix="dspark_mtp_"))
-    n_layers = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]  # the target's
     save_mtp(mod, n_layers, tmp, to_deepseek_state_dict)
     trainable = sum(p.numel() for p in mod.parameters() if p.requires_grad)
     return tmp, {"kind": "mtp", "draft_parameters": trainable, "distillation": stats,
@@ -265,6 +268,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads while training")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-mtp", type=Path, default=None,
+                   help="--kind mtp: start from this MTP dir's mtp.safetensors (fine-tune) instead of layer 0")
+    p.add_argument("--depth3", type=float, default=0.0, help="--kind mtp: weight of the depth-3 loss term")
     p.add_argument("--head-only", action="store_true",
                    help="keep the draft already in --out and fit its confidence head again (phases 3-4)")
     return p.parse_args()

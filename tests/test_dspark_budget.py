@@ -158,8 +158,11 @@ def test_calibration_is_monotone_and_calibrates_each_depth(tmp_path):
     back = Calibration.load(tmp_path / calib_mod.FILENAME)
     torch.testing.assert_close(back.apply(grid, 1), cal.apply(grid, 1), atol=1e-5, rtol=0)
     assert back.meta["fitted_positions"] == 20_000
-    x, fy = isotonic_fit(torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    x, fy = isotonic_fit(torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([1.0, 0.0, 1.0, 1.0]), prior=0.0)
     assert fy == sorted(fy) and x == sorted(set(x)) and fy[0] == 0.5  # the violating pair is pooled
+    # a sparse end block with no acceptance is shrunk towards its confidence, not mapped to 0
+    x, fy = isotonic_fit(torch.tensor([0.3, 0.31, 0.9, 0.95]), torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    assert 0.0 < fy[0] < 0.3 and 0.9 < fy[-1] < 1.0 and fy == sorted(fy)
 
 
 GOOD = {"format": 1, "kind": "isotonic", "depths": [{"x": [0.1, 0.9], "y": [0.2, 0.8]}]}

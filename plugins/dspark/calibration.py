@@ -27,9 +27,13 @@ FILENAME = "confidence_calibration.json"
 FORMAT = 1
 
 
-def isotonic_fit(x: torch.Tensor, y: torch.Tensor, max_knots: int = 64) -> tuple[list[float], list[float]]:
+def isotonic_fit(x: torch.Tensor, y: torch.Tensor, max_knots: int = 64, prior: float = 10.0
+                 ) -> tuple[list[float], list[float]]:
     """Knots of the non-decreasing least-squares fit of ``y`` (0/1 outcomes) on ``x``
-    (pool-adjacent-violators over ``x`` sorted), thinned to at most ``max_knots`` block centres."""
+    (pool-adjacent-violators over ``x`` sorted), thinned to at most ``max_knots`` pooled blocks. Each
+    block's rate is shrunk towards its mean ``x`` by ``prior`` pseudo-outcomes, so that a sparse
+    block at an end (a handful of drafts, none accepted) does not map to exactly 0 or 1: a confidence
+    of 0 would keep a request from ever being verified again at that depth."""
     if len(x) == 0:
         raise ValueError("isotonic_fit: no samples")
     order = torch.argsort(x.double(), stable=True)
@@ -42,25 +46,18 @@ def isotonic_fit(x: torch.Tensor, y: torch.Tensor, max_knots: int = 64) -> tuple
             blocks[-1][0] += s
             blocks[-1][1] += n
             blocks[-1][2] += sx
-    kx = [b[2] / b[1] for b in blocks]
-    ky = [b[0] / b[1] for b in blocks]
-    if len(kx) > max_knots:  # merge neighbouring blocks, weighted by their counts (stays monotone)
-        groups = torch.linspace(0, len(kx), max_knots + 1).round().long().tolist()
-        w = [b[1] for b in blocks]
-        mx, my = [], []
-        for a, b in zip(groups, groups[1:]):
-            if b > a:
-                n = sum(w[a:b])
-                mx.append(sum(kx[i] * w[i] for i in range(a, b)) / n)
-                my.append(sum(ky[i] * w[i] for i in range(a, b)) / n)
-        kx, ky = mx, my
+    if len(blocks) > max_knots:  # pool neighbouring blocks (sums: the pooled fit stays monotone)
+        cuts = torch.linspace(0, len(blocks), max_knots + 1).round().long().tolist()
+        blocks = [[sum(b[k] for b in blocks[a:e]) for k in range(3)] for a, e in zip(cuts, cuts[1:]) if e > a]
     out_x, out_y = [], []
-    for a, b in zip(kx, ky):  # strictly increasing x (equal centres merge)
-        if out_x and a <= out_x[-1]:
+    for s, n, sx in blocks:
+        a = sx / n
+        b = (s + prior * a) / (n + prior)
+        if out_x and a <= out_x[-1]:  # equal centres merge
             out_y[-1] = max(out_y[-1], b)
             continue
         out_x.append(min(max(a, 0.0), 1.0))
-        out_y.append(min(max(b, 0.0), 1.0))
+        out_y.append(min(max(b, out_y[-1] if out_y else 0.0), 1.0))  # shrinkage may not break monotonicity
     return out_x, out_y
 
 
