@@ -193,11 +193,18 @@ def test_calibration_file_with_a_bad_field_is_refused(tmp_path, patch, message):
 
 def test_engine_applies_the_shipped_calibration(tiny_v3_path, mtp_with_head, reference):  # noqa: F811
     """A calibration file beside the head: the engine's confidences are the head's, mapped per depth
-    (greedy output unchanged); a bad file is refused at start-up with an error naming the field."""
+    (greedy output unchanged); by default only the policies that rank drafts under a budget read it;
+    a bad file is refused at start-up (whichever the policy) with an error naming the field."""
     path = Path(mtp_with_head)
     cal = Calibration([([0.0, 1.0], [0.05, 0.35]), ([0.0, 1.0], [0.6, 0.9])])
     cal.save(path / calib_mod.FILENAME)
-    llm = make(tiny_v3_path, dspark={"draft": str(path), "k": 3, "budget_policy": "fixed"})
+    for policy, mode, used in (("throughput", "auto", False), ("budget", "auto", True), ("threshold", "off", False)):
+        other = make(tiny_v3_path, dspark={"draft": str(path), "k": 3, "budget_policy": policy, "calibration": mode})
+        assert (_feature(other).calib is not None) == used, (policy, mode)
+        other.shutdown()
+    with pytest.raises(ConfigError, match="calibration must be"):
+        make(tiny_v3_path, dspark={"draft": str(path), "calibration": "yes"})
+    llm = make(tiny_v3_path, dspark={"draft": str(path), "k": 3, "budget_policy": "fixed", "calibration": "on"})
     feat = _feature(llm)
     assert feat.calib is not None
     seen = []

@@ -17,6 +17,9 @@ Enable with ``features=["dspark"]``; configure in its ``[dspark]`` section (vali
                                           memory allows)
     verify_share            float, 0.75   the "budget" policy's verify budget per step, as a share
                                           of the draft slots offered (0..1)
+    calibration             str, "auto"   the per-depth calibration beside the confidence head:
+                                          "auto" (read by the "budget" and "threshold" policies,
+                                          not by "throughput"), "on" or "off"
     min_confidence          float, 0.2    the "threshold" policy's cut (0..1)
     confidence_temperature  float, 1.0    calibration temperature of the confidence head
     verify_budget           int, 0        most draft tokens verified per step over the batch
@@ -24,7 +27,10 @@ Enable with ``features=["dspark"]``; configure in its ``[dspark]`` section (vali
 
 ``DEEPINFER_ENABLE_MTP_VARLEN=0`` turns variable length off (fixed k). A calibration file beside the
 confidence head (``confidence_calibration.json``, ``plugins.dspark.calibration``) maps the head's
-output to calibrated per-depth acceptance probabilities.
+output to calibrated per-depth acceptance probabilities. The throughput policy does not read it by
+default: with it, concurrency 1 measured 2-5% slower in a same-load A/B (its objective and margins
+were tuned on the raw head, and a calibration fitted on fixed-k verifications is not exact for the
+positions its own steps start at).
 
 DSpark is the engine's draft proposer (``deepinfer_core.proposer``, given through the
 ``speculative_proposer`` hook); the engine schedules its drafts as lookahead tokens, verifies them
@@ -84,7 +90,7 @@ from plugins.dspark.state import KEY, _Rows, _State  # noqa: F401 (_Rows: tests,
 
 logger = logging.getLogger("deepinfer.dspark")
 DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_temperature": 1.0,
-            "verify_budget": 0, "min_confidence": 0.2, "verify_share": 0.75}
+            "verify_budget": 0, "min_confidence": 0.2, "verify_share": 0.75, "calibration": "auto"}
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
@@ -115,6 +121,8 @@ class DSpark(Drafter, Feature, Proposer):
         vs = o["verify_share"]
         if isinstance(vs, bool) or not (isinstance(vs, (int, float)) and 0 <= vs <= 1):
             raise ConfigError(f"[dspark] verify_share must be a number in 0..1, got {vs!r}")
+        if o["calibration"] not in ("auto", "on", "off"):
+            raise ConfigError(f"[dspark] calibration must be 'auto', 'on' or 'off', got {o['calibration']!r}")
         t = o["confidence_temperature"]
         if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise ConfigError(f"[dspark] confidence_temperature must be a positive number, got {t!r}")
@@ -167,10 +175,13 @@ class DSpark(Drafter, Feature, Proposer):
         else:
             self.head = conf_mod.ConfidenceHead.fallback(temp)
         if head_path is not None and (Path(head_path) / calib_mod.FILENAME).is_file():
-            try:
-                self.calib = Calibration.load(Path(head_path) / calib_mod.FILENAME)
+            try:  # checked whenever it is there, read by the policies that rank drafts by probability
+                calib = Calibration.load(Path(head_path) / calib_mod.FILENAME)
             except ValueError as exc:
                 raise ConfigError(f"[dspark] the draft's confidence calibration is unusable: {exc}") from None
+            mode = self.opts["calibration"]
+            if mode == "on" or (mode == "auto" and self.varlen and (self.budgeted or self.threshold)):
+                self.calib = calib
         if self.head.uses_target and not self.source.needs_hidden:
             raise ConfigError(f"[dspark] the confidence head {head_path}/{conf_mod.FILENAME} reads the target's "
                               "features, which only an MTP draft is fed")
