@@ -216,8 +216,8 @@ def choose_lengths(cum_conf: list[list[float]], base_tokens: int, budget: int, c
 
 
 def budget_settled(cum_hist: list[list[float]], live: list[int], cum: list[float], budget: int) -> bool:
-    """The "budget" policy's stop for the draft loop: whether drafting deeper can still change the
-    step's global top-``budget`` drafts by cumulative confidence. A row's deeper drafts have P at most
+    """The "budget" policy's stop for the draft loop: True when drafting deeper can no longer change
+    the step's global top-``budget`` drafts by cumulative confidence. A row's deeper drafts have P at most
     its latest P_ij (``cum[i]``), so once ``budget`` drafts already proposed (``cum_hist[depth][row]``)
     beat every row that can still draft (``live``), no deeper draft would win a verify slot, and
     stopping changes nothing the ``draft_lengths`` op picks."""
