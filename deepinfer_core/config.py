@@ -75,6 +75,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: never replay device graphs (every step runs eagerly)
     decode_fusion: bool = True  # False: the model's unfused ops (CausalLM.set_decode_fusion), to check the fused
     graph_batch_sizes: list | None = None  # decode batch sizes captured as graphs; None: the default set
+    #: speculative verify steps get graphs for (batch size, rows per request 2..k+1) with
+    #: size x rows <= this many token rows (engine/graph_buckets.py); 0: verify steps run eagerly
+    verify_graph_tokens: int = 256
     async_scheduling: bool | None = None  # None: on where the platform supports overlap (engine.py docstring)
     measure_device_idle: bool = False  # engine.metrics() reports the device idle time between steps
     batch_invariant: bool = False
@@ -110,6 +113,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "ep": (1, None, False), "seed": (-(2**63), 2**64 - 1, False),  # what torch.manual_seed takes
     "compute_quota_limit": (0, None, True), "worker_timeout_s": (0, None, True), "drain_grace_s": (0, None, False),
     "spec_lookback": (0, None, False), "window_snapshot_memory": (0, None, False),
+    "verify_graph_tokens": (0, None, False),
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SWA_PREFIX_POLICIES = ("retain", "bounded_replay", "recompute")  # engine/window_prefix.py

@@ -121,6 +121,13 @@ class Platform(ABC):
         """Context manager capturing into ``graph``."""
         raise NotImplementedError(f"platform {self.name!r} does not support graph capture")
 
+    def supports_verify_graphs(self) -> bool:
+        """Whether decode graphs with several query rows per sequence (speculative verify steps, a
+        fixed number R per sequence, ``cu_q_lens`` constant) can be captured: the decode attention
+        maps rows to sequences on the device. ``graph_replay`` then gets each sequence's padded
+        context length."""
+        return False
+
     def graph_replay(self, graph: Any, seq_lens: list[int]) -> None:
         """Replay a captured decode graph. ``seq_lens``: every row's context length (padding rows
         included) on the host, for platforms whose captured kernels take lengths as host arguments

@@ -62,6 +62,10 @@ class NvidiaPlatform(Platform):
         # read lengths and expert counts on the host
         return (torch.bfloat16, torch.float16)
 
+    def supports_verify_graphs(self) -> bool:
+        # kernels_cuda.mla_decode maps ragged rows to sequences with a device searchsorted
+        return True
+
     def graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 

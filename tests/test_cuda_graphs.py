@@ -108,11 +108,17 @@ def test_which_steps_replay():
     g = runner.graphs
     out = _decoding(llm, 5)
     assert g.accepts(runner.prepare(out))
-    assert not g.accepts(runner.prepare(out, keep_hidden=True))  # MTP drafts read the hidden states
+    kept = runner.prepare(out, keep_hidden=True)  # MTP drafts read the hidden states: the graph keeps them
+    assert g.accepts(kept)
+    logits = runner.forward(kept)
+    runner.graphs, hidden = None, kept.hidden
+    torch.testing.assert_close(runner.forward(kept), logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept.hidden, hidden, rtol=1e-5, atol=1e-5)
+    runner.graphs = g
     s0 = out.decodes[0].seq
     e.blocks.allocate(s0, s0.num_tokens + 2)
     ragged = runner.prepare(out, draft_tokens={s0.request_id: [5, 6]})  # speculative verification
-    assert ragged.meta.decode.max_q_len == 3 and not g.accepts(ragged)
+    assert ragged.meta.decode.max_q_len == 3 and not g.accepts(ragged)  # no speculation configured: no verify graphs
     logits = runner.forward(ragged)  # still correct through the eager path
     assert logits.shape == (len(ragged.logit_rows), e.model_config.vocab_size)
     prefill = SchedulerOutput(prefills=[ScheduledSeq(out.decodes[1].seq, 1)], decodes=out.decodes[2:])

@@ -200,7 +200,7 @@ class LLMEngine(TokenAccounting):
             logger.info("async scheduling: speculative steps (proposer %s, which does not propose on the device) "
                         "run synchronously; plain steps while it is dormant overlap", self.spec.name)
         # after the features: they may hook the model (moe_route_hook) or allocate device memory
-        self.runner.setup_graphs(self.platform, cfg, self.max_model_len)
+        self.runner.setup_graphs(self.platform, cfg, self.max_model_len, spec_k=self.spec.k if self.spec else 0)
         # The model, caches and plugins live as long as the engine: keep the cyclic GC from rescanning
         # them. Otherwise the first full collection (~0.2 s for a freshly loaded engine) stalls every
         # thread at some early request, e.g. mid KV fetch. Undone in shutdown() so they can be freed.

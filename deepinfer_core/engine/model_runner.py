@@ -160,9 +160,12 @@ class ModelRunner:
         return None
 
     def setup_graphs(self, platform: Platform, cfg: EngineConfig, max_model_len: int, *,
-                     capture: bool = True) -> None:
+                     capture: bool = True, spec_k: int = 0) -> None:
         """Capture the pure-decode graphs (after the KV cache exists and features are set up).
 
+        ``spec_k`` (the speculative draft length; 0: none): verify steps of up to ``spec_k + 1``
+        rows per request get graphs too, for batch sizes with ``n * rows <= cfg.verify_graph_tokens``,
+        where the platform captures them (``Platform.supports_verify_graphs``).
         ``capture=False`` (tests) sets up the same padded static buffers on any platform, run eagerly."""
         if capture:
             reason = self.graphs_unavailable(platform, cfg)
@@ -173,12 +176,15 @@ class ModelRunner:
         sizes = cfg.graph_batch_sizes or default_batch_sizes(cfg.max_num_seqs)
         # +1: a speculative request may hold a block for draft slots past max_model_len
         max_blocks = math.ceil(max_model_len / self.block_size) + 1
+        rows = spec_k + 1 if spec_k > 0 and (not capture or platform.supports_verify_graphs()) else 1
         graphs = DecodeGraphs(self.model, self.kv_caches, sizes, max_blocks, self.device, platform, capture,
-                              layout=self.layout, pool_of=self.pool_of)
+                              layout=self.layout, pool_of=self.pool_of, block_size=self.block_size,
+                              verify_rows=rows, verify_tokens=cfg.verify_graph_tokens)
         seconds = graphs.capture()
         self.graphs, self.graphs_off_reason = graphs, ""
         if capture:
-            logger.info("captured decode graphs for batch sizes %s in %.2f s", graphs.sizes, seconds)
+            logger.info("captured decode graphs for batch sizes %s and verify graphs for %s in %.2f s",
+                        graphs.sizes, {f"{R} rows": ns for R, ns in graphs.verify_sizes.items()}, seconds)
 
     def prepare(self, out: SchedulerOutput, draft_tokens: dict[str, list[int]] | None = None,
                 keep_hidden: bool = False, prev_tokens: torch.Tensor | None = None) -> StepBatch:
@@ -306,8 +312,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [len(batch.logit_rows), vocab] float32. Pure-decode steps of at most the largest
-        captured size replay a graph; every other step runs eagerly."""
+        """Logits [len(batch.logit_rows), vocab] float32. Pure-decode and verify steps of a captured
+        key replay a graph (``DecodeGraphs.key``); every other step runs eagerly."""
         if self.graphs is not None and self.graphs.accepts(batch):
             for event in (e for ready in batch.meta.layer_ready or [] for e in ready):
                 event.wait()
