@@ -11,12 +11,13 @@ time it adds.
 Per point: ``--reps`` timed forwards (after a warm-up), median kept. The forwards go through the
 engine's ``probe_forward`` (inputs prepared as a real step prepares them, LM head over every verified
 row, nothing sampled) on synthetic requests of ``--context`` cached tokens whose KV blocks are taken
-from the pool. Plain decode (r = 1) replays the engine's decode CUDA graph where the engine captures
-one; verify steps (r > 1) run eagerly, as the engine runs them, and ``r1_eager`` gives the plain step
-without its graph, so the two costs can be told apart.
+from the pool. Where the engine captures graphs, they are captured for verify steps too (as an engine
+with speculative draft length ``max(rows) - 1`` does: ``graph_buckets``), and every point is timed
+twice: replaying its graph (``step_ms[r]``) and eagerly (``step_ms[r_eager]``), so the launch cost and
+the kernels' cost can be told apart. ``verify_capture_s``: seconds to capture every graph.
 
-Printed per B: step ms at r = 1 (graph), r = 1 (eager), r = 2, r = 4; the extra time of r rows over the
-plain step (ratio); and the idle share ``1 - roofline_s / step_s``, where ``roofline_s`` is the bytes
+Printed per B: step ms at each r (graph, then eager); the extra time of r rows over the plain step
+(graph over graph); and the idle share ``1 - roofline_s / step_s``, where ``roofline_s`` is the bytes
 the step must read (weights of the experts its B * r tokens hit under uniform routing, the KV of B
 requests read once) over the measured read bandwidth.
 """
@@ -59,23 +60,28 @@ def synthetic_requests(engine, n: int, context: int, rows: int, vocab: int, rng:
     return seqs
 
 
-def time_forward(engine, out: SchedulerOutput, drafts: dict | None, reps: int, eager: bool) -> float:
-    """Median seconds of one target forward over ``out`` (with ``drafts`` verified)."""
+def time_forward(engine, out: SchedulerOutput, drafts: dict | None, reps: int, eager: bool) -> tuple[float, bool]:
+    """(median seconds of one target forward over ``out`` with ``drafts`` verified, whether it replayed
+    a graph)."""
     runner = engine.runner
+    graphs = runner.graphs
+    replayed = not eager and graphs is not None and graphs.accepts(runner.prepare(out, drafts))
 
     def once() -> float:
         engine.platform.synchronize()
         t = time.perf_counter()
-        if eager:  # keep_hidden: a step whose caller wants hidden states does not replay the graph
-            runner.forward(runner.prepare(out, drafts, keep_hidden=True))
-        else:
-            engine.probe_forward(out, drafts)
+        engine.probe_forward(out, drafts)
         engine.platform.synchronize()
         return time.perf_counter() - t
 
-    for _ in range(3):
-        once()
-    return statistics.median(once() for _ in range(reps))
+    if eager:
+        runner.graphs = None
+    try:
+        for _ in range(3):
+            once()
+        return statistics.median(once() for _ in range(reps)), replayed
+    finally:
+        runner.graphs = graphs
 
 
 def main(argv=None) -> dict:
@@ -105,6 +111,12 @@ def main(argv=None) -> dict:
     llm = build_llm(model_dir, opts, batches, [ctx + max(rows)], args.accelerator, args.seed)
     engine = llm.engine
     graphs = getattr(engine.runner, "graphs", None) is not None
+    capture_s = None
+    if graphs and max(rows) > 1:  # the graphs an engine with draft length max(rows) - 1 captures
+        engine.runner.setup_graphs(engine.platform, engine.cfg, engine.max_model_len, spec_k=max(rows) - 1)
+        capture_s = engine.runner.graphs.capture_seconds
+        print(f"captured {len(engine.runner.graphs.graphs)} graphs (verify rows "
+              f"{dict(engine.runner.graphs.verify_sizes)}) in {capture_s:.2f} s", flush=True)
     build_s = time.perf_counter() - t0
     dev = engine.device
     if dev.type == "cuda":
@@ -124,13 +136,13 @@ def main(argv=None) -> dict:
         with torch.inference_mode():
             for B in batches:
                 out = SchedulerOutput(decodes=[ScheduledSeq(s, 1) for s in seqs[:B]])
-                row = {"batch": B, "step_ms": {}}
+                row = {"batch": B, "step_ms": {}, "graph": {}}
                 for r in rows:
                     drafts = {s.request_id: [rng.randrange(2, mc.vocab_size) for _ in range(r - 1)]
                               for s in seqs[:B]} if r > 1 else None
-                    row["step_ms"][str(r)] = 1e3 * time_forward(engine, out, drafts, reps, eager=r > 1)
-                    if r == 1:
-                        row["step_ms"]["1_eager"] = 1e3 * time_forward(engine, out, None, reps, eager=True)
+                    t, row["graph"][str(r)] = time_forward(engine, out, drafts, reps, eager=False)
+                    row["step_ms"][str(r)] = 1e3 * t
+                    row["step_ms"][f"{r}_eager"] = 1e3 * time_forward(engine, out, drafts, reps, eager=True)[0]
                 base = row["step_ms"]["1"]
                 row["extra_vs_plain"] = {str(r): row["step_ms"][str(r)] / base - 1 for r in rows if r > 1}
                 if read_gbps:
@@ -144,15 +156,18 @@ def main(argv=None) -> dict:
                 points.append(row)
                 ms = row["step_ms"]
                 idle = row.get("idle_share", {})
-                print(f"B={B:>3}  " + "  ".join(f"r={r}: {ms[str(r)]:7.3f} ms" + (
-                      f" (idle {idle[str(r)] * 100:4.1f}%)" if idle else "") for r in rows)
-                      + f"  r=1 eager: {ms['1_eager']:7.3f} ms  extra over plain: "
+                print(f"B={B:>3}  " + "  ".join(
+                      f"r={r}: {ms[str(r)]:7.3f} ms{' graph' if row['graph'][str(r)] else ' (no graph)'}" + (
+                          f" (idle {idle[str(r)] * 100:4.1f}%)" if idle else "") + f" / {ms[f'{r}_eager']:7.3f} eager"
+                      for r in rows)
+                      + "  extra over plain: "
                       + ", ".join(f"r={r} {v * 100:+.1f}%" for r, v in row["extra_vs_plain"].items()), flush=True)
     finally:
         for s in seqs:
             engine.blocks.release(s)
     res = {"shape": args.shape, "scale": args.scale, "context": ctx, "reps": reps, "dtype": str(engine.dtype),
-           "device": str(dev), "decode_graphs": graphs, "read_GBps": read_gbps, "points": points}
+           "device": str(dev), "decode_graphs": graphs, "verify_capture_s": capture_s, "read_GBps": read_gbps,
+           "points": points}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "curve.json").write_text(json.dumps(res, indent=1))
