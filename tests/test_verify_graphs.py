@@ -170,3 +170,37 @@ def test_engine_greedy_with_verify_graphs_equals_plain(tiny_v3_path, proposer_pa
         lo = [o.outputs[0].logprobs[j][t].logprob for j, t in enumerate(o.outputs[0].token_ids)]
         lr = [r.outputs[0].logprobs[j][t].logprob for j, t in enumerate(r.outputs[0].token_ids)]
         assert max(abs(a - b) for a, b in zip(lo, lr)) < 1e-4
+
+
+def test_v4_padded_verify_step_matches_eager():
+    """DeepSeek-V4 (``tiny-v4``: window, compressed and compressor-state cache groups): the padded
+    verify layout gives the eager step's logits; padding rows write no entry of any group."""
+    from deepinfer_core import LLM
+
+    llm = LLM(model="tiny-v4", dtype="float32", accelerator="cpu", max_num_seqs=8, max_num_batched_tokens=64,
+              kv_cache_memory=16 << 20, graph_batch_sizes=SIZES, enable_prefix_caching=False)
+    e, runner = llm.engine, llm.engine.runner
+    runner.setup_graphs(e.platform, e.cfg, e.max_model_len, capture=False, spec_k=3)
+    g = runner.graphs
+    prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n"]
+    seqs = [e.add_request(p, greedy(60)) for p in prompts]
+    for _ in range(30):  # past the first compressed entries
+        e.step()
+    out = e.scheduler.schedule()
+    assert not out.prefills and len(out.decodes) == 3 and all(s.seq in seqs for s in out.decodes)
+    batch = runner.prepare(out, _with_drafts(llm, out, [2, 0, 3]))
+    assert g.key(batch) == (4, 4)
+    g.input_ids.fill_(3)
+    before = {k: [c.clone() for c in v] for k, v in e.kv_caches.items()}
+    logits_padded = runner.forward(batch)
+    after_padded = {k: [c.clone() for c in v] for k, v in e.kv_caches.items()}
+    for k, v in e.kv_caches.items():
+        for c, b in zip(v, before[k]):
+            c.copy_(b)
+    runner.graphs = None
+    logits_eager = runner.forward(batch)
+    runner.graphs = g
+    torch.testing.assert_close(logits_padded, logits_eager, rtol=1e-5, atol=1e-5)
+    for k in e.kv_caches:
+        for p, q in zip(after_padded[k], e.kv_caches[k]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
