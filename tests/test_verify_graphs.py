@@ -126,6 +126,9 @@ def test_padded_verify_step_matches_eager(tiny_v3_path, counts):
     assert {i for i, s in enumerate(g.slot_mapping[: n * R].tolist()) if s >= 0} == rows
     for s in out.decodes:
         e.abort(s.seq.request_id)
+    while e.has_unfinished():
+        e.step()
+    e.blocks.check_no_leaks()
 
 
 def test_which_verify_steps_replay(tiny_v3_path):
