@@ -471,7 +471,7 @@ def test_captured_decode_graph_gives_fia_the_eager_arguments(tmp_path, ascend_em
         graphs = DecodeGraphs(e.model, e.kv_caches, [4], 8, e.device, e.platform, capture=True,
                               layout=e.cache_layout, pool_of=e.blocks.pool_of)
         graphs.capture()
-        graph = graphs.graphs[4]
+        graph = graphs.graphs[(4, 1)]  # 4 sequences of one query row
         layers = e.model_config.num_hidden_layers
         assert [r[1]["actual_seq_kvlen"] for r in graph.records] == [[8 * 16] * 4] * layers  # capture: longest
         e.runner.graphs = graphs
@@ -490,7 +490,8 @@ def test_captured_decode_graph_gives_fia_the_eager_arguments(tmp_path, ascend_em
                 for name, value in run.items():
                     if not isinstance(value, torch.Tensor):
                         assert rec[name] == value, name
-            graphs.outputs[4].copy_(eager)  # what a real replay recomputes (not emulated)
+            for out, value in zip(graphs.outputs[(4, 1)], eager):  # (hidden, logits): what a real replay
+                out.copy_(value)  # recomputes (not emulated)
             checked.append(seq_lens)
 
         e.platform.graph_replay = replay_and_compare
