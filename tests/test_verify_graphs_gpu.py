@@ -1,8 +1,9 @@
-"""CUDA graphs for speculative verify steps on a GPU (embedded default model, bfloat16): a replayed
-verify step (requests with 0..3 drafts, padded to R = 4 rows each) equals the same padded step run
-eagerly, matches the unpadded eager step's logits and greedy tokens (up to bfloat16 near-ties, as in
-``test_cuda_graphs_gpu``), and writes KV at the batch's slots only; a speculative engine replaying
-verify graphs generates plain eager decoding's tokens.
+"""CUDA graphs for speculative verify steps on a GPU (a random-weight bfloat16 model of V2-Lite's
+shapes, 2 layers, vocabulary 4096, LM head scaled so that logits are confident; no embedded weights
+needed): a replayed verify step (requests with 0..3 drafts, padded to R = 4 rows each) equals the same
+padded step run eagerly, matches the unpadded eager step's logits and greedy tokens (up to bfloat16
+near-ties, as in ``test_cuda_graphs_gpu``), and writes KV at the batch's slots only; a speculative
+engine replaying verify graphs generates plain eager decoding's tokens.
 
 With ``DEEPINFER_TL_DRYRUN=1`` and no GPU, :func:`test_verify_graph_kernels_compile` only compiles the
 TileLang kernels of the verify graphs (ragged MLA decode with and without split-KV, MoE at n * R rows).
@@ -10,10 +11,12 @@ TileLang kernels of the verify graphs (ragged MLA decode with and without split-
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from gpu_marks import GPU_OR_DRY, HAS_CUDA
-from test_cuda_graphs_gpu import TIE, code_prompts, compare, greedy, make_llm
 from test_speculative import proposer_package  # noqa: F401
 
 pytestmark = GPU_OR_DRY
@@ -21,11 +24,66 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (DEEPIN
 
 SIZES = [1, 4, 16, 48]
 K = 3  # drafts per request at most: verify graphs of 2..4 rows
+TIE = 0.1  # nats: a top-2 gap this small may flip under bfloat16 rounding differences
+
+
+def v2_config() -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from random_checkpoint import shape_config
+
+    raw = shape_config("v2-lite")
+    raw.update(num_hidden_layers=2, vocab_size=4096)  # one dense, one MoE layer: every kernel shape
+    return raw
 
 
 @pytest.fixture(scope="module")
-def graph_llm():
-    llm = make_llm(False, graph_batch_sizes=SIZES, async_scheduling=False)
+def model_path(tmp_path_factory) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from random_checkpoint import write_config
+
+    return str(write_config(tmp_path_factory.mktemp("v2_verify"), v2_config()))
+
+
+def make_llm(path: str, eager: bool, **kw):
+    from deepinfer_core import LLM
+
+    opts = dict(accelerator="nvidia", dtype="bfloat16", load_format="random", seed=3, block_size=16,
+                max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024, kv_cache_memory=1 << 30,
+                graph_batch_sizes=SIZES, enforce_eager=eager, enable_prefix_caching=False)
+    opts.update(kw)
+    llm = LLM(path, **opts)
+    with torch.no_grad():  # confident logits, so that a broken replay shows as a changed token
+        llm.engine.model.lm_head.mul_(40.0)
+    return llm
+
+
+def greedy(n: int):
+    from deepinfer_core import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+
+
+def compare(graph_outs, eager_outs) -> tuple[int, int]:
+    """Tokens equal, or parting only at a near-tie of the eager run. Returns (identical, near-ties)."""
+    same = ties = 0
+    for i, (g, e) in enumerate(zip(graph_outs, eager_outs)):
+        assert g.error is None and e.error is None
+        tg, te = g.outputs[0].token_ids, e.outputs[0].token_ids
+        assert len(tg) == len(te)
+        j = next((k for k in range(len(te)) if tg[k] != te[k]), len(te))
+        if j == len(te):
+            same += 1
+            continue
+        top = sorted((lp.logprob for lp in e.outputs[0].logprobs[j].values()), reverse=True)
+        assert top[0] - top[1] < TIE, (f"request {i}: graphs and eager part at token {j} ({tg[j]} vs {te[j]}) "
+                                       f"where the eager run was confident (top-2 gap {top[0] - top[1]:.3f} nats)")
+        ties += 1
+    return same, ties
+
+
+@pytest.fixture(scope="module")
+def graph_llm(model_path):
+    llm = make_llm(model_path, False, async_scheduling=False)
     e = llm.engine
     e.runner.setup_graphs(e.platform, e.cfg, e.max_model_len, spec_k=K)  # what an engine with k = 3 captures
     g = e.runner.graphs
@@ -102,17 +160,17 @@ def test_verify_replay_equals_padded_eager_and_eager(graph_llm, n):
 
 
 @needs_gpu
-def test_speculative_engine_with_verify_graphs_generates_plain_tokens(proposer_package):  # noqa: F811
+def test_speculative_engine_with_verify_graphs_generates_plain_tokens(model_path, proposer_package):  # noqa: F811
     """An oracle proposer (k = 3, its last draft wrong every other step) on an engine that captures
     verify graphs from its speculative config: greedy tokens of plain eager decoding."""
     import toy_proposers
 
-    want_llm = make_llm(True)
-    prompts = code_prompts(want_llm, 8, 300)
-    want = want_llm.generate(prompts, greedy(48), use_tqdm=False)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [{"prompt_token_ids": torch.randint(4, 4096, (300 + 7 * i,), generator=gen).tolist()} for i in range(8)]
+    want = make_llm(model_path, True).generate(prompts, greedy(48), use_tqdm=False)
     toy_proposers.Oracle.outputs = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids
                                     for p, o in zip(prompts, want)}
-    llm = make_llm(False, graph_batch_sizes=SIZES, speculative={"proposer": "oracle", "k": K})
+    llm = make_llm(model_path, False, speculative={"proposer": "oracle", "k": K})
     g = llm.engine.runner.graphs
     assert g is not None and sorted(g.verify_sizes) == [2, 3, 4], llm.engine.runner.graphs_off_reason
     got = llm.generate(prompts, greedy(48), use_tqdm=False)
@@ -138,16 +196,7 @@ def test_verify_graph_kernels_compile(shape):
     from kernels_cpu import ReferenceKernels
     from kernels_cuda import CudaKernels
 
-    raw = json.loads((EMBEDDED_MODEL / "config.json").read_text())
-    if shape == "v2-lite":
-        import sys
-        from pathlib import Path
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-        from random_checkpoint import shape_config
-
-        raw = shape_config("v2-lite")
-        raw.update(num_hidden_layers=2, vocab_size=4096)  # one dense, one MoE layer: every kernel shape
+    raw = json.loads((EMBEDDED_MODEL / "config.json").read_text()) if shape == "default" else v2_config()
     cfg = ModelConfig.from_dict(raw)
     model = build_model(Kernels(CudaKernels, ReferenceKernels), cfg, torch.bfloat16, torch.device("cpu"), 1024)
     model.post_load()
