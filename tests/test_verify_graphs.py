@@ -131,6 +131,52 @@ def test_padded_verify_step_matches_eager(tiny_v3_path, counts):
     e.blocks.check_no_leaks()
 
 
+def test_padded_verify_step_bf16_bit_equal_and_a_layout_bug_is_named(tiny_v3_path, monkeypatch):
+    """bfloat16: with the row-count-dependent ops pinned (``op_trace.pinned_tiling``, as the GPU test
+    runs it) the padded verify step's real rows equal the eager step's bit for bit. A layout bug (each
+    request's padded context one key too long) breaks that, and the op trace names the first op whose
+    real rows differ: layer 0's ``mla_decode``."""
+    import deepinfer_core.engine.graph_runner as graph_runner
+    from op_trace import OpRecorder, compare_calls, first_difference, pinned_tiling
+
+    llm = _padded_llm(tiny_v3_path, spec_k=3, dtype="bfloat16")
+    e, runner = llm.engine, llm.engine.runner
+    g, model = runner.graphs, llm.engine.model
+    counts = [3, 0, 1]
+    out = _decoding(llm, len(counts))
+    batch = runner.prepare(out, _with_drafts(llm, out, counts), keep_hidden=True)
+    n, R = g.key(batch)
+    dst = torch.tensor([i * R + j for i, m in enumerate(counts) for j in range(m + 1)])
+    before = [c.clone() for c in e.kv_caches["latent"]]
+
+    def run(padded: bool):
+        runner.graphs = g if padded else None
+        with pinned_tiling(model.k, n * R, 4), OpRecorder(model) as rec:
+            logits = runner.forward(batch)
+        runner.graphs = g
+        for c, b in zip(e.kv_caches["latent"], before):
+            c.copy_(b)
+        return logits, batch.hidden, rec
+
+    lp, hp, rp = run(True)
+    le, he, re_ = run(False)
+    assert lp.dtype == torch.float32 and he.dtype == torch.bfloat16
+    assert torch.equal(lp, le) and torch.equal(hp, he)
+    assert first_difference(compare_calls(rp, re_, dst, rerun=False)) is None
+    true_layout = graph_runner.padded_layout
+    monkeypatch.setattr(graph_runner, "padded_layout",
+                        lambda q, lens, n, R: true_layout(q, [s + 1 for s in lens], n, R))
+    lb, _, rb = run(True)
+    assert not torch.equal(lb, le)
+    first = first_difference(compare_calls(rb, re_, dst, rerun=False))
+    assert (first["layer"], first["op"]) == (0, "mla_decode"), first
+    for s in out.decodes:
+        e.abort(s.seq.request_id)
+    while e.has_unfinished():
+        e.step()
+    e.blocks.check_no_leaks()
+
+
 def test_which_verify_steps_replay(tiny_v3_path):
     llm = _padded_llm(tiny_v3_path, spec_k=2, verify_graph_tokens=8)
     runner = llm.engine.runner
