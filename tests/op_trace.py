@@ -31,9 +31,9 @@ def _pad_rows(fn, rows: int):
         M = x.shape[0]
         if M > rows:
             raise ValueError(f"pinned_tiling: a call with {M} rows > the pinned {rows}")
-        if M < rows:
-            x = torch.cat((x, x.new_zeros(rows - M, *x.shape[1:])))
-        return fn(x, *args, **kw)[:M]
+        xp = x.new_zeros(rows, *x.shape[1:])  # always a fresh contiguous operand: one memory layout too
+        xp[:M] = x
+        return fn(xp, *args, **kw)[:M]
     return padded
 
 

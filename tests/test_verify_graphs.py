@@ -136,8 +136,9 @@ def test_padded_verify_step_bf16_bit_equal_and_a_layout_bug_is_named(tiny_v3_pat
     runs it) the padded verify step's real rows equal the eager step's bit for bit. A layout bug (each
     request's padded context one key too long) breaks that, and the op trace names the first op whose
     real rows differ: layer 0's ``mla_decode``."""
-    import deepinfer_core.engine.graph_runner as graph_runner
     from op_trace import OpRecorder, compare_calls, first_difference, pinned_tiling
+
+    import deepinfer_core.engine.graph_runner as graph_runner
 
     llm = _padded_llm(tiny_v3_path, spec_k=3, dtype="bfloat16")
     e, runner = llm.engine, llm.engine.runner
