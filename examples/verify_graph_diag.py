@@ -117,11 +117,11 @@ def step_report(llm, batch, dst: torch.Tensor, m32, n_split: int | None) -> dict
     rep["free"] = {"logits": (lp - le).abs().max().item(), "hidden": (hp.float() - he.float()).abs().max().item(),
                    "max_logit": le.abs().max().item(), "top2_shift": top2_shift(lp, le),
                    "argmax_differs": (lp.argmax(-1) != le.argmax(-1)).sum().item(), "ops": summarize(rows)}
-    with pinned_tiling(model.k, N, n_split), OpRecorder(model) as pp:
+    with pinned_tiling(model, N, n_split), OpRecorder(model) as pp:
         lp2 = padded.run(batch)
     hp2 = batch.hidden
     restore()
-    with pinned_tiling(model.k, N, n_split), OpRecorder(model) as pe:
+    with pinned_tiling(model, N, n_split), OpRecorder(model) as pe:
         le2, he2 = eager()
     restore()
     prow = compare_calls(pp, pe, dst, rerun=False)
@@ -161,7 +161,7 @@ def injected_bug_report(llm, batch, dst: torch.Tensor, n_split: int | None) -> d
     true_layout = graph_runner.padded_layout
     graph_runner.padded_layout = lambda q, lens, n, R: true_layout(q, [s + 1 for s in lens], n, R)
     try:
-        with pinned_tiling(model.k, N, n_split), OpRecorder(model) as pp:
+        with pinned_tiling(model, N, n_split), OpRecorder(model) as pp:
             lp = padded.run(batch)
     finally:
         graph_runner.padded_layout = true_layout
@@ -169,7 +169,7 @@ def injected_bug_report(llm, batch, dst: torch.Tensor, n_split: int | None) -> d
         c.copy_(b)
     runner.graphs = None
     try:
-        with pinned_tiling(model.k, N, n_split), OpRecorder(model) as pe:
+        with pinned_tiling(model, N, n_split), OpRecorder(model) as pe:
             le = runner.forward(batch)
     finally:
         runner.graphs = g

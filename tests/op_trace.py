@@ -2,12 +2,12 @@
 verify layout of ``DecodeGraphs`` against the eager step), used by ``test_verify_graphs_gpu`` and
 ``examples/verify_graph_diag.py``.
 
-* :func:`pinned_tiling`: the ops whose bfloat16 rounding depends on the number of rows in the call
-  (``linear``/``linear_f32``/``head_linear``: cuBLAS, or the GEMV for one row, picks its kernel and
-  split-K by M; ``mla_decode``: its split-KV count follows the rows) run with a fixed row count (zero
-  rows appended) and a fixed split count. Every row's result then depends on that row's inputs only,
-  so a real row must come out bit for bit the same in either layout: a difference is a layout bug,
-  not rounding.
+* :func:`pinned_tiling`: the ops whose bfloat16 rounding may depend on the number of rows in the call
+  (every row-wise op: cuBLAS picks its GEMM algorithm by M, GEMVs and fused decode ops take over for
+  few rows, the MoE picks its path by tokens; ``mla_decode``: its split-KV count follows the rows) run
+  with a fixed row count (zero rows appended) and a fixed split count. Every row's result then depends
+  on that row's inputs only, so a real row must come out bit for bit the same in either layout: a
+  difference is a layout bug, not rounding.
 * :class:`OpRecorder`: every op call of a run (the model's layer, op name, inputs, output), to find the
   first op whose real rows differ between two runs, and to re-run one op of one layout with the other
   run's inputs (the op's own contribution, without what earlier ops passed on).
@@ -21,30 +21,77 @@ from typing import Any
 
 import torch
 
-ROW_OPS = ("linear", "linear_f32", "head_linear")
+#: words of an op's signature (``deepinfer_core.kernels.OP_SPECS``) that mark per-sequence metadata or a KV
+#: cache: such an op is not padded (its row -> sequence map would break; cache writers write per row anyway)
+SEQUENCE_WORDS = ("cache", "slot", "block_tables", "seq_lens", "cu_q", "cu_k", "seq_idx", "tables")
 #: ops that write the KV cache: not re-run on their own (they would overwrite it)
 WRITE_OPS = ("mla_kv_write", "paged_kv_write")
 
 
-def _pad_rows(fn, rows: int):
+def row_ops(names) -> list[str]:
+    """The ops among ``names`` whose first argument holds one row per token and that take no per-sequence
+    metadata (GEMMs, norms, rope, routing, MoE, fused combinations of those): padding their calls with
+    zero rows changes no real row's inputs."""
+    from deepinfer_core.kernels import OP_SPECS
+
+    specs = {o.name: o.signature for o in OP_SPECS}
+    out = []
+    for name in names:
+        sig = specs.get(name, "")
+        args = sig.split("->")[0]
+        first = args[args.find("[") + 1:].split(",")[0].split("]")[0].strip() if "[" in args else ""
+        if first in ("T", "...") and not any(w in args for w in SEQUENCE_WORDS):
+            out.append(name)
+    return out
+
+
+def _model_tensors(model: torch.nn.Module) -> set[int]:
+    """data_ptr of every tensor a module of ``model`` holds (parameters, buffers, derived weights)."""
+    ptrs = set()
+    for m in model.modules():
+        for v in (*vars(m).values(), *m._parameters.values(), *m._buffers.values()):
+            if isinstance(v, torch.Tensor):
+                ptrs.add(v.data_ptr())
+    return ptrs
+
+
+def _pad_rows(fn, rows: int, weights: set[int]):
+    def pad(x, M):
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == M and x.data_ptr() not in weights:
+            xp = x.new_zeros(rows, *x.shape[1:])  # always a fresh contiguous operand: one memory layout too
+            xp[:M] = x
+            return xp
+        return x
+
+    def cut(y, M):
+        if isinstance(y, torch.Tensor) and y.dim() and y.shape[0] == rows:
+            return y[:M]
+        if isinstance(y, tuple):
+            return tuple(cut(v, M) for v in y)
+        return y
+
     def padded(x, *args, **kw):
         M = x.shape[0]
         if M > rows:
             raise ValueError(f"pinned_tiling: a call with {M} rows > the pinned {rows}")
-        xp = x.new_zeros(rows, *x.shape[1:])  # always a fresh contiguous operand: one memory layout too
-        xp[:M] = x
-        return fn(xp, *args, **kw)[:M]
+        out = fn(pad(x, M), *(pad(a, M) for a in args), **{k: pad(v, M) for k, v in kw.items()})
+        return cut(out, M)
     return padded
 
 
 @contextmanager
-def pinned_tiling(k, rows: int, n_split: int | None = None):
-    """Within the block, the GEMM-like ops of kernels ``k`` run ``rows`` rows per call and ``mla_decode``
-    ``n_split`` key splits (where the op takes ``n_split``: the CUDA kernels; the reference does not split)."""
-    saved = {name: k._fns[name] for name in (*ROW_OPS, "mla_decode")}
+def pinned_tiling(model: torch.nn.Module, rows: int, n_split: int | None = None):
+    """Within the block, every row-wise op of ``model.k`` (:func:`row_ops`: whatever kernel it picks by
+    the number of rows, cuBLAS's GEMM algorithm, a GEMV for few rows, the MoE's path) runs ``rows`` rows
+    per call, the real ones first and zero rows after, and ``mla_decode`` ``n_split`` key splits (where
+    the op takes ``n_split``: the CUDA kernels; the reference does not split)."""
+    k = model.k
+    weights = _model_tensors(model)
+    names = [*row_ops(k._fns), "mla_decode"]
+    saved = {name: k._fns[name] for name in names}
     try:
-        for name in ROW_OPS:
-            k.override(name, _pad_rows(saved[name], rows))
+        for name in names[:-1]:
+            k.override(name, _pad_rows(saved[name], rows, weights))
         dec = saved["mla_decode"]
         if n_split is not None and "n_split" in inspect.signature(dec).parameters:
             k.override("mla_decode", lambda *a, **kw: dec(*a, **{**kw, "n_split": n_split}))

@@ -152,7 +152,7 @@ def test_padded_verify_step_bf16_bit_equal_and_a_layout_bug_is_named(tiny_v3_pat
 
     def run(padded: bool):
         runner.graphs = g if padded else None
-        with pinned_tiling(model.k, n * R, 4), OpRecorder(model) as rec:
+        with pinned_tiling(model, n * R, 4), OpRecorder(model) as rec:
             logits = runner.forward(batch)
         runner.graphs = g
         for c, b in zip(e.kv_caches["latent"], before):

@@ -115,14 +115,14 @@ def _same_rows(padded_run, eager_run, model, N: int, what: str) -> None:
     message names the first op (layer, op) whose real rows differ."""
     from op_trace import OpRecorder, compare_calls, first_difference, pinned_tiling
 
-    with pinned_tiling(model.k, N, SPLIT):
+    with pinned_tiling(model, N, SPLIT):
         (lp, hp, dst) = padded_run()
         (le, he) = eager_run()
     if torch.equal(lp, le) and torch.equal(hp, he):
         return
-    with pinned_tiling(model.k, N, SPLIT), OpRecorder(model) as rp:
+    with pinned_tiling(model, N, SPLIT), OpRecorder(model) as rp:
         padded_run()
-    with pinned_tiling(model.k, N, SPLIT), OpRecorder(model) as re_:
+    with pinned_tiling(model, N, SPLIT), OpRecorder(model) as re_:
         eager_run()
     first = first_difference(compare_calls(rp, re_, dst, rerun=False))
     raise AssertionError(f"{what}: with the same tiling the padded step's real rows differ from the eager step's "
