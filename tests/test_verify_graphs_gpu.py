@@ -33,10 +33,10 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (DEEPIN
 SIZES = [1, 4, 16, 48]
 K = 3  # drafts per request at most: verify graphs of 2..4 rows
 SPLIT = 4  # MLA decode key splits when the padded and the eager step are compared at the same tiling
-#: nats: a top-2 gap this small may flip under bfloat16 rounding differences. The LM head is scaled
-#: x40 (confident tokens), which puts the top logits in [64, 128), where bfloat16 steps by 0.5: the
-#: logits alone round by up to 0.25, plus what the hidden states carry. Four steps.
-TIE = 2.0
+#: nats: a top-2 gap this small may flip under bfloat16 rounding differences. The LM head is scaled x40
+#: (confident tokens), which puts the top logits at 130-185 on the H200, where bfloat16 steps by 1.0: there
+#: the padded and the eager step moved a row's top-2 gap by up to 1.5 (examples/verify_graph_diag.py).
+TIE = 4.0
 
 
 def v2_config() -> dict:
