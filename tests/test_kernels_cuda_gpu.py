@@ -197,6 +197,88 @@ def test_fused_moe_real_shapes(case):
         close(out, ref.fused_moe(*up(x, w13, w2, weights), ids), torch.bfloat16, f"fused_moe {case[0]}")
 
 
+# ---- weight-streaming fused MoE at decode (kernels_cuda.moe_gemv) ----------------------------------
+V2L = dict(E=64, S=2, C=2048, I=1408, k=6)  # V2-Lite: 64 routed experts top-6, 2 shared experts folded in
+
+
+def _decode_moe(T, E, S, C, I, k, seed=11, pool=None):
+    """x, w13/w2 with S shared experts stacked behind E routed ones, ids = k routed (from ``pool``: repeats
+    across tokens) + the S shared ids, bf16 weights (1.0 for the shared experts), as ``MoE.forward`` passes."""
+    g = gen(seed)
+    x = randn(g, T, C)
+    w13 = randn(g, E + S, 2 * I, C, scale=C ** -0.5)
+    w2 = randn(g, E + S, C, I, scale=I ** -0.5)
+    pool = torch.arange(E) if pool is None else pool
+    cg = torch.Generator().manual_seed(seed)
+    routed = torch.stack([pool[torch.randperm(len(pool), generator=cg)[:k]] for _ in range(T)])
+    ids = torch.cat((routed, torch.arange(E, E + S).expand(T, S)), 1).to(DEV)
+    weights = torch.cat((torch.rand(T, k, generator=cg), torch.ones(T, S)), 1).to(DEV, torch.bfloat16)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("T", [1, 2, 8, 64])
+def test_fused_moe_decode_shapes(T):
+    """V2-Lite at decode batches: 1-8 tokens take the weight-streaming path, 64 the tensor-core pipeline;
+    experts 0-15 never picked, 16-27 shared by many tokens, the shared experts by every token."""
+    from kernels_cuda import moe_gemv
+    from kernels_cuda.moe import fused_moe
+
+    x, w13, w2, weights, ids = _decode_moe(T, **V2L, pool=torch.arange(16, 28))
+    assert moe_gemv.applies(x, w13, w2, weights, ids) == (T <= moe_gemv.MAX_TOKENS)
+    out = fused_moe(x, w13, w2, weights, ids)
+    if DRY:
+        return
+    close(out, ref.fused_moe(*up(x, w13, w2, weights), ids), torch.bfloat16, f"fused_moe decode T={T}")
+
+
+def test_fused_moe_decode_remote_and_repeated_ids():
+    """3 tokens: ids of other ranks (< 0, >= E), an expert twice in one token, a token with no local expert."""
+    from kernels_cuda import moe_gemv
+    from kernels_cuda.moe import fused_moe
+
+    x, w13, w2, weights, _ = _decode_moe(3, **V2L)
+    E = w13.shape[0]
+    ids = torch.tensor([[3, -1, 40, E, 3, 65, 64, 7], [-2, E + 5, -1, E, -1, -1, -1, E + 1],
+                        [40, 41, 3, 0, 1, 2, 64, 65]], device=DEV)
+    assert moe_gemv.applies(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids)
+    if DRY:
+        return
+    close(out, ref.fused_moe(*up(x, w13, w2, weights), ids), torch.bfloat16, "fused_moe decode remote ids")
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "a token with no local expert gets zeros"
+
+
+def test_fused_moe_decode_batch_invariant_and_deterministic():
+    """Inside the weight-streaming path a token's row is bitwise the same alone, in any batch of <= 8, at any
+    place in it, and from call to call (no atomics on data; fixed reduction orders)."""
+    from kernels_cuda.moe import fused_moe
+
+    x, w13, w2, weights, ids = _decode_moe(8, **V2L, pool=torch.arange(20))
+    full = fused_moe(x, w13, w2, weights, ids)
+    again = fused_moe(x, w13, w2, weights, ids)
+    perm = torch.tensor([5, 2, 7, 0], device=DEV)
+    part = fused_moe(x[perm], w13, w2, weights[perm], ids[perm])
+    alone = [fused_moe(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1]) for t in (0, 1, 2, 3, 4, 5, 6, 7)]
+    if DRY:
+        return
+    assert torch.equal(full, again), "two calls differ"
+    assert torch.equal(part, full[perm]), "a token's row depends on the batch around it"
+    assert torch.equal(torch.cat(alone), full), "a token alone differs from the same token in a batch of 8"
+
+
+def test_fused_moe_clamped_decode():
+    """V4-Flash widths (hidden 4096, expert 2048) with the SwiGLU clamp, one and four tokens."""
+    from kernels_cpu.v4_ops import fused_moe_clamped as reference
+    from kernels_cuda.moe import fused_moe_clamped
+
+    for T in (1, 4):
+        x, w13, w2, weights, ids = _decode_moe(T, E=16, S=0, C=4096, I=2048, k=6)
+        x = x * 8  # gates beyond the clamp
+        out = fused_moe_clamped(x, w13, w2, weights, ids, 10.0)
+        if not DRY:
+            close(out, reference(*up(x, w13, w2, weights), ids, 10.0), torch.bfloat16, f"clamped T={T}")
+
+
 # ---- router, norms, cache write, sampling ---------------------------------------------------------
 ROUTE_CASES = [
     ("V3 gate", 256, 8, "sigmoid", True, 8, 4, "top2sum", True, 2.5),

@@ -1,0 +1,283 @@
+"""Weight-streaming fused MoE for decode (few rows per expert): two launches, no align/gather/combine.
+
+At decode each selected expert sees a handful of rows, so ``kernels_cuda.moe``'s tensor-core pipeline
+(align, gather, gemm1, gemm2, combine: five launches) spends its time on launches and pipeline fill
+while the job is to stream each selected expert's weights once at HBM speed. Here, GEMV-style:
+
+1. ``moe_up``: grid (I / BN columns, NS slots). The CTA of slot s takes expert e = ids[s] unless an
+   earlier slot already holds e (that CTA does the work): its threads scan the slots once and list
+   every slot of e (so e's weights are read once for all its rows). A warp group of ``RT`` threads
+   owns one column n of the expert: it loads the gate row n and the up row n of W13[e] into registers
+   (16-byte vectors, all loads independent so they are in flight together), then for each listed row
+   (in chunks of ``MB``) dots them with x[token] and writes SiLU(gate) * up (optionally V4's clamp) to
+   H[slot, n] in the activation dtype. CTAs of slots whose expert is elsewhere (ids < 0 or >= E:
+   another rank's) or already taken exit before reading any weight.
+2. ``moe_down``: grid (C / BN columns, token chunks of ``MB``). A warp group owns output column c
+   and, for each token of its chunk and each of the token's K slots in slot order, dots H[slot] with
+   row c of W2[ids[slot]], scales by the routing weight and accumulates in float32; the K slots are
+   reduced in registers and out[t, c] is written once. Rows of the same expert across tokens hit L1/L2.
+
+Deterministic and batch-invariant inside this path: no atomics on data (the shared-memory counter
+only orders the row list, and a row's arithmetic does not depend on its place in the list), every
+dot product reduces in a fixed order set by the static shape (C or I, RT), and a token's output
+depends only on its own rows. Its rounding differs from the tensor-core pipeline's, so a token's
+result depends on which path the batch size picks (``applies``); the engine's batch-invariant mode
+replaces ``fused_moe`` with ``kernels_cpu.batch_invariant``'s, so it never runs this choice.
+"""
+
+import torch
+
+from kernels_cuda import _tl
+
+#: decode batches (tokens) up to this take the weight-streaming path (a size rule on shapes only:
+#: nothing is read back from the device); above it the tensor-core pipeline of ``kernels_cuda.moe``.
+MAX_TOKENS = 8
+THREADS = 256
+VEC = 8  # 2-byte elements per 16-byte load
+
+
+def m_bucket(n: int) -> int:
+    """Rows per chunk (static): the token count rounded up to 1, 2, 4 or 8; more tokens run in chunks of 8."""
+    return next(b for b in (1, 2, 4, 8) if min(n, 8) <= b)
+
+
+def split(width: int, threads: int = THREADS) -> tuple[int, int]:
+    """(RT threads per column, BN columns per CTA) for a reduction over ``width``: each thread keeps at most
+    8 vectors of a weight row in registers (one warp for 2048, four for V3's 7168)."""
+    rt = 32
+    while rt < threads and -(-width // (rt * VEC)) > 8:
+        rt *= 2
+    return rt, threads // rt
+
+
+def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str,
+             limit: float | None = None):
+    T = _tl.language()
+    NT, NS = T.dynamic("NT"), T.dynamic("NS")
+    accum = "float32"
+    step = RT * VEC
+    iters = -(-C // step)
+    ragged = C % step != 0
+    NW = RT // 32
+    assert I % BN == 0 and C % VEC == 0
+
+    @T.prim_func
+    def moe_up(X: T.Tensor((NT, C), dtype), W13: T.Tensor((E, 2 * I, C), dtype), Ids: T.Tensor((NS,), id_dtype),
+               H: T.Tensor((NS, I), dtype)):
+        with T.Kernel(I // BN, NS, threads=(RT, BN)) as (bn, s):
+            tk = T.get_thread_binding(0)
+            tn = T.get_thread_binding(1)
+            T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs' loads in flight per SM
+            lin = tn * RT + tk
+            n = bn * BN + tn
+            rows = T.alloc_shared((RT * BN,), "int32")  # the slots of this CTA's expert (NS <= RT * BN)
+            cnt = T.alloc_shared((1,), "int32")
+            first = T.alloc_shared((1,), "int32")
+            part = T.alloc_shared((BN, NW, 2 * MB), accum)
+            w_g = T.alloc_local((iters, VEC), dtype)
+            w_u = T.alloc_local((iters, VEC), dtype)
+            x_loc = T.alloc_local((VEC,), dtype)
+            acc_g = T.alloc_local((MB,), accum)
+            acc_u = T.alloc_local((MB,), accum)
+            g = T.alloc_local((1,), accum)
+            u = T.alloc_local((1,), accum)
+            nr = T.alloc_local((1,), "int32")
+            mine = T.alloc_local((1,), "int32")
+            if lin == 0:
+                cnt[0] = 0
+                first[0] = 1
+            T.sync_threads()
+            e = T.cast(Ids[s], "int32")
+            if lin < NS:
+                if T.cast(Ids[lin], "int32") == e:
+                    if lin < s:
+                        first[0] = 0  # an earlier slot's CTA owns this expert
+                    else:
+                        pos = T.atomic_add(cnt[0], 1, return_prev=True)
+                        rows[pos] = lin
+            T.sync_threads()
+            nr[0] = cnt[0]
+            mine[0] = first[0]
+            if (e >= 0) & (e < E) & (mine[0] == 1):
+                for it in T.unroll(iters):
+                    k0 = it * step + tk * VEC
+                    if (not ragged) or (k0 < C):
+                        for v in T.vectorized(VEC):
+                            w_g[it, v] = W13[e, n, k0 + v]
+                        for v in T.vectorized(VEC):
+                            w_u[it, v] = W13[e, I + n, k0 + v]
+                for ch in T.serial(T.ceildiv(nr[0], MB)):
+                    for m in T.unroll(MB):
+                        acc_g[m] = 0.0
+                        acc_u[m] = 0.0
+                    for m in T.unroll(MB):
+                        # rows past the count repeat the last one (no guard: all loads can be in flight)
+                        tok = rows[T.min(ch * MB + m, nr[0] - 1)] // K
+                        for it in T.unroll(iters):
+                            k0 = it * step + tk * VEC
+                            if (not ragged) or (k0 < C):
+                                for v in T.vectorized(VEC):
+                                    x_loc[v] = X[tok, k0 + v]
+                                for v in T.unroll(VEC):
+                                    acc_g[m] += T.cast(x_loc[v], accum) * T.cast(w_g[it, v], accum)
+                                    acc_u[m] += T.cast(x_loc[v], accum) * T.cast(w_u[it, v], accum)
+                    for m in T.unroll(MB):
+                        acc_g[m] = T.warp_reduce_sum(acc_g[m])
+                        acc_u[m] = T.warp_reduce_sum(acc_u[m])
+                    if NW > 1:  # the column's warps add their sums through shared memory, in warp order
+                        if tk % 32 == 0:
+                            for m in T.unroll(MB):
+                                part[tn, tk // 32, m] = acc_g[m]
+                                part[tn, tk // 32, MB + m] = acc_u[m]
+                        T.sync_threads()
+                        if tk == 0:
+                            for m in T.unroll(MB):
+                                acc_g[m] = part[tn, 0, m]
+                                acc_u[m] = part[tn, 0, MB + m]
+                                for w in T.serial(NW - 1):
+                                    acc_g[m] += part[tn, w + 1, m]
+                                    acc_u[m] += part[tn, w + 1, MB + m]
+                        T.sync_threads()
+                    if tk == 0:
+                        for m in T.serial(MB):
+                            if ch * MB + m < nr[0]:
+                                g[0] = acc_g[m]
+                                u[0] = acc_u[m]
+                                if limit is not None:
+                                    g[0] = T.min(g[0], limit)
+                                    u[0] = T.max(T.min(u[0], limit), -limit)
+                                H[rows[ch * MB + m], n] = T.cast(g[0] / (1.0 + T.exp(-g[0])) * u[0], dtype)
+
+    return moe_up
+
+
+def build_down(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str):
+    T = _tl.language()
+    NT, NS = T.dynamic("NT"), T.dynamic("NS")
+    accum = "float32"
+    step = RT * VEC
+    iters = -(-I // step)
+    ragged = I % step != 0
+    NW = RT // 32
+    assert C % BN == 0 and I % VEC == 0
+
+    @T.prim_func
+    def moe_down(H: T.Tensor((NS, I), dtype), W2: T.Tensor((E, C, I), dtype), Ids: T.Tensor((NT, K), id_dtype),
+                 Wt: T.Tensor((NT, K), wt_dtype), Out: T.Tensor((NT, C), dtype)):
+        with T.Kernel(C // BN, T.ceildiv(NT, MB), threads=(RT, BN)) as (bc, tb):
+            tk = T.get_thread_binding(0)
+            tn = T.get_thread_binding(1)
+            T.annotate_min_blocks_per_sm(4)
+            c = bc * BN + tn
+            zero = T.cast(0, dtype)
+            part = T.alloc_shared((BN, NW, MB), accum)
+            w_loc = T.alloc_local((VEC,), dtype)
+            h_loc = T.alloc_local((VEC,), dtype)
+            dot = T.alloc_local((1,), accum)
+            acc = T.alloc_local((MB,), accum)
+            for m in T.unroll(MB):
+                acc[m] = 0.0
+            for m in T.unroll(MB):
+                t = T.min(tb * MB + m, NT - 1)  # rows past NT repeat the last token (not written)
+                for j in T.unroll(K):
+                    e = T.cast(Ids[t, j], "int32")
+                    ok = (e >= 0) & (e < E)
+                    # predicated loads, no branch: every slot's loads can be in flight together; another
+                    # rank's slot loads zeros (its H row was never written)
+                    dot[0] = 0.0
+                    for it in T.unroll(iters):
+                        k0 = it * step + tk * VEC
+                        live = ok if not ragged else ok & (k0 < I)
+                        for v in T.vectorized(VEC):
+                            w_loc[v] = T.if_then_else(live, W2[e, c, k0 + v], zero)
+                        for v in T.vectorized(VEC):
+                            h_loc[v] = T.if_then_else(live, H[t * K + j, k0 + v], zero)
+                        for v in T.unroll(VEC):
+                            dot[0] += T.cast(h_loc[v], accum) * T.cast(w_loc[v], accum)
+                    acc[m] += T.cast(T.if_then_else(ok, Wt[t, j], T.cast(0, wt_dtype)), accum) * dot[0]
+            for m in T.unroll(MB):
+                acc[m] = T.warp_reduce_sum(acc[m])
+            if NW > 1:
+                if tk % 32 == 0:
+                    for m in T.unroll(MB):
+                        part[tn, tk // 32, m] = acc[m]
+                T.sync_threads()
+                if tk == 0:
+                    for m in T.unroll(MB):
+                        acc[m] = part[tn, 0, m]
+                        for w in T.serial(NW - 1):
+                            acc[m] += part[tn, w + 1, m]
+            if tk == 0:
+                for m in T.serial(MB):
+                    if tb * MB + m < NT:
+                        Out[tb * MB + m, c] = T.cast(acc[m], dtype)
+
+    return moe_down
+
+
+_up = _tl.kernel_cache(build_up)
+_down = _tl.kernel_cache(build_down)
+
+_IDS = {torch.int64: "int64", torch.int32: "int32"}
+
+
+def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            max_tokens: int = MAX_TOKENS) -> bool:
+    """Whether ``fused_moe`` takes this path: at most ``MAX_TOKENS`` tokens (the size rule: rows per expert are
+    at most the token count when a token's ids are distinct; repeats are handled, in more chunks), 2-byte
+    activations with weights of the same dtype, contiguous 16-byte aligned operands, widths the tiles divide."""
+    NT, C = x.shape
+    if not (1 <= NT <= max_tokens) or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if w13.dtype != x.dtype or w2.dtype != x.dtype or ids.dtype not in _IDS or ids.dim() != 2:
+        return False
+    if weights.dtype not in (x.dtype, torch.float32) or weights.shape != ids.shape or ids.shape[0] != NT:
+        return False
+    E, two_i, C1 = w13.shape
+    I = two_i // 2
+    if C1 != C or w2.shape != (E, C, I) or NT * ids.shape[1] > THREADS:
+        return False
+    if C % VEC or I % VEC or I % split(C)[1] or C % split(I)[1]:
+        return False
+    if not (w13.is_contiguous() and w2.is_contiguous()) or w13.data_ptr() % 16 or w2.data_ptr() % 16:
+        return False
+    return x.is_cuda or _tl.dry_run()
+
+
+def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None) -> torch.Tensor:
+    """``fused_moe`` (``limit``: ``fused_moe_clamped``) in two launches; ``applies`` must hold."""
+    steps, finish = small_steps(x, w13, w2, weights, ids, limit)
+    for _, step in steps:
+        step()
+    return finish()
+
+
+def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: tuple[int, int] = (THREADS, THREADS)):
+    """The two launches as (name, thunk) pairs plus the output thunk (``examples/moe_small_bench.py`` times
+    them; ``threads``: the CTA sizes of the two kernels, for its sweep)."""
+    NT, C = x.shape
+    E, two_i, _ = w13.shape
+    I, K = two_i // 2, ids.shape[1]
+    x = x.contiguous()
+    if x.data_ptr() % 16:  # 16-byte vector loads
+        x = x.clone()
+    ids, weights = ids.contiguous(), weights.contiguous()
+    dt, id_dt, MB = _tl.tl_dtype(x.dtype), _IDS[ids.dtype], m_bucket(NT)
+    h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
+    out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
+    k1 = _up(E, C, I, K, MB, *split(C, threads[0]), dt, id_dt, limit)
+    k2 = _down(E, C, I, K, MB, *split(I, threads[1]), dt, id_dt, _tl.tl_dtype(weights.dtype))
+    flat = ids.view(-1)
+    return [("up", lambda: k1(x, w13, flat, h)), ("down", lambda: k2(h, w2, ids, weights, out))], (lambda: out)
+
+
+def representative_kernels():
+    E, C, I = 66, 2048, 1408  # V2-Lite: 64 routed + 2 shared experts, top-6 + 2
+    return [
+        ("moe_up V2-Lite MB1", lambda: build_up(E, C, I, 8, 1, *split(C), "bfloat16", "int64")),
+        ("moe_down V2-Lite MB8 bf16 weights", lambda: build_down(E, C, I, 8, 8, *split(I), "bfloat16", "int64",
+                                                                 "bfloat16")),
+        # V3 (hidden 7168: four warps per column) and V4-Flash's clamp
+        ("moe_up V3 MB4", lambda: build_up(257, 7168, 2048, 9, 4, *split(7168), "bfloat16", "int64")),
+        ("moe_up V4 clamped MB1", lambda: build_up(256, 4096, 2048, 6, 1, *split(4096), "bfloat16", "int64", 10.0)),
+    ]
