@@ -275,9 +275,9 @@ def representative_kernels():
     E, C, I = 66, 2048, 1408  # V2-Lite: 64 routed + 2 shared experts, top-6 + 2
     return [
         ("moe_up V2-Lite MB1", lambda: build_up(E, C, I, 8, 1, *split(C), "bfloat16", "int64")),
-        ("moe_down V2-Lite MB8 bf16 weights", lambda: build_down(E, C, I, 8, 8, *split(I), "bfloat16", "int64",
+        ("moe_down V2-Lite MB2 bf16 weights", lambda: build_down(E, C, I, 8, 2, *split(I), "bfloat16", "int64",
                                                                  "bfloat16")),
         # V3 (hidden 7168: four warps per column) and V4-Flash's clamp
-        ("moe_up V3 MB4", lambda: build_up(257, 7168, 2048, 9, 4, *split(7168), "bfloat16", "int64")),
+        ("moe_up V3 MB2", lambda: build_up(257, 7168, 2048, 9, 2, *split(7168), "bfloat16", "int64")),
         ("moe_up V4 clamped MB1", lambda: build_up(256, 4096, 2048, 6, 1, *split(4096), "bfloat16", "int64", 10.0)),
     ]
