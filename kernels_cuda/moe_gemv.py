@@ -51,7 +51,8 @@ def split(width: int, threads: int = THREADS) -> tuple[int, int]:
 
 
 def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str,
-             limit: float | None = None):
+             limit: float | None = None, eager: bool | None = None):
+    """``eager`` (default: one token, MB == 1) loads the weights before the slot scan instead of after it."""
     T = _tl.language()
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
     accum = "float32"
@@ -60,6 +61,18 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
     ragged = C % step != 0
     NW = RT // 32
     assert I % BN == 0 and C % VEC == 0
+    eager = MB == 1 if eager is None else eager
+
+    @T.macro
+    def load_rows(W13, e, n, tk, w_g, w_u):
+        """Gate row n and up row n of expert e: this thread's 16-byte vectors, all in flight together."""
+        for it in T.unroll(iters):
+            k0 = it * step + tk * VEC
+            if (not ragged) or (k0 < C):
+                for v in T.vectorized(VEC):
+                    w_g[it, v] = W13[e, n, k0 + v]
+                for v in T.vectorized(VEC):
+                    w_u[it, v] = W13[e, I + n, k0 + v]
 
     @T.prim_func
     def moe_up(X: T.Tensor((NT, C), dtype), W13: T.Tensor((E, 2 * I, C), dtype), Ids: T.Tensor((NS,), id_dtype),
@@ -83,11 +96,14 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
             u = T.alloc_local((1,), accum)
             nr = T.alloc_local((1,), "int32")
             mine = T.alloc_local((1,), "int32")
+            e = T.cast(Ids[s], "int32")
+            if eager:  # one token: no other token's slot can own this expert, so load before the scan
+                if (e >= 0) & (e < E):
+                    load_rows(W13, e, n, tk, w_g, w_u)
             if lin == 0:
                 cnt[0] = 0
                 first[0] = 1
             T.sync_threads()
-            e = T.cast(Ids[s], "int32")
             if lin < NS:
                 if T.cast(Ids[lin], "int32") == e:
                     if lin < s:
@@ -99,13 +115,8 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
             nr[0] = cnt[0]
             mine[0] = first[0]
             if (e >= 0) & (e < E) & (mine[0] == 1):
-                for it in T.unroll(iters):
-                    k0 = it * step + tk * VEC
-                    if (not ragged) or (k0 < C):
-                        for v in T.vectorized(VEC):
-                            w_g[it, v] = W13[e, n, k0 + v]
-                        for v in T.vectorized(VEC):
-                            w_u[it, v] = W13[e, I + n, k0 + v]
+                if not eager:
+                    load_rows(W13, e, n, tk, w_g, w_u)
                 for ch in T.serial(T.ceildiv(nr[0], MB)):
                     for m in T.unroll(MB):
                         acc_g[m] = 0.0
@@ -252,12 +263,14 @@ def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None) -> tor
     return finish()
 
 
-def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: tuple[int, int] = (THREADS, THREADS)):
+def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: tuple[int, int] = (THREADS, THREADS),
+                eager: bool | None = None):
     """The two launches as (name, thunk) pairs plus the output thunk (``examples/moe_small_bench.py`` times
-    them; ``threads``: the CTA sizes of the two kernels, for its sweep)."""
+    them; ``threads`` (the CTA sizes of the two kernels) and ``eager`` (``build_up``) for its sweep)."""
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
+    assert NT * K <= threads[0], "the slot scan lists at most one slot per thread"
     x = x.contiguous()
     if x.data_ptr() % 16:  # 16-byte vector loads
         x = x.clone()
@@ -265,7 +278,7 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: t
     dt, id_dt, MB = _tl.tl_dtype(x.dtype), _IDS[ids.dtype], m_bucket(NT)
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
-    k1 = _up(E, C, I, K, MB, *split(C, threads[0]), dt, id_dt, limit)
+    k1 = _up(E, C, I, K, MB, *split(C, threads[0]), dt, id_dt, limit, eager)
     k2 = _down(E, C, I, K, MB, *split(I, threads[1]), dt, id_dt, _tl.tl_dtype(weights.dtype))
     flat = ids.view(-1)
     return [("up", lambda: k1(x, w13, flat, h)), ("down", lambda: k2(h, w2, ids, weights, out))], (lambda: out)
