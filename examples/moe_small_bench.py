@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 #: name: (routed experts, shared experts, hidden, expert width, top-k)
 SHAPES = {"v2-lite": (64, 2, 2048, 1408, 6), "v3": (256, 1, 7168, 2048, 8)}
 CALLS = 8  # calls per timed graph (each with its own ids)
-SWEEP = [(256, 256, None), (256, 256, False), (128, 256, None), (256, 128, None), (128, 128, None)]
-#: (up, down) threads per CTA, and whether up loads its weights before the slot scan (None: at one token)
+#: (up, down) threads per CTA, whether up loads its weights before the slot scan (None: at one token), and the
+#: CTAs per SM down's register budget allows
+SWEEP = [(256, 256, None, 4), (256, 256, False, 2), (128, 256, None, 2), (256, 128, None, 4), (128, 128, None, 8)]
 
 
 def routing(T: int, E: int, S: int, k: int, gen: torch.Generator, dev: str):
@@ -133,7 +134,7 @@ def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
                       w2s[c % len(w2s)], w, ids))
     res = {}
     for th in SWEEP:
-        steps = [moe_gemv.small_steps(*a, threads=th[:2], eager=th[2])[0] for a in calls]
+        steps = [moe_gemv.small_steps(*a, threads=th[:2], eager=th[2], down_blocks=th[3])[0] for a in calls]
         if dry:
             for s in steps[0]:
                 s[1]()
@@ -142,7 +143,7 @@ def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
         for i in range(2):
             only = graphed(cycle([s[i][1] for s in steps]))
             us.append(round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2))
-        tag = f"up{th[0]}_down{th[1]}" + ("_scan_first" if th[2] is False else "")
+        tag = f"up{th[0]}_down{th[1]}x{th[3]}" + ("_scan_first" if th[2] is False else "")
         res[tag] = {"up_us": us[0], "down_us": us[1]}
         print(f"{name:>7} T=1 sweep {tag}: up {moe_gemv.split(C, th[0])} {us[0]:.2f} us, down "
               f"{moe_gemv.split(I, th[1])} {us[1]:.2f} us", flush=True)

@@ -162,7 +162,9 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
     return moe_up
 
 
-def build_down(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str):
+def build_down(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str,
+               min_blocks: int = 4):
+    """``min_blocks``: CTAs per SM the register budget must allow (4: <= 64 registers a thread)."""
     T = _tl.language()
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
     accum = "float32"
@@ -178,7 +180,7 @@ def build_down(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype:
         with T.Kernel(C // BN, T.ceildiv(NT, MB), threads=(RT, BN)) as (bc, tb):
             tk = T.get_thread_binding(0)
             tn = T.get_thread_binding(1)
-            T.annotate_min_blocks_per_sm(4)
+            T.annotate_min_blocks_per_sm(min_blocks)
             c = bc * BN + tn
             zero = T.cast(0, dtype)
             part = T.alloc_shared((BN, NW, MB), accum)
@@ -264,9 +266,10 @@ def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None) -> tor
 
 
 def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: tuple[int, int] = (THREADS, THREADS),
-                eager: bool | None = None):
+                eager: bool | None = None, down_blocks: int = 4):
     """The two launches as (name, thunk) pairs plus the output thunk (``examples/moe_small_bench.py`` times
-    them; ``threads`` (the CTA sizes of the two kernels) and ``eager`` (``build_up``) for its sweep)."""
+    them; ``threads`` (the CTA sizes of the two kernels), ``eager`` (``build_up``) and ``down_blocks``
+    (``build_down``'s ``min_blocks``) for its sweep)."""
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
@@ -279,7 +282,7 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: t
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
     k1 = _up(E, C, I, K, MB, *split(C, threads[0]), dt, id_dt, limit, eager)
-    k2 = _down(E, C, I, K, MB, *split(I, threads[1]), dt, id_dt, _tl.tl_dtype(weights.dtype))
+    k2 = _down(E, C, I, K, MB, *split(I, threads[1]), dt, id_dt, _tl.tl_dtype(weights.dtype), down_blocks)
     flat = ids.view(-1)
     return [("up", lambda: k1(x, w13, flat, h)), ("down", lambda: k2(h, w2, ids, weights, out))], (lambda: out)
 
