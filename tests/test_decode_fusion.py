@@ -136,7 +136,7 @@ def test_moe_streaming_dispatch_rules(monkeypatch):
     """Which ``fused_moe`` calls the CUDA backend runs on the weight-streaming path (``kernels_cuda.moe_gemv``:
     decode batches, decided from shapes alone) and its CTA shapes; the rest take the tensor-core pipeline."""
     from kernels_cuda import _tl
-    from kernels_cuda.moe_gemv import MAX_TOKENS, applies, m_bucket, split
+    from kernels_cuda.moe_gemv import MAX_TOKENS, applies, m_bucket, mma_fits, split
 
     monkeypatch.setenv(_tl.DRYRUN_ENV, "1")  # CPU tensors stand in for device ones
     bf, e = torch.bfloat16, torch.empty
@@ -158,3 +158,5 @@ def test_moe_streaming_dispatch_rules(monkeypatch):
     assert [m_bucket(T) for T in (1, 2, 3, 5, 8, 16)] == [1, 2, 4, 8, 8, 8]
     assert split(2048) == (32, 8) and split(1408) == (32, 8)  # a warp per column, 8 columns per CTA
     assert split(7168) == (128, 2) and split(4096) == (64, 4)  # V3 / V4 hidden: K over 4 / 2 warps
+    # the tensor-core up kernel takes V2-Lite / V3 / V4 hidden widths (8 warps x 32-element steps), not the kit's 32
+    assert mma_fits(2048) and mma_fits(7168) and mma_fits(4096) and not mma_fits(32) and not mma_fits(2560 + 8)
