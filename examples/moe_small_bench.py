@@ -87,8 +87,9 @@ def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float,
         small_ok = moe_gemv.applies(*calls[0], max_tokens=max_small)
         if dry:
             moe._fused(*calls[0], None, None)
-            if small_ok:
-                moe_gemv.fused_moe_small(*calls[0])
+            for up in ("mma", "fma") if small_ok and moe_gemv.mma_fits(C) else ("fma",) if small_ok else ():
+                for _, st in moe_gemv.small_steps(*calls[0], up=up)[0]:
+                    st()
             continue
         row: dict = {"MB_per_call": round(nbytes / 1e6, 1)}
 
@@ -97,24 +98,28 @@ def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float,
         if small_ok:
             new = graphed(cycle([functools.partial(moe_gemv.fused_moe_small, *a) for a in calls]))
             row["streaming"] = figure(timed(new, warmup=1, reps=10) / CALLS, nbytes, read_GBps)
-            steps = [moe_gemv.small_steps(*a)[0] for a in calls]
-            for i, kname in enumerate(("up", "down")):
-                only = graphed(cycle([s[i][1] for s in steps]))
-                row[f"streaming_{kname}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
             x, w13, w2, w, ids = calls[0]
-            got = moe_gemv.fused_moe_small(x, w13, w2, w, ids).float()
             uniq = torch.unique(ids)  # the reference in float32 over the touched experts only (V3: 22 GB)
             want = ref.fused_moe(x.float(), w13[uniq].float(), w2[uniq].float(), w.float(),
                                  torch.searchsorted(uniq, ids))
-            row["max_rel_err"] = float(f"{((got - want).abs().max() / want.abs().max()).item():.2e}")
+            for up in ("mma", "fma") if moe_gemv.mma_fits(C) else ("fma",):  # the up kernel on either unit
+                steps = [moe_gemv.small_steps(*a, up=up)[0] for a in calls]
+                for i, kname in enumerate((f"up_{up}", "down")):
+                    only = graphed(cycle([s[i][1] for s in steps]))
+                    row[f"{kname}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
+                got_steps, finish = moe_gemv.small_steps(x, w13, w2, w, ids, up=up)
+                for _, st in got_steps:
+                    st()
+                got = finish().float()
+                row[f"err_{up}"] = float(f"{((got - want).abs().max() / want.abs().max()).item():.2e}")
             row["speedup"] = round(row["pipeline"]["us"] / row["streaming"]["us"], 2)
         out[f"T={T}"] = row
-        s = row.get("streaming")
+        sr = row.get("streaming")
         print(f"{name:>7} T={T:>3} {row['MB_per_call']:7.1f} MB | pipeline {row['pipeline']['us']:8.2f} us "
               f"{row['pipeline']['TBps']:5.2f} TB/s {row['pipeline']['pct_read']:5.1f}%"
-              + (f" | streaming {s['us']:8.2f} us {s['TBps']:5.2f} TB/s {s['pct_read']:5.1f}% (up "
-                 f"{row['streaming_up_us']:.2f}, down {row['streaming_down_us']:.2f}) x{row['speedup']:.2f} "
-                 f"err {row['max_rel_err']:.1e}" if s else ""), flush=True)
+              + (f" | streaming {sr['us']:8.2f} us {sr['TBps']:5.2f} TB/s {sr['pct_read']:5.1f}% x{row['speedup']:.2f}"
+                 f" | up mma {row.get('up_mma_us', 0):.2f} fma {row['up_fma_us']:.2f} down {row['down_us']:.2f} us"
+                 f" | err mma {row.get('err_mma', 0):.1e} fma {row['err_fma']:.1e}" if sr else ""), flush=True)
     if sweep:
         out["sweep_T1"] = sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry)
     return out
@@ -127,14 +132,15 @@ def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
     from kernels_cuda import moe_gemv
 
     E, S, C, I, k = SHAPES[name]
-    calls = []
+    calls = []  # the CUDA-core up kernel's variants (the tensor-core one has no knobs)
     for c in range(CALLS):
         w, ids = routing(1, E, S, k, gen, dev)
         calls.append((torch.randn(1, C, generator=gen).to(dev, torch.bfloat16), w13s[c % len(w13s)],
                       w2s[c % len(w2s)], w, ids))
     res = {}
     for th in SWEEP:
-        steps = [moe_gemv.small_steps(*a, threads=th[:2], eager=th[2], down_blocks=th[3])[0] for a in calls]
+        steps = [moe_gemv.small_steps(*a, threads=th[:2], eager=th[2], down_blocks=th[3], up="fma")[0]
+                 for a in calls]
         if dry:
             for s in steps[0]:
                 s[1]()

@@ -162,6 +162,111 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
     return moe_up
 
 
+def build_up_mma(E: int, C: int, I: int, K: int, dtype: str, id_dtype: str, limit: float | None = None):
+    """``moe_up`` on the tensor cores: a CTA owns 8 columns of an expert (their 8 gate and 8 up rows are the M = 16
+    of ``mma.m16n8k16``), the listed rows are its N = 8 (in chunks of 8), and its 8 warps split the reduction
+    (each 1/8 of C, added through shared memory in warp order). A thread loads 16 contiguous bytes of its gate
+    row, up row and activation row per 32 elements of K; the mma's k positions {2t, 2t+1, 2t+8, 2t+9} are mapped
+    onto 4 contiguous elements for both operands (any k permutation shared by A and B gives the same dot
+    product), so no shuffles. Same loads as the CUDA-core kernel, the FMAs and conversions gone."""
+    T = _tl.language()
+    NT, NS = T.dynamic("NT"), T.dynamic("NS")
+    accum = "float32"
+    WARPS = THREADS // 32
+    BN = 8  # columns per CTA: their 8 gate rows and 8 up rows are the mma's M = 16
+    KW = C // WARPS  # each warp's share of the reduction
+    assert C % (WARPS * 32) == 0 and I % BN == 0
+    steps = KW // 32
+    ab = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+
+    @T.prim_func
+    def moe_up_mma(X: T.Tensor((NT, C), dtype), W13: T.Tensor((E, 2 * I, C), dtype), Ids: T.Tensor((NS,), id_dtype),
+                   H: T.Tensor((NS, I), dtype)):
+        with T.Kernel(I // BN, NS, threads=THREADS) as (bn, s):
+            tx = T.get_thread_binding()
+            T.annotate_min_blocks_per_sm(2)  # <= 128 registers
+            warp = tx // 32
+            lane = tx % 32
+            g = lane // 4
+            t = lane % 4
+            rows = T.alloc_shared((THREADS,), "int32")
+            cnt = T.alloc_shared((1,), "int32")
+            first = T.alloc_shared((1,), "int32")
+            red = T.alloc_shared((WARPS, 32, 4), accum)
+            wg = T.alloc_local((8,), dtype)
+            wu = T.alloc_local((8,), dtype)
+            xv = T.alloc_local((8,), dtype)
+            a = T.alloc_local((8,), dtype)
+            b = T.alloc_local((4,), dtype)
+            acc = T.alloc_local((4,), accum)
+            nr = T.alloc_local((1,), "int32")
+            mine = T.alloc_local((1,), "int32")
+            gu = T.alloc_local((2,), accum)
+            e = T.cast(Ids[s], "int32")
+            if tx == 0:
+                cnt[0] = 0
+                first[0] = 1
+            T.sync_threads()
+            if tx < NS:
+                if T.cast(Ids[tx], "int32") == e:
+                    if tx < s:
+                        first[0] = 0  # an earlier slot's CTA owns this expert
+                    else:
+                        pos = T.atomic_add(cnt[0], 1, return_prev=True)
+                        rows[pos] = tx
+            T.sync_threads()
+            nr[0] = cnt[0]
+            mine[0] = first[0]
+            if (e >= 0) & (e < E) & (mine[0] == 1):
+                for ch in T.serial(T.ceildiv(nr[0], 8)):
+                    for i in T.unroll(4):
+                        acc[i] = 0.0
+                    tok = rows[T.min(ch * 8 + g, nr[0] - 1)] // K
+                    for st in T.unroll(steps):
+                        k0 = warp * KW + st * 32 + t * 8
+                        for v in T.vectorized(8):
+                            wg[v] = W13[e, bn * BN + g, k0 + v]
+                        for v in T.vectorized(8):
+                            wu[v] = W13[e, I + bn * BN + g, k0 + v]
+                        for v in T.vectorized(8):
+                            xv[v] = X[tok, k0 + v]
+                        for h in T.unroll(2):
+                            # the mma's k positions {2t, 2t+1, 2t+8, 2t+9}: this thread's elements 4h .. 4h+3
+                            a[0] = wg[4 * h]
+                            a[1] = wg[4 * h + 1]
+                            a[2] = wu[4 * h]
+                            a[3] = wu[4 * h + 1]
+                            a[4] = wg[4 * h + 2]
+                            a[5] = wg[4 * h + 3]
+                            a[6] = wu[4 * h + 2]
+                            a[7] = wu[4 * h + 3]
+                            for i in T.unroll(4):
+                                b[i] = xv[4 * h + i]
+                            T.ptx_mma(accum, "m16n8k16", "row", "col", ab, ab, "fp32", a.data, 0, b.data, 0,
+                                      acc.data, 0, T.bool(False))
+                    for i in T.unroll(4):
+                        red[warp, lane, i] = acc[i]
+                    T.sync_threads()
+                    if warp == 0:
+                        for i in T.unroll(4):
+                            acc[i] = red[0, lane, i]
+                            for w in T.serial(WARPS - 1):
+                                acc[i] += red[w + 1, lane, i]
+                        # acc[0..1]: gate of column g for chunk rows 2t, 2t+1; acc[2..3]: their up
+                        for i in T.unroll(2):
+                            if ch * 8 + 2 * t + i < nr[0]:
+                                gu[0] = acc[i]
+                                gu[1] = acc[2 + i]
+                                if limit is not None:
+                                    gu[0] = T.min(gu[0], limit)
+                                    gu[1] = T.max(T.min(gu[1], limit), -limit)
+                                H[rows[ch * 8 + 2 * t + i], bn * BN + g] = T.cast(
+                                    gu[0] / (1.0 + T.exp(-gu[0])) * gu[1], dtype)
+                    T.sync_threads()
+
+    return moe_up_mma
+
+
 def build_down(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str,
                min_blocks: int = 4):
     """``min_blocks``: CTAs per SM the register budget must allow (4: <= 64 registers a thread)."""
@@ -229,6 +334,7 @@ def build_down(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype:
 
 
 _up = _tl.kernel_cache(build_up)
+_up_mma = _tl.kernel_cache(build_up_mma)
 _down = _tl.kernel_cache(build_down)
 
 _IDS = {torch.int64: "int64", torch.int32: "int32"}
@@ -257,6 +363,11 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     return x.is_cuda or _tl.dry_run()
 
 
+def mma_fits(C: int) -> bool:
+    """``build_up_mma`` takes the hidden width in whole 32-element steps of each of its 8 warps."""
+    return C % (THREADS // 32 * 32) == 0
+
+
 def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None) -> torch.Tensor:
     """``fused_moe`` (``limit``: ``fused_moe_clamped``) in two launches; ``applies`` must hold."""
     steps, finish = small_steps(x, w13, w2, weights, ids, limit)
@@ -266,10 +377,11 @@ def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None) -> tor
 
 
 def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: tuple[int, int] = (THREADS, THREADS),
-                eager: bool | None = None, down_blocks: int = 4):
+                eager: bool | None = None, down_blocks: int = 4, up: str = "auto"):
     """The two launches as (name, thunk) pairs plus the output thunk (``examples/moe_small_bench.py`` times
-    them; ``threads`` (the CTA sizes of the two kernels), ``eager`` (``build_up``) and ``down_blocks``
-    (``build_down``'s ``min_blocks``) for its sweep)."""
+    them; ``threads`` (the CTA sizes of the two kernels), ``eager`` (``build_up``), ``down_blocks``
+    (``build_down``'s ``min_blocks``) and ``up`` ("mma": ``build_up_mma``, "fma": ``build_up``, "auto": the
+    tensor cores where the hidden width fits them) for its sweep)."""
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
@@ -281,7 +393,10 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: t
     dt, id_dt, MB = _tl.tl_dtype(x.dtype), _IDS[ids.dtype], m_bucket(NT)
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
-    k1 = _up(E, C, I, K, MB, *split(C, threads[0]), dt, id_dt, limit, eager)
+    if up == "mma" or (up == "auto" and mma_fits(C)):
+        k1 = _up_mma(E, C, I, K, dt, id_dt, limit)
+    else:
+        k1 = _up(E, C, I, K, MB, *split(C, threads[0]), dt, id_dt, limit, eager)
     k2 = _down(E, C, I, K, MB, *split(I, threads[1]), dt, id_dt, _tl.tl_dtype(weights.dtype), down_blocks)
     flat = ids.view(-1)
     return [("up", lambda: k1(x, w13, flat, h)), ("down", lambda: k2(h, w2, ids, weights, out))], (lambda: out)
@@ -296,4 +411,5 @@ def representative_kernels():
         # V3 (hidden 7168: four warps per column) and V4-Flash's clamp
         ("moe_up V3 MB2", lambda: build_up(257, 7168, 2048, 9, 2, *split(7168), "bfloat16", "int64")),
         ("moe_up V4 clamped MB1", lambda: build_up(256, 4096, 2048, 6, 1, *split(4096), "bfloat16", "int64", 10.0)),
+        ("moe_up mma V2-Lite", lambda: build_up_mma(E, C, I, 8, "bfloat16", "int64")),
     ]
