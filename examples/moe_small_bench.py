@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 #: name: (routed experts, shared experts, hidden, expert width, top-k)
 SHAPES = {"v2-lite": (64, 2, 2048, 1408, 6), "v3": (256, 1, 7168, 2048, 8)}
 CALLS = 8  # calls per timed graph (each with its own ids)
-#: (up, down) threads per CTA, whether up loads its weights before the slot scan (None: at one token), and the
-#: CTAs per SM down's register budget allows
-SWEEP = [(256, 256, None, 4), (256, 256, False, 2), (128, 256, None, 2), (256, 128, None, 4), (128, 128, None, 8)]
+#: one-token variants: up kernel and its threads, down kernel threads and the CTAs per SM its registers allow
+SWEEP = [("fma", 256, 128, 4), ("fma", 128, 128, 4), ("mma", 256, 128, 2), ("fma", 256, 128, 2),
+         ("fma", 256, 256, 2), ("fma", 256, 128, 8), ("fma", 256, 64, 8)]
 
 
 def routing(T: int, E: int, S: int, k: int, gen: torch.Generator, dev: str):
@@ -85,41 +85,42 @@ def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float,
             calls.append((x, w13s[c % layers], w2s[c % layers], w, ids))
         nbytes = sum(call_bytes(a[4], E + S, C, I, T) for a in calls) / CALLS
         small_ok = moe_gemv.applies(*calls[0], max_tokens=max_small)
+        ups = ("fma", "mma") if moe_gemv.mma_fits(C) else ("fma",)
         if dry:
             moe._fused(*calls[0], None, None)
-            for up in ("mma", "fma") if small_ok and moe_gemv.mma_fits(C) else ("fma",) if small_ok else ():
-                for _, st in moe_gemv.small_steps(*calls[0], up=up)[0]:
-                    st()
+            for up in ups if small_ok else ():
+                for down_tokens in (1, 0):
+                    for _, st in moe_gemv.small_steps(*calls[0], up=up, down_tokens=down_tokens)[0]:
+                        st()
             continue
         row: dict = {"MB_per_call": round(nbytes / 1e6, 1)}
-
         old = graphed(cycle([functools.partial(moe._fused, *a, None, None) for a in calls]))
         row["pipeline"] = figure(timed(old, warmup=1, reps=10) / CALLS, nbytes, read_GBps)
+        line = ""
         if small_ok:
-            new = graphed(cycle([functools.partial(moe_gemv.fused_moe_small, *a) for a in calls]))
-            row["streaming"] = figure(timed(new, warmup=1, reps=10) / CALLS, nbytes, read_GBps)
             x, w13, w2, w, ids = calls[0]
             uniq = torch.unique(ids)  # the reference in float32 over the touched experts only (V3: 22 GB)
             want = ref.fused_moe(x.float(), w13[uniq].float(), w2[uniq].float(), w.float(),
                                  torch.searchsorted(uniq, ids))
-            for up in ("mma", "fma") if moe_gemv.mma_fits(C) else ("fma",):  # the up kernel on either unit
-                steps = [moe_gemv.small_steps(*a, up=up)[0] for a in calls]
-                for i, kname in enumerate((f"up_{up}", "down")):
-                    only = graphed(cycle([s[i][1] for s in steps]))
-                    row[f"{kname}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
-                got_steps, finish = moe_gemv.small_steps(x, w13, w2, w, ids, up=up)
-                for _, st in got_steps:
-                    st()
-                got = finish().float()
+            for up in ups:  # the whole path with either up kernel, then each kernel alone
+                new = graphed(cycle([functools.partial(moe_gemv.fused_moe_small, *a, up=up) for a in calls]))
+                row[f"streaming_{up}"] = figure(timed(new, warmup=1, reps=10) / CALLS, nbytes, read_GBps)
+                got = moe_gemv.fused_moe_small(x, w13, w2, w, ids, up=up).float()
                 row[f"err_{up}"] = float(f"{((got - want).abs().max() / want.abs().max()).item():.2e}")
-            row["speedup"] = round(row["pipeline"]["us"] / row["streaming"]["us"], 2)
+                only = graphed(cycle([moe_gemv.small_steps(*a, up=up)[0][0][1] for a in calls]))
+                row[f"up_{up}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
+                line += (f" | {up} {row[f'streaming_{up}']['us']:7.2f} us {row[f'streaming_{up}']['pct_read']:5.1f}%"
+                         f" (up {row[f'up_{up}_us']:.2f}) err {row[f'err_{up}']:.1e}")
+            for down_tokens in (1, 0) if T > 1 else (1,):  # a token per CTA, or the row bucket per CTA
+                only = graphed(cycle([moe_gemv.small_steps(*a, down_tokens=down_tokens)[0][1][1] for a in calls]))
+                row[f"down_tokens{down_tokens}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
+                line += f" | down/{down_tokens or 'bucket'} {row[f'down_tokens{down_tokens}_us']:.2f}"
+            best = min(row[f"streaming_{up}"]["us"] for up in ups)
+            row["speedup_best"] = round(row["pipeline"]["us"] / best, 2)
+            line += f" | x{row['speedup_best']:.2f}"
         out[f"T={T}"] = row
-        sr = row.get("streaming")
         print(f"{name:>7} T={T:>3} {row['MB_per_call']:7.1f} MB | pipeline {row['pipeline']['us']:8.2f} us "
-              f"{row['pipeline']['TBps']:5.2f} TB/s {row['pipeline']['pct_read']:5.1f}%"
-              + (f" | streaming {sr['us']:8.2f} us {sr['TBps']:5.2f} TB/s {sr['pct_read']:5.1f}% x{row['speedup']:.2f}"
-                 f" | up mma {row.get('up_mma_us', 0):.2f} fma {row['up_fma_us']:.2f} down {row['down_us']:.2f} us"
-                 f" | err mma {row.get('err_mma', 0):.1e} fma {row['err_fma']:.1e}" if sr else ""), flush=True)
+              f"{row['pipeline']['TBps']:5.2f} TB/s {row['pipeline']['pct_read']:5.1f}%" + line, flush=True)
     if sweep:
         out["sweep_T1"] = sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry)
     return out
@@ -132,15 +133,15 @@ def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
     from kernels_cuda import moe_gemv
 
     E, S, C, I, k = SHAPES[name]
-    calls = []  # the CUDA-core up kernel's variants (the tensor-core one has no knobs)
+    calls = []
     for c in range(CALLS):
         w, ids = routing(1, E, S, k, gen, dev)
         calls.append((torch.randn(1, C, generator=gen).to(dev, torch.bfloat16), w13s[c % len(w13s)],
                       w2s[c % len(w2s)], w, ids))
     res = {}
-    for th in SWEEP:
-        steps = [moe_gemv.small_steps(*a, threads=th[:2], eager=th[2], down_blocks=th[3], up="fma")[0]
-                 for a in calls]
+    for up, up_threads, down_threads, down_blocks in SWEEP:
+        kw = dict(up=up, up_threads=up_threads, down_threads=down_threads, down_blocks=down_blocks)
+        steps = [moe_gemv.small_steps(*a, **kw)[0] for a in calls]
         if dry:
             for s in steps[0]:
                 s[1]()
@@ -149,10 +150,9 @@ def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
         for i in range(2):
             only = graphed(cycle([s[i][1] for s in steps]))
             us.append(round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2))
-        tag = f"up{th[0]}_down{th[1]}x{th[3]}" + ("_scan_first" if th[2] is False else "")
+        tag = f"up_{up}{up_threads}_down{down_threads}x{down_blocks}"
         res[tag] = {"up_us": us[0], "down_us": us[1]}
-        print(f"{name:>7} T=1 sweep {tag}: up {moe_gemv.split(C, th[0])} {us[0]:.2f} us, down "
-              f"{moe_gemv.split(I, th[1])} {us[1]:.2f} us", flush=True)
+        print(f"{name:>7} T=1 sweep {tag}: up {us[0]:.2f} us, down {us[1]:.2f} us", flush=True)
     return res
 
 

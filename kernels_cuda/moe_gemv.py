@@ -29,9 +29,11 @@ import torch
 
 from kernels_cuda import _tl
 
-#: decode batches (tokens) up to this take the weight-streaming path (a size rule on shapes only:
-#: nothing is read back from the device); above it the tensor-core pipeline of ``kernels_cuda.moe``.
-MAX_TOKENS = 8
+#: decode batches (tokens) up to this take the weight-streaming path (a size rule on shapes only: nothing is
+#: read back from the device); above it the tensor-core pipeline of ``kernels_cuda.moe``. Measured on the H200
+#: (docs/decode_fusion.md): at V2-Lite one token 54 against 76 us a layer, at 2-16 tokens the CUDA-core kernels
+#: were 1.3-2.2x slower than the pipeline (FMA-bound), so one token until the tensor-core up kernel is measured.
+MAX_TOKENS = 1
 THREADS = 256
 VEC = 8  # 2-byte elements per 16-byte load
 
@@ -51,8 +53,7 @@ def split(width: int, threads: int = THREADS) -> tuple[int, int]:
 
 
 def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str,
-             limit: float | None = None, eager: bool | None = None):
-    """``eager`` (default: one token, MB == 1) loads the weights before the slot scan instead of after it."""
+             limit: float | None = None):
     T = _tl.language()
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
     accum = "float32"
@@ -61,7 +62,6 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
     ragged = C % step != 0
     NW = RT // 32
     assert I % BN == 0 and C % VEC == 0
-    eager = MB == 1 if eager is None else eager
 
     @T.macro
     def load_rows(W13, e, n, tk, w_g, w_u):
@@ -97,9 +97,6 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
             nr = T.alloc_local((1,), "int32")
             mine = T.alloc_local((1,), "int32")
             e = T.cast(Ids[s], "int32")
-            if eager:  # one token: no other token's slot can own this expert, so load before the scan
-                if (e >= 0) & (e < E):
-                    load_rows(W13, e, n, tk, w_g, w_u)
             if lin == 0:
                 cnt[0] = 0
                 first[0] = 1
@@ -115,8 +112,8 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
             nr[0] = cnt[0]
             mine[0] = first[0]
             if (e >= 0) & (e < E) & (mine[0] == 1):
-                if not eager:
-                    load_rows(W13, e, n, tk, w_g, w_u)
+                # (loading before the scan, at one token, measured slower on the H200: 35.5 against 26.1 us)
+                load_rows(W13, e, n, tk, w_g, w_u)
                 for ch in T.serial(T.ceildiv(nr[0], MB)):
                     for m in T.unroll(MB):
                         acc_g[m] = 0.0
@@ -356,7 +353,7 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     I = two_i // 2
     if C1 != C or w2.shape != (E, C, I) or NT * ids.shape[1] > THREADS:
         return False
-    if C % VEC or I % VEC or I % split(C)[1] or C % split(I)[1]:
+    if C % VEC or I % VEC:  # (then the 1-8 columns per CTA divide them too)
         return False
     if not (w13.is_contiguous() and w2.is_contiguous()) or w13.data_ptr() % 16 or w2.data_ptr() % 16:
         return False
@@ -368,24 +365,31 @@ def mma_fits(C: int) -> bool:
     return C % (THREADS // 32 * 32) == 0
 
 
-def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None) -> torch.Tensor:
-    """``fused_moe`` (``limit``: ``fused_moe_clamped``) in two launches; ``applies`` must hold."""
-    steps, finish = small_steps(x, w13, w2, weights, ids, limit)
+def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None, **overrides) -> torch.Tensor:
+    """``fused_moe`` (``limit``: ``fused_moe_clamped``) in two launches; ``applies`` must hold (``overrides``: see
+    :func:`small_steps`)."""
+    steps, finish = small_steps(x, w13, w2, weights, ids, limit, **overrides)
     for _, step in steps:
         step()
     return finish()
 
 
-def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: tuple[int, int] = (THREADS, THREADS),
-                eager: bool | None = None, down_blocks: int = 4, up: str = "auto"):
-    """The two launches as (name, thunk) pairs plus the output thunk (``examples/moe_small_bench.py`` times
-    them; ``threads`` (the CTA sizes of the two kernels), ``eager`` (``build_up``), ``down_blocks``
-    (``build_down``'s ``min_blocks``) and ``up`` ("mma": ``build_up_mma``, "fma": ``build_up``, "auto": the
-    tensor cores where the hidden width fits them) for its sweep)."""
+#: the tiles, measured on the H200 at V2-Lite batch 1 (docs/decode_fusion.md): the CUDA-core up kernel with 256
+#: threads (26.1 us; 128 threads 27.3), the down kernel with 128 threads and 4 CTAs' registers per SM (16.1 us;
+#: 256 threads 17.7), one token per down CTA (more tokens share experts through L2, not through one warp's loop).
+CONFIG = {"up": "fma", "up_threads": THREADS, "down_threads": 128, "down_blocks": 4, "down_tokens": 1}
+
+
+def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **overrides):
+    """The two launches as (name, thunk) pairs plus the output thunk. ``overrides`` replace :data:`CONFIG` keys
+    (``examples/moe_small_bench.py`` sweeps them): ``up`` "fma" (``build_up``) or "mma" (``build_up_mma``, where
+    ``mma_fits``), ``up_threads``, ``down_threads``, ``down_blocks`` (``build_down``'s ``min_blocks``),
+    ``down_tokens`` (tokens per down CTA; 0: the row bucket)."""
+    cfg = {**CONFIG, **overrides}
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
-    assert NT * K <= threads[0], "the slot scan lists at most one slot per thread"
+    assert NT * K <= cfg["up_threads"], "the slot scan lists at most one slot per thread"
     x = x.contiguous()
     if x.data_ptr() % 16:  # 16-byte vector loads
         x = x.clone()
@@ -393,11 +397,13 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, threads: t
     dt, id_dt, MB = _tl.tl_dtype(x.dtype), _IDS[ids.dtype], m_bucket(NT)
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
-    if up == "mma" or (up == "auto" and mma_fits(C)):
+    if cfg["up"] == "mma" and mma_fits(C):
         k1 = _up_mma(E, C, I, K, dt, id_dt, limit)
     else:
-        k1 = _up(E, C, I, K, MB, *split(C, threads[0]), dt, id_dt, limit, eager)
-    k2 = _down(E, C, I, K, MB, *split(I, threads[1]), dt, id_dt, _tl.tl_dtype(weights.dtype), down_blocks)
+        k1 = _up(E, C, I, K, MB, *split(C, cfg["up_threads"]), dt, id_dt, limit)
+    MD = cfg["down_tokens"] or MB
+    k2 = _down(E, C, I, K, MD, *split(I, cfg["down_threads"]), dt, id_dt, _tl.tl_dtype(weights.dtype),
+               cfg["down_blocks"])
     flat = ids.view(-1)
     return [("up", lambda: k1(x, w13, flat, h)), ("down", lambda: k2(h, w2, ids, weights, out))], (lambda: out)
 

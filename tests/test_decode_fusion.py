@@ -142,14 +142,16 @@ def test_moe_streaming_dispatch_rules(monkeypatch):
     bf, e = torch.bfloat16, torch.empty
     w13, w2 = e(66, 2 * 1408, 2048, dtype=bf), e(66, 2048, 1408, dtype=bf)  # V2-Lite, shared experts folded
 
-    def call(T, k=8, dtype=bf, wdt=bf, idt=torch.long, w13=w13, w2=w2):
-        return applies(e(T, w13.shape[2], dtype=dtype), w13.to(dtype) if dtype != bf else w13,
-                       w2.to(dtype) if dtype != bf else w2, e(T, k, dtype=wdt), e(T, k, dtype=idt))
+    def call(T, k=8, dtype=bf, wdt=bf, idt=torch.long, w13=w13, w2=w2, max_tokens=8):
+        return applies(e(T, w13.shape[2], dtype=dtype), w13, w2, e(T, k, dtype=wdt), e(T, k, dtype=idt),
+                       max_tokens=max_tokens)
 
-    assert MAX_TOKENS == 8
-    assert all(call(T) for T in (1, 2, 5, 8)) and not call(9) and not call(64) and not call(0)
+    assert MAX_TOKENS == 1  # measured: one token wins, 2-16 lose to the pipeline on CUDA cores (moe_gemv.py)
+    assert call(1, max_tokens=MAX_TOKENS) and not call(2, max_tokens=MAX_TOKENS)
+    assert all(call(T) for T in (1, 2, 5, 8)) and not call(9) and not call(0)
     assert call(1, wdt=torch.float32) and call(1, idt=torch.int32)
     assert not call(1, idt=torch.int16)
+    assert not call(1, dtype=torch.float32)  # float32 activations: the reference
     assert not applies(e(1, 2048, dtype=bf), w13.float(), w2, e(1, 8, dtype=bf), e(1, 8, dtype=torch.long))
     assert not applies(e(1, 2048, dtype=bf), w13[:, :, ::2], w2, e(1, 8, dtype=bf), e(1, 8, dtype=torch.long))
     assert call(1, w13=e(6, 48, 32, dtype=bf), w2=e(6, 32, 24, dtype=bf))  # tiny widths, 8-element vectors

@@ -44,6 +44,9 @@ def up(*ts):
     return tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts)
 
 
+up_ = up  # for tests whose parameter is named ``up``
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator(device=DEV).manual_seed(seed)
 
@@ -216,10 +219,27 @@ def _decode_moe(T, E, S, C, I, k, seed=11, pool=None):
     return x, w13, w2, weights, ids
 
 
-@pytest.mark.parametrize("T", [1, 2, 8, 64])
-def test_fused_moe_decode_shapes(T):
-    """V2-Lite at decode batches: 1-8 tokens take the weight-streaming path, 64 the tensor-core pipeline;
+UPS = ["fma", "mma"]  # moe_up on the CUDA cores / on the tensor cores
+
+
+@pytest.mark.parametrize("up", UPS)
+@pytest.mark.parametrize("T", [1, 2, 8])
+def test_fused_moe_decode_shapes(T, up):
+    """V2-Lite on the weight-streaming path at 1-8 tokens (the backend sends it ``MAX_TOKENS``; both up kernels):
     experts 0-15 never picked, 16-27 shared by many tokens, the shared experts by every token."""
+    from kernels_cuda import moe_gemv
+
+    x, w13, w2, weights, ids = _decode_moe(T, **V2L, pool=torch.arange(16, 28))
+    assert moe_gemv.applies(x, w13, w2, weights, ids, max_tokens=8)
+    out = moe_gemv.fused_moe_small(x, w13, w2, weights, ids, up=up)
+    if DRY:
+        return
+    close(out, ref.fused_moe(*up_(x, w13, w2, weights), ids), torch.bfloat16, f"fused_moe decode T={T} {up}")
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_fused_moe_decode_dispatch(T):
+    """Through the backend's op: 1 token on the streaming path, 64 on the tensor-core pipeline."""
     from kernels_cuda import moe_gemv
     from kernels_cuda.moe import fused_moe
 
@@ -228,37 +248,38 @@ def test_fused_moe_decode_shapes(T):
     out = fused_moe(x, w13, w2, weights, ids)
     if DRY:
         return
-    close(out, ref.fused_moe(*up(x, w13, w2, weights), ids), torch.bfloat16, f"fused_moe decode T={T}")
+    close(out, ref.fused_moe(*up_(x, w13, w2, weights), ids), torch.bfloat16, f"fused_moe T={T}")
 
 
-def test_fused_moe_decode_remote_and_repeated_ids():
+@pytest.mark.parametrize("up", UPS)
+def test_fused_moe_decode_remote_and_repeated_ids(up):
     """3 tokens: ids of other ranks (< 0, >= E), an expert twice in one token, a token with no local expert."""
     from kernels_cuda import moe_gemv
-    from kernels_cuda.moe import fused_moe
 
     x, w13, w2, weights, _ = _decode_moe(3, **V2L)
     E = w13.shape[0]
     ids = torch.tensor([[3, -1, 40, E, 3, 65, 64, 7], [-2, E + 5, -1, E, -1, -1, -1, E + 1],
                         [40, 41, 3, 0, 1, 2, 64, 65]], device=DEV)
-    assert moe_gemv.applies(x, w13, w2, weights, ids)
-    out = fused_moe(x, w13, w2, weights, ids)
+    assert moe_gemv.applies(x, w13, w2, weights, ids, max_tokens=8)
+    out = moe_gemv.fused_moe_small(x, w13, w2, weights, ids, up=up)
     if DRY:
         return
-    close(out, ref.fused_moe(*up(x, w13, w2, weights), ids), torch.bfloat16, "fused_moe decode remote ids")
+    close(out, ref.fused_moe(*up_(x, w13, w2, weights), ids), torch.bfloat16, f"fused_moe decode remote ids {up}")
     assert torch.equal(out[1], torch.zeros_like(out[1])), "a token with no local expert gets zeros"
 
 
-def test_fused_moe_decode_batch_invariant_and_deterministic():
-    """Inside the weight-streaming path a token's row is bitwise the same alone, in any batch of <= 8, at any
-    place in it, and from call to call (no atomics on data; fixed reduction orders)."""
-    from kernels_cuda.moe import fused_moe
+@pytest.mark.parametrize("up", UPS)
+def test_fused_moe_decode_batch_invariant_and_deterministic(up):
+    """With either up kernel a token's row is bitwise the same alone, in any batch of <= 8, at any place in it, and
+    from call to call (no atomics on data; fixed reduction orders)."""
+    from kernels_cuda.moe_gemv import fused_moe_small
 
     x, w13, w2, weights, ids = _decode_moe(8, **V2L, pool=torch.arange(20))
-    full = fused_moe(x, w13, w2, weights, ids)
-    again = fused_moe(x, w13, w2, weights, ids)
+    full = fused_moe_small(x, w13, w2, weights, ids, up=up)
+    again = fused_moe_small(x, w13, w2, weights, ids, up=up)
     perm = torch.tensor([5, 2, 7, 0], device=DEV)
-    part = fused_moe(x[perm], w13, w2, weights[perm], ids[perm])
-    alone = [fused_moe(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1]) for t in (0, 1, 2, 3, 4, 5, 6, 7)]
+    part = fused_moe_small(x[perm], w13, w2, weights[perm], ids[perm], up=up)
+    alone = [fused_moe_small(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], up=up) for t in range(8)]
     if DRY:
         return
     assert torch.equal(full, again), "two calls differ"
@@ -266,17 +287,22 @@ def test_fused_moe_decode_batch_invariant_and_deterministic():
     assert torch.equal(torch.cat(alone), full), "a token alone differs from the same token in a batch of 8"
 
 
-def test_fused_moe_clamped_decode():
+@pytest.mark.parametrize("up", UPS)
+def test_fused_moe_clamped_decode(up):
     """V4-Flash widths (hidden 4096, expert 2048) with the SwiGLU clamp, one and four tokens."""
     from kernels_cpu.v4_ops import fused_moe_clamped as reference
     from kernels_cuda.moe import fused_moe_clamped
+    from kernels_cuda.moe_gemv import fused_moe_small
 
     for T in (1, 4):
         x, w13, w2, weights, ids = _decode_moe(T, E=16, S=0, C=4096, I=2048, k=6)
         x = x * 8  # gates beyond the clamp
-        out = fused_moe_clamped(x, w13, w2, weights, ids, 10.0)
+        out = fused_moe_small(x, w13, w2, weights, ids, 10.0, up=up)
+        op = fused_moe_clamped(x, w13, w2, weights, ids, 10.0)  # the backend's op: streaming at 1 token
         if not DRY:
-            close(out, reference(*up(x, w13, w2, weights), ids, 10.0), torch.bfloat16, f"clamped T={T}")
+            want = reference(*up_(x, w13, w2, weights), ids, 10.0)
+            close(out, want, torch.bfloat16, f"clamped T={T} {up}")
+            close(op, want, torch.bfloat16, f"clamped op T={T}")
 
 
 # ---- router, norms, cache write, sampling ---------------------------------------------------------
