@@ -31,9 +31,9 @@ from kernels_cuda import _tl
 
 #: decode batches (tokens) up to this take the weight-streaming path (a size rule on shapes only: nothing is
 #: read back from the device); above it the tensor-core pipeline of ``kernels_cuda.moe``. Measured on the H200
-#: (docs/decode_fusion.md): at V2-Lite one token 54 against 76 us a layer, at 2-16 tokens the CUDA-core kernels
-#: were 1.3-2.2x slower than the pipeline (FMA-bound), so one token until the tensor-core up kernel is measured.
-MAX_TOKENS = 1
+#: at V2-Lite (docs/decode_fusion.md), against the pipeline: 1 token 40.2 / 75.8 us a layer, 2: 73.8 / 116.5,
+#: 4: 124.4 / 163.9, 8: 210.5 / 248.5, 16: 352.8 / 346.4 (so up to 8).
+MAX_TOKENS = 8
 THREADS = 256
 VEC = 8  # 2-byte elements per 16-byte load
 
@@ -374,16 +374,19 @@ def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None, **over
     return finish()
 
 
-#: the tiles, measured on the H200 at V2-Lite batch 1 (docs/decode_fusion.md): the CUDA-core up kernel with 256
-#: threads (26.1 us; 128 threads 27.3), the down kernel with 128 threads and 4 CTAs' registers per SM (16.1 us;
-#: 256 threads 17.7), one token per down CTA (more tokens share experts through L2, not through one warp's loop).
-CONFIG = {"up": "fma", "up_threads": THREADS, "down_threads": 128, "down_blocks": 4, "down_tokens": 1}
+#: the tiles, measured on the H200 at V2-Lite (docs/decode_fusion.md): the up kernel on the CUDA cores at one token
+#: (25.7 us against 30.2 on the tensor cores) and on the tensor cores from two ("auto"; at 2 / 8 tokens 46.8 /
+#: 128.8 us against 93.5 / 306.9), 256 threads; the down kernel with 128 threads and 4 CTAs' registers per SM
+#: (15.6-15.9 us; the other shapes swept 15.4-17.8) and one token per CTA (at 8 tokens 83.8 us against 261.1
+#: with a CTA per 8 tokens: more tokens share experts through L2, not through one warp's loop).
+CONFIG = {"up": "auto", "up_threads": THREADS, "down_threads": 128, "down_blocks": 4, "down_tokens": 1}
 
 
 def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **overrides):
     """The two launches as (name, thunk) pairs plus the output thunk. ``overrides`` replace :data:`CONFIG` keys
-    (``examples/moe_small_bench.py`` sweeps them): ``up`` "fma" (``build_up``) or "mma" (``build_up_mma``, where
-    ``mma_fits``), ``up_threads``, ``down_threads``, ``down_blocks`` (``build_down``'s ``min_blocks``),
+    (``examples/moe_small_bench.py`` sweeps them): ``up`` "fma" (``build_up``), "mma" (``build_up_mma``, where
+    ``mma_fits``) or "auto" (fma at one token, else mma where it fits), ``up_threads``, ``down_threads``,
+    ``down_blocks`` (``build_down``'s ``min_blocks``),
     ``down_tokens`` (tokens per down CTA; 0: the row bucket)."""
     cfg = {**CONFIG, **overrides}
     NT, C = x.shape
@@ -397,7 +400,8 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **override
     dt, id_dt, MB = _tl.tl_dtype(x.dtype), _IDS[ids.dtype], m_bucket(NT)
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
-    if cfg["up"] == "mma" and mma_fits(C):
+    up = cfg["up"] if cfg["up"] != "auto" else ("fma" if NT == 1 else "mma")
+    if up == "mma" and mma_fits(C):
         k1 = _up_mma(E, C, I, K, dt, id_dt, limit)
     else:
         k1 = _up(E, C, I, K, MB, *split(C, cfg["up_threads"]), dt, id_dt, limit)

@@ -237,9 +237,10 @@ def test_fused_moe_decode_shapes(T, up):
     close(out, ref.fused_moe(*up_(x, w13, w2, weights), ids), torch.bfloat16, f"fused_moe decode T={T} {up}")
 
 
-@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("T", [1, 2, 8, 64])
 def test_fused_moe_decode_dispatch(T):
-    """Through the backend's op: 1 token on the streaming path, 64 on the tensor-core pipeline."""
+    """Through the backend's op: 1-8 tokens on the streaming path (1 on the CUDA-core up kernel, 2-8 on the
+    tensor-core one), 64 on the tensor-core pipeline."""
     from kernels_cuda import moe_gemv
     from kernels_cuda.moe import fused_moe
 
