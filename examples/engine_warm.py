@@ -29,6 +29,7 @@ from deepinfer_core.models.deepseek import MoE  # noqa: E402
 
 TOKENS = (1, 64, 256, 2048, 8192)  # MoE and norm token counts
 DECODE = (1, 256)  # decode batches: with and without split-KV
+MOE_DECODE = (1, 2, 4, 8)  # the weight-streaming MoE's row buckets (kernels_cuda.moe_gemv)
 
 
 def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
@@ -88,7 +89,7 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
         S = cfg.n_shared_experts or 0  # folded in as always-selected experts E.. (MoE._fold_shared_experts)
         w13, w2 = e(E + S, 2 * I, C, dtype=dtype), e(E + S, C, I, dtype=dtype)
         bias = e(E) if moe.e_score_correction_bias is not None else None
-        for T in TOKENS:
+        for T in sorted(set(TOKENS) | set(MOE_DECODE)):
             moe_route(e(T, E), bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score,
                       moe.renormalize, moe.scale)
             fused_moe(e(T, C, dtype=dtype), w13, w2, e(T, k + S, dtype=dtype),

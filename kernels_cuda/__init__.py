@@ -15,7 +15,7 @@ from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
 KERNEL_MODULES = ("gemv", "mla_kv_write",
-                  "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_fp8", "mla_prefill", "moe",
+                  "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_fp8", "mla_prefill", "moe", "moe_gemv",
                   "moe_route", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
                   "mxfp8", "fp8_gemm")

@@ -10,13 +10,16 @@
 5. ``combine``: out[t] = sum_j weights[t, j] * Y[t*k + j] over the local slots, in float32, in slot
    order (deterministic: no atomics).
 
+Decode batches of at most ``moe_gemv.MAX_TOKENS`` tokens take ``kernels_cuda.moe_gemv`` instead: two
+weight-streaming launches that read the top-k ids and weights directly (the size rule is on shapes only).
+
 Padding rows compute garbage that is never stored. Rows are independent in the GEMMs, so where a
 pair lands inside its expert's block does not change its result.
 """
 
 import torch
 
-from kernels_cuda import _tl
+from kernels_cuda import _tl, moe_gemv
 
 
 def build_align(E: int, BM: int):
@@ -219,6 +222,8 @@ def fused_moe(x, w13, w2, weights, ids, *, cfg: dict | None = None):
         from kernels_cpu.ops import fused_moe as ref  # float32: tensor cores would round to tf32
 
         return ref(x, w13, w2, weights, ids)
+    if cfg is None and moe_gemv.applies(x, w13, w2, weights, ids):  # decode: stream the weights, 2 launches
+        return moe_gemv.fused_moe_small(x, w13, w2, weights, ids)
     return _fused(x, w13, w2, weights, ids, cfg, None)
 
 
@@ -228,6 +233,9 @@ def fused_moe_clamped(x, w13, w2, weights, ids, limit, *, cfg: dict | None = Non
         from kernels_cpu.v4_ops import fused_moe_clamped as ref
 
         return ref(x, w13, w2, weights, ids, limit)
+    lim = None if limit is None else float(limit)
+    if cfg is None and moe_gemv.applies(x, w13, w2, weights, ids):
+        return moe_gemv.fused_moe_small(x, w13, w2, weights, ids, lim)
     return _fused(x, w13, w2, weights, ids, cfg, None if limit is None else float(limit))
 
 

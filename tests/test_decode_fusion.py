@@ -130,3 +130,35 @@ def test_gemv_dispatch_rules(monkeypatch):
     assert tile_config(2048, 2048, 132) == (4, 32)  # 8 rows would give 256 < 2 x 132 CTAs
     assert tile_config(64, 2048, 132, VEC=4) == (1, 128)  # router: a row per CTA, K split over 4 warps
     assert tile_config(256, 7168, 132, VEC=4) == (1, 256)
+
+
+def test_moe_streaming_dispatch_rules(monkeypatch):
+    """Which ``fused_moe`` calls the CUDA backend runs on the weight-streaming path (``kernels_cuda.moe_gemv``:
+    decode batches, decided from shapes alone) and its CTA shapes; the rest take the tensor-core pipeline."""
+    from kernels_cuda import _tl
+    from kernels_cuda.moe_gemv import MAX_TOKENS, applies, m_bucket, mma_fits, split
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")  # CPU tensors stand in for device ones
+    bf, e = torch.bfloat16, torch.empty
+    w13, w2 = e(66, 2 * 1408, 2048, dtype=bf), e(66, 2048, 1408, dtype=bf)  # V2-Lite, shared experts folded
+
+    def call(T, k=8, dtype=bf, wdt=bf, idt=torch.long, w13=w13, w2=w2, max_tokens=8):
+        return applies(e(T, w13.shape[2], dtype=dtype), w13, w2, e(T, k, dtype=wdt), e(T, k, dtype=idt),
+                       max_tokens=max_tokens)
+
+    assert MAX_TOKENS == 8  # measured: 1-8 tokens win, 16 is even with the pipeline (moe_gemv.py)
+    assert all(call(T, max_tokens=MAX_TOKENS) for T in (1, 2, 5, 8)) and not call(9, max_tokens=MAX_TOKENS)
+    assert not call(0)
+    assert call(1, wdt=torch.float32) and call(1, idt=torch.int32)
+    assert not call(1, idt=torch.int16)
+    assert not call(1, dtype=torch.float32)  # float32 activations: the reference
+    assert not applies(e(1, 2048, dtype=bf), w13.float(), w2, e(1, 8, dtype=bf), e(1, 8, dtype=torch.long))
+    assert not applies(e(1, 2048, dtype=bf), w13[:, :, ::2], w2, e(1, 8, dtype=bf), e(1, 8, dtype=torch.long))
+    assert call(1, w13=e(6, 48, 32, dtype=bf), w2=e(6, 32, 24, dtype=bf))  # tiny widths, 8-element vectors
+    assert not call(1, w13=e(6, 40, 32, dtype=bf), w2=e(6, 32, 20, dtype=bf))  # width 20: not whole vectors
+    assert not call(8, k=40)  # 320 slots: more than a CTA lists
+    assert [m_bucket(T) for T in (1, 2, 3, 5, 8, 16)] == [1, 2, 4, 8, 8, 8]
+    assert split(2048) == (32, 8) and split(1408) == (32, 8)  # a warp per column, 8 columns per CTA
+    assert split(7168) == (128, 2) and split(4096) == (64, 4)  # V3 / V4 hidden: K over 4 / 2 warps
+    # the tensor-core up kernel takes V2-Lite / V3 / V4 hidden widths (8 warps x 32-element steps), not the kit's 32
+    assert mma_fits(2048) and mma_fits(7168) and mma_fits(4096) and not mma_fits(32) and not mma_fits(2560 + 8)

@@ -60,6 +60,7 @@ def _compile_one(mod: str, index: int, cache_dir: str) -> dict:
     src = kernel.get_kernel_source()
     return {"name": name, "seconds": round(time.time() - t0, 1), "wgmma": "wgmma" in src,
             "mma": "mma_sync" in src, "tma": "tma_load(" in src, "cp_async": "cp_async_gs" in src,
+            "vec16": "uint4" in src,
             "chars": len(src)}
 
 
@@ -90,6 +91,8 @@ def test_every_kernel_compiles_for_sm90a(tmp_path):
             assert r["wgmma"] and r["tma"], f"{name}: expected wgmma + TMA, got {r}"
         if name.startswith("mla_decode H128"):
             assert r["wgmma"] and r["cp_async"], f"{name}: expected wgmma + cp.async, got {r}"
+        if name.startswith(("moe_up", "moe_down")):  # the weight-streaming MoE reads 16-byte vectors
+            assert r["vec16"], f"{name}: expected 16-byte vector loads, got {r}"
     assert by_name["mla_decode H16 bs16 split ragged"]["mma"]
     cubins = list((tmp_path / "tl-cache").rglob("*.cubin")) + list((tmp_path / "tl-cache").rglob("*.so"))
     assert cubins, "nvcc produced no binaries"

@@ -270,10 +270,17 @@ def _cases_fused_moe(g, dtype, bs):
     ids[2] = torch.tensor([-1, E, E + 2])  # a token whose experts are all remote
     ids[5] = torch.tensor([0, 1, 2])
     weights = torch.rand(T, k, generator=g).to(dtype)
-    return [Case("with remote experts", (
-        _randn(g, T, C, dtype=dtype), _randn(g, E, 2 * I, C, dtype=dtype, scale=C**-0.5),
-        _randn(g, E, C, I, dtype=dtype, scale=I**-0.5), weights, ids,
-    ))]
+    x = _randn(g, T, C, dtype=dtype)
+    w13, w2 = _randn(g, E, 2 * I, C, dtype=dtype, scale=C**-0.5), _randn(g, E, C, I, dtype=dtype, scale=I**-0.5)
+    # decode sizes (a backend may stream weights for few tokens): an expert twice in one token, a remote id;
+    # four tokens sharing experts, expert 4 unpicked (their own generator: g's stream feeds other ops' cases)
+    d = torch.Generator().manual_seed(19)
+    one, four = torch.tensor([[2, -1, 2]]), torch.tensor([[0, 1, 5], [5, 1, 3], [3, E, 0], [1, 5, 2]])
+    return [Case("with remote experts", (x, w13, w2, weights, ids)),
+            Case("one token, repeated and remote ids", (_randn(d, 1, C, dtype=dtype), w13, w2,
+                                                        torch.rand(1, k, generator=d).to(dtype), one)),
+            Case("four tokens", (_randn(d, 4, C, dtype=dtype), w13, w2, torch.rand(4, k, generator=d).to(dtype),
+                                 four))]
 
 
 def _fp8_weight(g, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,188 @@
+"""Fused MoE at decode batches: the tensor-core pipeline (align, gather, gemm1, gemm2, combine) against the
+weight-streaming path (``kernels_cuda.moe_gemv``: two launches), per MoE layer.
+
+    python examples/moe_small_bench.py --out moe_small.json [--shapes v2-lite,v3] [--batches 1,2,4,8,16,64,256]
+                                       [--sweep]
+    DEEPINFER_TL_DRYRUN=1 TILELANG_CACHE_DIR=... python examples/moe_small_bench.py --dry   # compile only
+
+Shapes as the engine calls ``fused_moe`` with the shared experts folded in: V2-Lite 64 routed experts top-6 +
+2 shared (hidden 2048, width 1408), V3 256 top-8 + 1 shared (hidden 7168, width 2048). Routing is uniform
+random (distinct experts per token). The bytes of a call are the weights of the distinct experts its ids
+touch (plus activations); the figure is TB/s of those bytes against the read ceiling measured in the same
+run (``gpu_timing.measure_ceilings``: a 4 GiB ``sum``; the copy ceiling is reported beside it). Each timing
+replays, from one CUDA graph, calls over ``LAYERS`` weight copies with fresh ids per call, so that a call
+does not find the previous call's experts in the 50 MB L2 (as consecutive layers of the model). The
+weight-streaming path runs only up to ``moe_gemv.MAX_TOKENS`` tokens in the engine; here it is timed up to
+``--max-small`` so the crossover is visible. ``--sweep`` times other CTA sizes of the two kernels at 1 token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: name: (routed experts, shared experts, hidden, expert width, top-k)
+SHAPES = {"v2-lite": (64, 2, 2048, 1408, 6), "v3": (256, 1, 7168, 2048, 8)}
+CALLS = 8  # calls per timed graph (each with its own ids)
+#: one-token variants: up kernel and its threads, down kernel threads and the CTAs per SM its registers allow
+SWEEP = [("fma", 256, 128, 4), ("fma", 128, 128, 4), ("mma", 256, 128, 2), ("fma", 256, 128, 2),
+         ("fma", 256, 256, 2), ("fma", 256, 128, 8), ("fma", 256, 64, 8)]
+
+
+def routing(T: int, E: int, S: int, k: int, gen: torch.Generator, dev: str):
+    routed = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    ids = torch.cat((routed, torch.arange(E, E + S).expand(T, S)), 1).to(dev)
+    w = torch.cat((torch.rand(T, k, generator=gen), torch.ones(T, S)), 1).to(dev, torch.bfloat16)
+    return w, ids
+
+
+def call_bytes(ids: torch.Tensor, E_all: int, C: int, I: int, T: int) -> int:
+    experts = int(torch.unique(ids[(ids >= 0) & (ids < E_all)]).numel())
+    return experts * 3 * I * C * 2 + T * C * 2 * 2 + ids.numel() * I * 2 * 2
+
+
+def cycle(fns):
+    def run():
+        for f in fns:
+            f()
+    return run
+
+
+def figure(ms: float, nbytes: float, read_GBps: float) -> dict:
+    tbps = nbytes / (ms * 1e-3) / 1e12
+    return {"us": round(ms * 1e3, 2), "TBps": round(tbps, 3), "pct_read": round(100 * tbps * 1e3 / read_GBps, 1)}
+
+
+def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float, dry: bool, sweep: bool) -> dict:
+    from gpu_timing import graphed, timed
+
+    from kernels_cpu import ops as ref
+    from kernels_cuda import moe, moe_gemv
+
+    E, S, C, I, k = SHAPES[name]
+    dev = "cpu" if dry else "cuda"
+    layer_bytes = (E + S) * 3 * I * C * 2
+    layers = 1 if dry else max(1, min(4, -(-int(3e9) // layer_bytes)))  # >= ~3 GB of weights where cheap
+    mk = torch.empty if dry else (lambda *s, **kw: torch.empty(*s, **kw).normal_(0, s[-1] ** -0.5))
+    w13s = [mk(E + S, 2 * I, C, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+    w2s = [mk(E + S, C, I, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {"experts": E, "shared": S, "hidden": C, "width": I, "top_k": k, "layers_cycled": layers}
+    for T in batches:
+        calls = []
+        for c in range(CALLS):
+            w, ids = routing(T, E, S, k, gen, dev)
+            x = torch.randn(T, C, generator=gen).to(dev, torch.bfloat16)
+            calls.append((x, w13s[c % layers], w2s[c % layers], w, ids))
+        nbytes = sum(call_bytes(a[4], E + S, C, I, T) for a in calls) / CALLS
+        small_ok = moe_gemv.applies(*calls[0], max_tokens=max_small)
+        ups = ("fma", "mma") if moe_gemv.mma_fits(C) else ("fma",)
+        if dry:
+            moe._fused(*calls[0], None, None)
+            for up in ups if small_ok else ():
+                for down_tokens in (1, 0):
+                    for _, st in moe_gemv.small_steps(*calls[0], up=up, down_tokens=down_tokens)[0]:
+                        st()
+            continue
+        row: dict = {"MB_per_call": round(nbytes / 1e6, 1)}
+        old = graphed(cycle([functools.partial(moe._fused, *a, None, None) for a in calls]))
+        row["pipeline"] = figure(timed(old, warmup=1, reps=10) / CALLS, nbytes, read_GBps)
+        line = ""
+        if small_ok:
+            x, w13, w2, w, ids = calls[0]
+            uniq = torch.unique(ids)  # the reference in float32 over the touched experts only (V3: 22 GB)
+            want = ref.fused_moe(x.float(), w13[uniq].float(), w2[uniq].float(), w.float(),
+                                 torch.searchsorted(uniq, ids))
+            for up in ups:  # the whole path with either up kernel, then each kernel alone
+                new = graphed(cycle([functools.partial(moe_gemv.fused_moe_small, *a, up=up) for a in calls]))
+                row[f"streaming_{up}"] = figure(timed(new, warmup=1, reps=10) / CALLS, nbytes, read_GBps)
+                got = moe_gemv.fused_moe_small(x, w13, w2, w, ids, up=up).float()
+                row[f"err_{up}"] = float(f"{((got - want).abs().max() / want.abs().max()).item():.2e}")
+                only = graphed(cycle([moe_gemv.small_steps(*a, up=up)[0][0][1] for a in calls]))
+                row[f"up_{up}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
+                line += (f" | {up} {row[f'streaming_{up}']['us']:7.2f} us {row[f'streaming_{up}']['pct_read']:5.1f}%"
+                         f" (up {row[f'up_{up}_us']:.2f}) err {row[f'err_{up}']:.1e}")
+            for down_tokens in (1, 0) if T > 1 else (1,):  # a token per CTA, or the row bucket per CTA
+                only = graphed(cycle([moe_gemv.small_steps(*a, down_tokens=down_tokens)[0][1][1] for a in calls]))
+                row[f"down_tokens{down_tokens}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
+                line += f" | down/{down_tokens or 'bucket'} {row[f'down_tokens{down_tokens}_us']:.2f}"
+            best = min(row[f"streaming_{up}"]["us"] for up in ups)
+            row["speedup_best"] = round(row["pipeline"]["us"] / best, 2)
+            line += f" | x{row['speedup_best']:.2f}"
+        out[f"T={T}"] = row
+        print(f"{name:>7} T={T:>3} {row['MB_per_call']:7.1f} MB | pipeline {row['pipeline']['us']:8.2f} us "
+              f"{row['pipeline']['TBps']:5.2f} TB/s {row['pipeline']['pct_read']:5.1f}%" + line, flush=True)
+    if sweep:
+        out["sweep_T1"] = sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry)
+    return out
+
+
+def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
+    """CTA sizes of the two kernels at one token (V2-Lite's decision at batch 1)."""
+    from gpu_timing import graphed, timed
+
+    from kernels_cuda import moe_gemv
+
+    E, S, C, I, k = SHAPES[name]
+    calls = []
+    for c in range(CALLS):
+        w, ids = routing(1, E, S, k, gen, dev)
+        calls.append((torch.randn(1, C, generator=gen).to(dev, torch.bfloat16), w13s[c % len(w13s)],
+                      w2s[c % len(w2s)], w, ids))
+    res = {}
+    for up, up_threads, down_threads, down_blocks in SWEEP:
+        kw = dict(up=up, up_threads=up_threads, down_threads=down_threads, down_blocks=down_blocks)
+        steps = [moe_gemv.small_steps(*a, **kw)[0] for a in calls]
+        if dry:
+            for s in steps[0]:
+                s[1]()
+            continue
+        us = []
+        for i in range(2):
+            only = graphed(cycle([s[i][1] for s in steps]))
+            us.append(round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2))
+        tag = f"up_{up}{up_threads}_down{down_threads}x{down_blocks}"
+        res[tag] = {"up_us": us[0], "down_us": us[1]}
+        print(f"{name:>7} T=1 sweep {tag}: up {us[0]:.2f} us, down {us[1]:.2f} us", flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--shapes", default="v2-lite,v3")
+    ap.add_argument("--batches", default="1,2,4,8,16,64,256")
+    ap.add_argument("--max-small", type=int, default=16, help="largest batch timed on the streaming path")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--dry", action="store_true", help="compile only (DEEPINFER_TL_DRYRUN=1, no GPU)")
+    args = ap.parse_args(argv)
+    if args.dry:
+        os.environ["DEEPINFER_TL_DRYRUN"] = "1"
+    batches = [int(b) for b in args.batches.split(",")]
+    res: dict = {}
+    if not args.dry:
+        from gpu_timing import measure_ceilings
+
+        res["device"] = torch.cuda.get_device_name()
+        res["ceilings"] = measure_ceilings("cuda")
+        print(f"read ceiling {res['ceilings']['read_GBps']:.0f} GB/s, copy {res['ceilings']['copy_GBps']:.0f} GB/s",
+              flush=True)
+    read = res.get("ceilings", {}).get("read_GBps", 1.0)
+    for shape in args.shapes.split(","):
+        res[shape] = bench_shape(shape, batches, args.max_small, read, args.dry, args.sweep and shape == "v2-lite")
+        torch.cuda.empty_cache() if not args.dry else None
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
