@@ -98,6 +98,12 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "entry = [rms_norm(kv_a[:, :L]) | rope(kv_a[:, L:])]; paged_kv_write(cache, slot_mapping, entry); "
         "returns entry (one launch for MLA's latent norm, key rope and cache write)",
     ),
+    OpSpec(
+        "mla_q_absorb",
+        "(q[T, H, N+R], w_uk[H, L, N], positions[T], cos_sin[P, R]) -> [T, H, L+R]",
+        "[head_linear(q[..., :N], w_uk) | rope(q[..., N:], positions, cos_sin)]: MLA's absorbed decode "
+        "query (W_UK folded into the no-rope part, rope on the rest) in one launch",
+    ),
     # ---- block-scaled FP8 weights (reference and exact rules: kernels_cpu/fp8_ops.py) ----
     OpSpec(
         "fp8_linear",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_cpu.ops import paged_kv_write, rms_norm, rope
+from kernels_cpu.ops import head_linear, paged_kv_write, rms_norm, rope
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -24,3 +24,10 @@ def mla_kv_write(kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, positions
     entry = torch.cat((rms_norm(latent, norm_w, eps), rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
     paged_kv_write(cache, slot_mapping, entry)
     return entry
+
+
+def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """MLA's absorbed decode query from the projected query q[T, H, N + R] (N = w_uk's last dim):
+    ``[head_linear(q[..., :N], w_uk) | rope(q[..., N:], positions, cos_sin)]``, [T, H, L + R]."""
+    N = w_uk.shape[-1]
+    return torch.cat((head_linear(q[..., :N], w_uk), rope(q[..., N:], positions, cos_sin)), -1)

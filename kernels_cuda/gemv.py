@@ -1,4 +1,4 @@
-"""Small-M linear (one row at decode batch 1; the kernel takes up to 8) as a bandwidth-bound GEMV in TileLang.
+"""Small-M linear (up to 8 rows; 2..8 rows of a 2-byte weight through ``gemv_rows``) as a bandwidth-bound GEMV.
 
 At decode a projection reads a whole weight matrix for one to eight rows of activations, so the
 kernel's only job is to stream W at HBM speed. cuBLAS picks GEMM tiles for these shapes that leave
@@ -23,11 +23,11 @@ import torch
 
 from kernels_cuda import _tl
 
-#: the largest M this path takes; more rows go to cuBLAS. Measured on the H200 (docs/decode_fusion.md): at
-#: M = 1 the GEMV beats cuBLAS on 14 of 15 decode projections (up to 88-104 % of the read ceiling on the
-#: large ones), at M = 8 it is 3-7x slower (each thread's activation loads serialise behind the row guard),
-#: so only single rows take it until the multi-row loop is reworked (the kernel itself handles up to 8).
-MAX_M = 1
+#: the largest M the GEMVs take; more rows go to cuBLAS. One row runs this module's kernel (at M = 1 it beats
+#: cuBLAS on 14 of 15 decode projections on the H200, docs/decode_fusion.md), 2..8 rows of a 2-byte weight
+#: run ``gemv_rows`` (each activation vector reused across several rows of W: this kernel reloads it per row,
+#: 3-7x slower than cuBLAS at 8 rows), and the router's float32 gate stays here (one row per CTA, split-K).
+MAX_M = 8
 _BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
@@ -115,8 +115,8 @@ _kernel = _tl.kernel_cache(build_gemv)
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x @ w.T`` takes this path: 2-byte float activations, a weight of the same dtype or float32
-    (the router's), at most ``MAX_M`` rows, K a whole number of 16-byte vectors of W, on a CUDA device."""
+    """Whether ``x @ w.T`` takes a GEMV: 2-byte float activations, a weight of the same dtype or float32 (the
+    router's), at most ``MAX_M`` rows, K a whole number of 16-byte vectors of W, on a CUDA device."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (x.dtype, torch.float32) or w.dim() != 2:
         return False
     K = w.shape[1]
@@ -131,10 +131,19 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``x[..., K] @ w[N, K].T`` in float32 accumulation, written as ``out_dtype`` (``applies`` must hold)."""
     N, K = w.shape
-    x2 = x.reshape(-1, K).contiguous()
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M > 1 and w.dtype == x.dtype:
+        from kernels_cuda.gemv_rows import _aligned, gemv_rows
+
+        x3 = x2[:, None]
+        if not _aligned(x3):
+            x3 = x3.clone(memory_format=torch.contiguous_format)
+        y = torch.empty(M, 1, N, dtype=out_dtype, device=x.device)
+        return gemv_rows(x3, w[None], out=y).view(*x.shape[:-1], N)
+    x2 = x2.contiguous()
     if x2.data_ptr() % 16:  # a view at an odd offset: the kernel loads 16-byte vectors
         x2 = x2.clone()
-    M = x2.shape[0]
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     sms = _tl.num_sms(x.device.index or 0) if x.is_cuda else _tl.num_sms()
     bn, rt = tile_config(N, K, sms, vec(w.dtype))
@@ -144,7 +153,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The registry's ``linear``: the GEMV for small M without bias, cuBLAS (the reference) otherwise."""
+    """The registry's ``linear``: a GEMV for at most 8 rows without bias, cuBLAS (the reference) otherwise."""
     if bias is None and w.dtype == x.dtype and applies(x, w):
         return gemv(x, w, x.dtype)
     from kernels_cpu import ops as ref

@@ -114,9 +114,9 @@ def test_gemv_dispatch_rules(monkeypatch):
     monkeypatch.setenv(_tl.DRYRUN_ENV, "1")  # CPU tensors stand in for device ones
     bf = torch.bfloat16
     w = torch.empty(3648, 2048, dtype=bf)
-    assert MAX_M == 1  # measured: the GEMV wins at one row, loses at eight (kernels_cuda/gemv.py)
+    assert MAX_M == 8  # one row: gemv's kernel; 2..8 rows: gemv_rows; more: cuBLAS
     assert applies(torch.empty(1, 2048, dtype=bf), w) and applies(torch.empty(1, 1, 2048, dtype=bf), w)
-    assert not applies(torch.empty(2, 2048, dtype=bf), w)  # 2 rows: cuBLAS
+    assert applies(torch.empty(8, 2048, dtype=bf), w) and not applies(torch.empty(9, 2048, dtype=bf), w)
     assert not applies(torch.empty(0, 2048, dtype=bf), w)
     assert not applies(torch.empty(1, 2048), w.float())  # float32 activations: cuBLAS (the reference)
     assert applies(torch.empty(1, 2048, dtype=bf), torch.empty(64, 2048))  # the router's float32 gate
@@ -130,3 +130,24 @@ def test_gemv_dispatch_rules(monkeypatch):
     assert tile_config(2048, 2048, 132) == (4, 32)  # 8 rows would give 256 < 2 x 132 CTAs
     assert tile_config(64, 2048, 132, VEC=4) == (1, 128)  # router: a row per CTA, K split over 4 warps
     assert tile_config(256, 7168, 132, VEC=4) == (1, 256)
+
+
+def test_gemv_rows_dispatch_and_tiles(monkeypatch):
+    """``gemv_rows`` (2..8 rows, ``head_linear``, ``mla_q_absorb``): which inputs it takes, and its tiles: K
+    split over warps until about 16 warps per SM are in flight, half a warp per row where K is 128 (W_UK)."""
+    from kernels_cuda import _tl
+    from kernels_cuda.gemv_rows import RowsConfig, applies, rows_config
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
+    bf = torch.bfloat16
+    w_uk = torch.empty(16, 512, 128, dtype=bf)
+    q = torch.empty(3, 16, 192, dtype=bf)
+    assert applies(q[..., :128], w_uk)  # a column slice of the projection output (strides multiples of 8)
+    assert not applies(torch.empty(3, 16, 200, dtype=bf)[..., 1:129], w_uk)  # not 16-byte aligned
+    assert not applies(torch.empty(9, 16, 128, dtype=bf), w_uk)  # 9 tokens: the reference's batched GEMM
+    assert not applies(torch.empty(3, 16, 128), w_uk.float())  # float32: the reference
+    assert not applies(torch.empty(0, 16, 128, dtype=bf), w_uk)
+    assert rows_config(16, 512, 128, 1, 132) == RowsConfig(RN=2, RT=16, KS=1, BNW=8, CH=1)
+    assert rows_config(1, 3648, 2048, 8, 132) == RowsConfig(RN=4, RT=32, KS=4, BNW=2, CH=2)
+    assert rows_config(1, 102400, 2048, 8, 132) == RowsConfig(RN=4, RT=32, KS=1, BNW=8, CH=4)
+    assert rows_config(1, 48, 32, 2, 132) == RowsConfig(RN=4, RT=4, KS=1, BNW=8, CH=1)

@@ -225,7 +225,7 @@ def test_moe_route_real_shapes(case):
     close(wo, wr, torch.float32, f"moe_route {case[0]} weights")
 
 
-@pytest.mark.parametrize("C", [7168, 2048, 5120])
+@pytest.mark.parametrize("C", [7168, 2048, 5120, 24, 40])  # 24: the tiny test model (a padded row)
 def test_norms_real_shapes(C):
     from kernels_cuda.norm import add_rms_norm, rms_norm
 
@@ -333,10 +333,11 @@ GEMV_SHAPES = [  # (N, K, weight dtype): V2-Lite q+kv_a, o, shared w13 / w2, LM 
     (3650, 1416, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("N,K,w_dtype,M", [(*s, m) for s in GEMV_SHAPES for m in (1, 8)]
-                         + [(3648, 2048, torch.bfloat16, 3)])  # 3 rows in the bucket of 4
+@pytest.mark.parametrize("N,K,w_dtype,M", [(*s, m) for s in GEMV_SHAPES for m in (1, 2, 8)]
+                         + [(3648, 2048, torch.bfloat16, 3), (3650, 1416, torch.bfloat16, 5)])  # in the bucket of 4, 8
 def test_gemv_real_shapes(N, K, w_dtype, M):
-    """The kernel at 1 to 8 rows (the backend's ``linear`` sends it only ``MAX_M`` rows)."""
+    """The GEMVs at 1 to 8 rows: ``gemv``'s kernel for one row and the float32 gate, ``gemv_rows`` for 2..8 rows
+    of a bf16 weight (N = 3650: row groups past N; K = 1416: K vectors past K in the last step)."""
     from kernels_cuda.gemv import gemv
 
     g = gen(8)
@@ -347,6 +348,42 @@ def test_gemv_real_shapes(N, K, w_dtype, M):
         return
     assert y.dtype == (torch.float32 if w_dtype == torch.float32 else torch.bfloat16)
     close(y, x.double() @ w.double().T, torch.bfloat16, f"gemv N={N} K={K} M={M}")
+
+
+HEAD_SHAPES = [(16, 512, 128), (16, 128, 512), (128, 512, 128), (128, 128, 512), (8, 1024, 4096)]
+
+
+@pytest.mark.parametrize("H,N,K,T", [(*s, t) for s in HEAD_SHAPES for t in (1, 3, 8)])
+def test_head_linear_real_shapes(H, N, K, T):
+    """MLA's absorbed W_UK (K 128: half a warp per row group) and W_UV at V2-Lite / V3 heads, and V4's grouped
+    output projection, from a strided query (q_nope is a column slice of the projection output)."""
+    from kernels_cuda.gemv_rows import head_linear
+
+    g = gen(10)
+    x = randn(g, T, H, K + 64)[..., :K]
+    w = randn(g, H, N, K, scale=K**-0.5)
+    y = head_linear(x, w)
+    if DRY:
+        return
+    assert y.shape == (T, H, N) and y.is_contiguous()
+    close(y, ref.head_linear(x.double(), w.double()), torch.bfloat16, f"head_linear H={H} N={N} K={K} T={T}")
+
+
+def test_gemv_rows_writes_a_strided_out():
+    """``gemv_rows(out=...)``: the decode query's latent columns [T, H, :L] of a [T, H, L + R] tensor; the rope
+    columns are left as they were."""
+    from kernels_cuda.gemv_rows import gemv_rows
+
+    g = gen(11)
+    x = randn(g, 2, 16, 192)[..., :128]
+    w = randn(g, 16, 512, 128, scale=128**-0.5)
+    q_abs = randn(g, 2, 16, 576)
+    before = q_abs.clone()
+    gemv_rows(x, w, out=q_abs[..., :512])
+    if DRY:
+        return
+    close(q_abs[..., :512], ref.head_linear(x.double(), w.double()), torch.bfloat16, "strided out")
+    assert torch.equal(q_abs[..., 512:], before[..., 512:])
 
 
 @pytest.mark.parametrize("bs", [16, 64])

@@ -79,6 +79,15 @@ def _cases_mla_kv_write(g, dtype, bs):
                                              _randn(g, NB, bs, L + R, dtype=dtype), slots))]
 
 
+def _cases_mla_q_absorb(g, dtype, bs):
+    H, N, R, L, T, P = 3, 32, 16, 48, 5, 64
+    q = _randn(g, T, H, N + R + 8, dtype=dtype)[..., : N + R]  # a strided view, as the projection's output
+    w_uk = _randn(g, H, L, N, dtype=dtype, scale=N**-0.5)
+    pos = torch.randint(0, P, (T,), generator=g)
+    return [Case("strided q", (q, w_uk, pos, _rope_table(P, R))),
+            Case("one token", (q[:1].contiguous(), w_uk, pos[:1], _rope_table(P, R)))]
+
+
 def _cases_head_linear(g, dtype, bs):
     H, K, N = 3, 40, 24
     w = _randn(g, H, N, K, dtype=dtype, scale=K**-0.5)
@@ -554,6 +563,7 @@ CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "linear_f32": _cases_linear_f32,
     "mla_kv_write": _cases_mla_kv_write,
     "head_linear": _cases_head_linear,
+    "mla_q_absorb": _cases_mla_q_absorb,
     "rms_norm": _cases_rms_norm,
     "add_rms_norm": _cases_add_rms_norm,
     "silu_and_mul": _cases_silu_and_mul,
