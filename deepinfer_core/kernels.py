@@ -104,6 +104,13 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "[head_linear(q[..., :N], w_uk) | rope(q[..., N:], positions, cos_sin)]: MLA's absorbed decode "
         "query (W_UK folded into the no-rope part, rope on the rest) in one launch",
     ),
+    OpSpec(
+        "moe_gate",
+        "(x[T, C], gate[E, C], bias[E] | None, top_k, scoring, n_group, topk_group, group_score, renormalize, "
+        "scale, n_shared, dtype) -> (weights[T, k + n_shared] dtype, ids[T, k + n_shared] i64)",
+        "moe_route(linear_f32(x, gate), ...) with n_shared always-selected experts E..E+n_shared-1 of weight 1 "
+        "appended, weights cast to dtype: the router and the shared experts' slots of fused_moe",
+    ),
     # ---- block-scaled FP8 weights (reference and exact rules: kernels_cpu/fp8_ops.py) ----
     OpSpec(
         "fp8_linear",

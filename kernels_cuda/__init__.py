@@ -16,7 +16,7 @@ from deepinfer_core.kernels import KernelBackend
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
 KERNEL_MODULES = ("gemv", "gemv_rows", "mla_kv_write",
                   "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_fp8", "mla_prefill", "moe",
-                  "moe_route", "sampling", "draft_lengths",
+                  "moe_route", "moe_gate", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
                   "mxfp8", "fp8_gemm")
 
@@ -38,6 +38,7 @@ class CudaKernels(KernelBackend):
         "mla_decode": "kernels_cuda.mla_decode:mla_decode",
         "mla_prefill": "kernels_cuda.mla_prefill:mla_prefill",
         "moe_route": "kernels_cuda.moe_route:moe_route",
+        "moe_gate": "kernels_cuda.moe_route:moe_gate",
         "fused_moe": "kernels_cuda.moe:fused_moe",
         "sample": "kernels_cuda.sampling:sample",
         "draft_lengths": "kernels_cuda.draft_lengths:draft_lengths",

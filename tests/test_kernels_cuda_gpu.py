@@ -24,6 +24,7 @@ from kernels_cpu import ops as ref
 pytestmark = GPU_OR_DRY
 DEV = "cuda" if HAS_CUDA else "cpu"
 RTOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="runs kernels (DEEPINFER_TL_DRYRUN only compiles)")
 
 
 def close(out: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -223,6 +224,70 @@ def test_moe_route_real_shapes(case):
     wo = w.gather(1, ids.sort(-1).indices)[same]
     wr = rw.gather(1, rids.sort(-1).indices)[same]
     close(wo, wr, torch.float32, f"moe_route {case[0]} weights")
+
+
+GATE_CASES = [  # label, C, route case, shared experts
+    ("V2-Lite", 2048, ROUTE_CASES[1], 2), ("V3", 7168, ROUTE_CASES[0], 1), ("V2 groups", 5120, ROUTE_CASES[2], 2)]
+
+
+def _gate_inputs(case, T, seed):
+    """x[T, C] bf16 whose routes have a clear margin (the kit's rule), the float32 gate, the bias."""
+    from deepinfer_core.testing.kernel_cases import _route_margin
+
+    _, C, (_, E, k, scoring, has_bias, ng, tg, gs, renorm, scale), S = case
+    g = torch.Generator().manual_seed(seed)
+    gate = torch.randn(E, C, generator=g) * 2.0 * C**-0.5
+    bias = torch.randn(E, generator=g) * 0.05 if has_bias else None
+    rows = []
+    while len(rows) < T:
+        cand = torch.randn(4 * T, C, generator=g).to(torch.bfloat16)
+        rows.extend(cand[_route_margin(cand.float() @ gate.T, bias, k, scoring, ng, tg, gs) >= 1e-3])
+    args = (k, scoring, ng, tg, gs, renorm, scale, S, torch.bfloat16)
+    return torch.stack(rows[:T]).to(DEV), gate.to(DEV), None if bias is None else bias.to(DEV), args
+
+
+def _check_gate(out, x, gate, bias, args, what):
+    from kernels_cpu.fused import moe_gate as reference
+
+    w, ids = out
+    rw, rids = reference(x.cpu(), gate.cpu(), None if bias is None else bias.cpu(), *args)
+    assert w.dtype == torch.bfloat16 and ids.dtype == torch.int64 and ids.shape == rids.shape, what
+    assert torch.equal(ids.sort(-1).values.cpu(), rids.sort(-1).values), f"{what}: routed differently"
+    close(w.gather(1, ids.sort(-1).indices).float(), rw.gather(1, rids.sort(-1).indices).float(), torch.bfloat16,
+          f"{what} weights")
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 20])  # 20: the two-launch path (GEMV + route)
+@pytest.mark.parametrize("case", GATE_CASES, ids=[c[0] for c in GATE_CASES])
+def test_moe_gate_real_shapes(case, T):
+    """The router from the activations with the shared experts appended: one launch up to 8 tokens (the last
+    CTA of a token routes it), twice in a row (the counters must be back at 0)."""
+    from kernels_cuda.moe_route import moe_gate
+
+    x, gate, bias, args = _gate_inputs(case, T, T)
+    for rep in range(2):
+        out = moe_gate(x, gate, bias, *args)
+        if not DRY:
+            _check_gate(out, x, gate, bias, args, f"moe_gate {case[0]} T={T} call {rep}")
+
+
+@needs_cuda
+def test_moe_gate_graph_replays():
+    """Captured once, replayed on new activations: each replay routes them (the counters reset themselves)."""
+    from kernels_cuda.moe_route import moe_gate
+
+    x, gate, bias, args = _gate_inputs(GATE_CASES[0], 4, 1)
+    moe_gate(x, gate, bias, *args)  # counters made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_gate(x, gate, bias, *args)
+    for seed in (2, 3, 4):
+        x2 = _gate_inputs(GATE_CASES[0], 4, seed)[0]
+        x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_gate(out, x, gate, bias, args, f"replay seed {seed}")
 
 
 @pytest.mark.parametrize("C", [7168, 2048, 5120, 24, 40])  # 24: the tiny test model (a padded row)

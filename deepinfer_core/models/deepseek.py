@@ -288,6 +288,12 @@ class MoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._folded() and self.route_hook is None:  # router + shared slots in one op (decode fusion)
+            cfg = self.cfg
+            weights, ids = self.k.moe_gate(x, self.gate, self.e_score_correction_bias, cfg.num_experts_per_tok,
+                                           cfg.scoring_func, self.n_group, cfg.topk_group, self.group_score,
+                                           self.renormalize, self.scale, self.shared_ids.shape[1], x.dtype)
+            return self.k.fused_moe(x, self.w13_all, self.w2_all, weights, ids)
         weights, ids = self.route(x)
         if self._folded():
             T, S = x.shape[0], self.shared_ids.shape[1]
@@ -407,9 +413,9 @@ class DeepseekForCausalLM(CausalLM):
                 layer.mlp.post_load()
 
     def set_decode_fusion(self, enabled: bool) -> None:
-        """Decode fusion on (the default) or off: the shared experts inside the routed ``fused_moe``, MLA's cache
-        entry by ``mla_kv_write`` and its decode query by ``mla_q_absorb``, or the unfused ops (to check one against the other). Graphs captured
-        before keep the path they captured."""
+        """Decode fusion on (the default) or off: the router and shared experts by ``moe_gate`` and one routed
+        ``fused_moe``, MLA's cache entry by ``mla_kv_write`` and its decode query by ``mla_q_absorb``; or the
+        unfused ops (to check one against the other). Graphs captured before keep the path they captured."""
         for layer in self.layers:
             layer.self_attn.fuse_kv_write = enabled
             if isinstance(layer.mlp, MoE):
