@@ -254,6 +254,12 @@ class Kernels:
                 "kernel backend %r has no %s; using the reference ops", backend.name, ", ".join(self.fallbacks)
             )
 
+    def implements(self, name: str) -> bool:
+        """Whether the platform's backend runs ``name`` itself (the reference backend implements every op). A
+        model calls a fused op (``mla_q_absorb``, ``moe_gate``) only where it does: elsewhere the reference's
+        composition would replace the backend's own unfused kernels (its ``rope``, ``moe_route``)."""
+        return name not in self.fallbacks
+
     def override(self, name: str, fn: Callable) -> None:
         """Replace one op (used by features such as batch-invariant mode)."""
         if name not in self._fns:

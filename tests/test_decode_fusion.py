@@ -1,9 +1,11 @@
 """Decode fusion on the CPU (reference ops): the shared experts folded into the routed ``fused_moe`` as
-always-selected experts, MLA's cache entry through ``mla_kv_write``, the router through ``linear_f32``.
+always-selected experts (their slots appended by ``moe_gate`` with the router), MLA's cache entry through
+``mla_kv_write`` and its decode query through ``mla_q_absorb``, the router through ``linear_f32``.
 The fused and unfused paths (``set_decode_fusion``) give the same greedy tokens and logprobs, on the
 trained embedded model (one shared expert: the shared MLP becomes a view of the stacked tensors) and on
 the V2-Lite shape (two shared experts of the shared MLP's width split in two); a placement change of the
-routed experts turns the folding off instead of reading stale weights."""
+routed experts turns the folding off instead of reading stale weights; the fused ops run only where the
+backend implements them."""
 
 from __future__ import annotations
 
@@ -151,3 +153,58 @@ def test_gemv_rows_dispatch_and_tiles(monkeypatch):
     assert rows_config(1, 3648, 2048, 8, 132) == RowsConfig(RN=4, RT=32, KS=4, BNW=2, CH=2)
     assert rows_config(1, 102400, 2048, 8, 132) == RowsConfig(RN=4, RT=32, KS=1, BNW=8, CH=4)
     assert rows_config(1, 48, 32, 2, 132) == RowsConfig(RN=4, RT=4, KS=1, BNW=8, CH=1)
+
+
+def _tiny_model(kernels):
+    import json
+
+    from deepinfer_core.models.config import ModelConfig
+    from deepinfer_core.models.loader import build_model
+
+    cfg = ModelConfig.from_dict(json.loads((EMBEDDED_MODEL / "config.json").read_text()))
+    torch.manual_seed(0)
+    model = build_model(kernels, cfg, torch.float32, torch.device("cpu"), 256)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.post_load()
+    return model, cfg
+
+
+def _decode_once(model, cfg) -> None:
+    from deepinfer_core.engine.graph_runner import DecodeGraphs
+
+    bs = 16
+    kv = [torch.zeros(4, bs, cfg.kv_entry_dim) for _ in range(cfg.num_hidden_layers)]
+    graphs = DecodeGraphs(model, {"latent": kv}, [2], 256 // bs + 1, torch.device("cpu"), capture=False)
+    with torch.inference_mode():
+        graphs._forward(2)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_fused_ops_only_where_the_backend_implements_them(native):
+    """``mla_q_absorb`` and ``moe_gate`` run at decode when the backend has them (the reference has every op);
+    a backend without them (Ascend) keeps its own ``rope`` and ``moe_route`` instead of the reference's
+    composition of them."""
+    from deepinfer_core.kernels import KernelBackend, Kernels
+    from kernels_cpu import ReferenceKernels
+
+    class NoFusedOps(KernelBackend):
+        name = "no-fused-ops"
+        core_api_version = "1.0"
+        ops = {k: v for k, v in ReferenceKernels.ops.items() if k not in ("mla_q_absorb", "moe_gate")}
+
+    k = Kernels(ReferenceKernels if native else NoFusedOps, ReferenceKernels)
+    calls: list[str] = []
+    for op in ("mla_q_absorb", "moe_gate", "moe_route", "rope"):
+        fn = getattr(k, op)
+        k.override(op, lambda *a, _fn=fn, _op=op, **kw: calls.append(_op) or _fn(*a, **kw))
+    model, cfg = _tiny_model(k)
+    _decode_once(model, cfg)
+    layers, moes = cfg.num_hidden_layers, len(model.moe_layers())
+    if native:
+        assert calls.count("mla_q_absorb") == layers and calls.count("moe_gate") == moes
+        assert "rope" not in calls and "moe_route" not in calls  # the key's rope is inside mla_kv_write
+    else:
+        assert "mla_q_absorb" not in calls and "moe_gate" not in calls
+        assert calls.count("rope") == layers and calls.count("moe_route") == moes

@@ -122,7 +122,7 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([self.N, self.R], dim=-1)  # [T, H, N], [T, H, R]
         P = meta.num_prefill_tokens
         # fused: the decode rows' rope happens inside mla_q_absorb, so only prefill rows are rotated here
-        absorb = self.fuse_kv_write and meta.decode is not None
+        absorb = self.fuse_kv_write and meta.decode is not None and k.implements("mla_q_absorb")
         if not absorb:
             q_pe = k.rope(q_pe, positions, cos_sin)
         elif P:
@@ -288,7 +288,7 @@ class MoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._folded() and self.route_hook is None:  # router + shared slots in one op (decode fusion)
+        if self._folded() and self.route_hook is None and self.k.implements("moe_gate"):  # router + shared slots
             cfg = self.cfg
             weights, ids = self.k.moe_gate(x, self.gate, self.e_score_correction_bias, cfg.num_experts_per_tok,
                                            cfg.scoring_func, self.n_group, cfg.topk_group, self.group_score,
