@@ -12,7 +12,9 @@ as the engine runs decode). The router's gate is float32 (as the model keeps it)
 cuBLAS runs it as the reference does (``x.float() @ w.T``). ``head_linear`` (MLA's absorbed W_UK / W_UV, one
 GEMV per head) is timed against the reference's einsum. ``floor`` is one launch of the router's GEMV (262 KB):
 the per-launch cost inside a graph that no kernel goes below, so a weight of B bytes can at best reach
-B / (floor + B / ceiling). ``--sweep`` also times ``gemv_rows`` tile configurations at 2 and 8 rows.
+B / (floor + B / ceiling). At one row the GEMV is also timed chained with programmatic dependent launch
+(each launch streams its weight while the previous one finishes). ``--sweep`` also times ``gemv_rows`` tile
+configurations at 2 and 8 rows.
 """
 
 from __future__ import annotations
@@ -71,8 +73,11 @@ def bench_projection(name: str, N: int, K: int, wdt: str, Ms: list[int], dry: bo
         x = torch.randn(M, K, device=dev).to(torch.bfloat16)
         if dry:
             ours_fn(x, ws[0])
+            if M == 1 and wdt == "bf16":
+                _pdl_gemv(N, K)(x, ws[0])
             continue
         cublas = (lambda a, w: torch.nn.functional.linear(a.float(), w)) if wdt == "f32" else torch.nn.functional.linear
+        pdl = _pdl_gemv(N, K) if M == 1 and wdt == "bf16" else None
         ms_ours = timed(graphed(_cycle(ours_fn, [(x, w) for w in ws])), warmup=1, reps=5) / copies
         ms_ref = timed(graphed(_cycle(cublas, [(x, w) for w in ws])), warmup=1, reps=5) / copies
         want = cublas(x, ws[0]).float()
@@ -82,6 +87,13 @@ def bench_projection(name: str, N: int, K: int, wdt: str, Ms: list[int], dry: bo
                "rel_err": float(f"{err:.2e}")}
         row["fraction"] = round(row["GBps"] / read_GBps, 3)
         row["cublas_fraction"] = round(row["cublas_GBps"] / read_GBps, 3)
+        if pdl is not None:  # the same kernel chained with programmatic dependent launch
+            ms_pdl = timed(graphed(_cycle(pdl, [(x, w) for w in ws])), warmup=1, reps=5) / copies
+            row["pdl_us"] = round(ms_pdl * 1e3, 2)
+            row["pdl_fraction"] = round(nbytes / ms_pdl / 1e6 / read_GBps, 3)
+            err_p = (pdl(x, ws[0]).float() - want).abs().max().item() / want.abs().max().clamp_min(1e-6).item()
+            print(f"{'':>12} PDL chain: {row['pdl_us']:8.2f} us ({row['pdl_fraction'] * 100:4.1f}% of read), "
+                  f"rel err {err_p:.1e}", flush=True)
         out[f"M={M}"] = row
         print(f"{name:>12} N={N:>6} K={K:>5} M={M}: {row['us']:8.2f} us {row['GBps']:5d} GB/s "
               f"({row['fraction'] * 100:4.1f}% of read) | cuBLAS {row['cublas_us']:8.2f} us "
@@ -89,6 +101,22 @@ def bench_projection(name: str, N: int, K: int, wdt: str, Ms: list[int], dry: bo
               f"({row['cublas_fraction'] * 100:4.1f}%) | rel err {row['rel_err']:.1e}", flush=True)
     del ws
     return out
+
+
+def _pdl_gemv(N: int, K: int):
+    """``gemv``'s one-row kernel built with programmatic dependent launch (``build_gemv(pdl=True)``)."""
+    from kernels_cuda import _tl
+    from kernels_cuda.gemv import _kernel, tile_config
+
+    bn, rt = tile_config(N, K, _tl.num_sms())
+    kernel = _kernel(N, K, 1, bn, rt, "bfloat16", "bfloat16", "bfloat16", True)
+
+    def run(x, w):
+        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+        kernel(x, w, y)
+        return y
+
+    return run
 
 
 def _copies(nbytes: int, dry: bool) -> int:

@@ -52,14 +52,32 @@ def tile_config(N: int, K: int, sms: int, VEC: int = 8) -> tuple[int, int]:
     return 1, rt
 
 
-def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: str, out_dtype: str):
+def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: str, out_dtype: str,
+               pdl: bool = False):
+    """``pdl``: programmatic dependent launch (measured by ``gemv_bench.py``, not used by ``linear`` yet): the
+    kernel lets the next launch start at once, issues its W loads, then waits for the previous kernel
+    before reading X, so a GEMV's weight stream overlaps the tail of the kernel before it."""
     T = _tl.language()
+    if pdl:
+        from tilelang.cuda.language import pdl_sync, pdl_trigger
     M = T.dynamic("M")
     accum = "float32"
     VEC = 16 // (4 if w_dtype == "float32" else 2)
     assert RT == 32 or BN == 1, (RT, BN)
     step = RT * VEC
     iters = -(-K // step)
+
+    @T.macro
+    def fma(X, w_loc, x_loc, acc, tk):
+        for it in T.unroll(iters):
+            k0 = it * step + tk * VEC
+            if k0 < K:
+                for m in T.unroll(MB):
+                    if m < M:
+                        for v in T.vectorized(VEC):
+                            x_loc[v] = X[m, k0 + v]
+                        for v in T.unroll(VEC):
+                            acc[m] += T.cast(x_loc[v], accum) * T.cast(w_loc[it, v], accum)
 
     @T.prim_func
     def gemv_kernel(X: T.Tensor((M, K), dtype), W: T.Tensor((N, K), w_dtype), Y: T.Tensor((M, N), out_dtype)):
@@ -73,6 +91,8 @@ def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: s
             red = T.alloc_local((1,), accum)
             for m in T.serial(MB):
                 acc[m] = 0.0
+            if pdl:
+                pdl_trigger()
             if n < N:
                 # every W vector of this thread first (independent loads, all in flight), then the FMAs
                 for it in T.unroll(iters):
@@ -80,15 +100,12 @@ def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: s
                     if k0 < K:
                         for v in T.vectorized(VEC):
                             w_loc[it, v] = W[n, k0 + v]
-                for it in T.unroll(iters):
-                    k0 = it * step + tk * VEC
-                    if k0 < K:
-                        for m in T.unroll(MB):
-                            if m < M:
-                                for v in T.vectorized(VEC):
-                                    x_loc[v] = X[m, k0 + v]
-                                for v in T.unroll(VEC):
-                                    acc[m] += T.cast(x_loc[v], accum) * T.cast(w_loc[it, v], accum)
+                if not pdl:
+                    fma(X, w_loc, x_loc, acc, tk)
+            if pdl:
+                pdl_sync()  # X is the previous kernel's output
+                if n < N:
+                    fma(X, w_loc, x_loc, acc, tk)
             for m in T.unroll(MB):
                 acc[m] = T.warp_reduce_sum(acc[m])
             if RT == 32:

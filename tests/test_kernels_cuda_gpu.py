@@ -434,6 +434,27 @@ def test_head_linear_real_shapes(H, N, K, T):
     close(y, ref.head_linear(x.double(), w.double()), torch.bfloat16, f"head_linear H={H} N={N} K={K} T={T}")
 
 
+@pytest.mark.parametrize("H,T", [(16, 1), (16, 3), (16, 8), (128, 1), (128, 4)])  # V2-Lite, V3 heads
+def test_mla_q_absorb_real_shapes(H, T):
+    """The decode query from the projection output's columns (q_a or q width + kv_a): W_UK GEMV and rope in
+    one launch, against the reference composition."""
+    from kernels_cpu.fused import mla_q_absorb as reference
+    from kernels_cuda.gemv_rows import mla_q_absorb
+
+    g = gen(12)
+    N, R, L = 128, 64, 512
+    xa = randn(g, T, H * (N + R) + L + R)
+    q = xa[:, : H * (N + R)].view(T, H, N + R)
+    w_uk = randn(g, H, L, N, scale=N**-0.5)
+    pos = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    cs = randn(g, 4096, R, dtype=torch.float32)
+    out = mla_q_absorb(q, w_uk, pos, cs)
+    if DRY:
+        return
+    want = reference(q.double(), w_uk.double(), pos, cs.double())
+    close(out, want, torch.bfloat16, f"mla_q_absorb H={H} T={T}")
+
+
 def test_gemv_rows_writes_a_strided_out():
     """``gemv_rows(out=...)``: the decode query's latent columns [T, H, :L] of a [T, H, L + R] tensor; the rope
     columns are left as they were."""
