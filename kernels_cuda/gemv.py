@@ -54,12 +54,12 @@ def tile_config(N: int, K: int, sms: int, VEC: int = 8) -> tuple[int, int]:
 
 def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: str, out_dtype: str,
                pdl: bool = False):
-    """``pdl``: programmatic dependent launch (measured by ``gemv_bench.py``, not used by ``linear`` yet): the
+    """``pdl``: programmatic dependent launch (``_tl.PDL_ENV``; ``gemv_bench.py`` measures it chained): the
     kernel lets the next launch start at once, issues its W loads, then waits for the previous kernel
     before reading X, so a GEMV's weight stream overlaps the tail of the kernel before it."""
     T = _tl.language()
     if pdl:
-        from tilelang.cuda.language import pdl_sync, pdl_trigger
+        pdl_trigger, pdl_sync = _tl.pdl_ops()
     M = T.dynamic("M")
     accum = "float32"
     VEC = 16 // (4 if w_dtype == "float32" else 2)
@@ -164,7 +164,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     sms = _tl.num_sms(x.device.index or 0) if x.is_cuda else _tl.num_sms()
     bn, rt = tile_config(N, K, sms, vec(w.dtype))
-    kernel = _kernel(N, K, m_bucket(M), bn, rt, _tl.tl_dtype(x.dtype), _tl.tl_dtype(w.dtype), _tl.tl_dtype(out_dtype))
+    args = (N, K, m_bucket(M), bn, rt, _tl.tl_dtype(x.dtype), _tl.tl_dtype(w.dtype), _tl.tl_dtype(out_dtype))
+    kernel = _kernel(*args, True) if _tl.pdl() else _kernel(*args)
     kernel(x2, w, y)
     return y.view(*x.shape[:-1], N)
 

@@ -60,10 +60,13 @@ def rows_config(H: int, N: int, K: int, MB: int, sms: int) -> RowsConfig:
 
 
 def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[int, int], sy: tuple[int, int],
-                    dtype: str, out_dtype: str, R: int = 0, table_dtype: str = "float32"):
+                    dtype: str, out_dtype: str, R: int = 0, table_dtype: str = "float32", pdl: bool = False):
     """The GEMV kernel; with ``R`` > 0 also the rope of ``R`` columns per head (``mla_q_absorb``): XR, YR are
-    views at the same strides as X, Y (the columns after the no-rope part and after the latent part)."""
+    views at the same strides as X, Y (the columns after the no-rope part and after the latent part).
+    ``pdl``: programmatic dependent launch (``_tl.PDL_ENV``), as ``gemv.build_gemv``."""
     T = _tl.language()
+    if pdl:
+        pdl_trigger, pdl_sync = _tl.pdl_ops()
     M, P = T.dynamic("M"), T.dynamic("P")
     half = R // 2
     RN, RT, KS, BNW, CH = cfg.RN, cfg.RT, cfg.KS, cfg.BNW, cfg.CH
@@ -95,6 +98,8 @@ def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[
         acc = T.alloc_local((RN, MB), accum)
         for r, m in T.grid(RN, MB):
             acc[r, m] = 0.0
+        if pdl:
+            pdl_trigger()
         for c in T.serial(chunks):
             for i in T.unroll(CH):
                 k0 = ((c * CH + i) * KS * RT + kt) * VEC
@@ -102,6 +107,8 @@ def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[
                     for r in T.unroll(RN):
                         for v in T.vectorized(VEC):
                             w_loc[i, r, v] = W[h, T.min(bx * ROWS + g * RN + r, N - 1), k0 + v]
+            if pdl:
+                pdl_sync()  # X is the previous kernel's output (a no-op after the first chunk)
             for i in T.unroll(CH):
                 k0 = ((c * CH + i) * KS * RT + kt) * VEC
                 if k0 < K:
@@ -224,7 +231,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     MB = m_bucket(M)
     cfg = cfg or rows_config(H, N, K, MB, sms)
     sx, sy = x.stride()[:2], y.stride()[:2]
-    kernel = _kernel(H, N, K, MB, cfg, sx, sy, _tl.tl_dtype(x.dtype), _tl.tl_dtype(y.dtype))
+    args = (H, N, K, MB, cfg, sx, sy, _tl.tl_dtype(x.dtype), _tl.tl_dtype(y.dtype))
+    kernel = _kernel(*args, 0, "float32", True) if _tl.pdl() else _kernel(*args)
     kernel(x, w, y)
     return y
 
@@ -256,7 +264,7 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
     MB = m_bucket(T_)
     cfg = rows_config(H, L, NN, MB, sms)
     kernel = _kernel(H, L, NN, MB, cfg, q.stride()[:2], out.stride()[:2], _tl.tl_dtype(q.dtype),
-                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype))
+                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), *((True,) if _tl.pdl() else ()))
     kernel(nope, w_uk, out[..., :L], q[..., NN:], out[..., L:], positions.long().contiguous(), cos_sin.contiguous())
     return out
 

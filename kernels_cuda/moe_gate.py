@@ -22,8 +22,13 @@ _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def build_gate_route(E: int, C: int, K: int, n_group: int, topk_group: int, softmax: bool, has_bias: bool,
-                     top2sum: bool, renormalize: bool, S: int, w_dtype: str, x_dtype: str, g_dtype: str):
+                     top2sum: bool, renormalize: bool, S: int, w_dtype: str, x_dtype: str, g_dtype: str,
+                     pdl: bool = False):
+    """``pdl``: programmatic dependent launch (``_tl.PDL_ENV``): the gate rows are loaded before waiting for
+    the kernel that wrote X (the norm before it)."""
     T = _tl.language()
+    if pdl:
+        pdl_sync = _tl.pdl_ops()[1]
     NT = T.dynamic("NT")
     threads = max(128, (E + 31) // 32 * 32)
     VEC = 16 // _BYTES[g_dtype]
@@ -50,6 +55,8 @@ def build_gate_route(E: int, C: int, K: int, n_group: int, topk_group: int, soft
                 if k0 < C:
                     for v in T.vectorized(VEC):
                         g_loc[it, v] = Gate[e, k0 + v]
+            if pdl:
+                pdl_sync()
             for it in T.unroll(iters):
                 k0 = (it * threads + tx) * VEC
                 if k0 < C:
@@ -120,7 +127,7 @@ def gate_route(x, gate, bias, top_k, n_group, topk_group, softmax, top2sum, reno
     b = bias.float().contiguous() if bias is not None else logits[0]  # unread without a bias
     kern = _kernel(E, x.shape[1], int(top_k), n_group, topk_group, softmax, bias is not None, top2sum,
                    bool(renormalize), int(n_shared), _tl.tl_dtype(dtype), _tl.tl_dtype(x.dtype),
-                   _tl.tl_dtype(gate.dtype))
+                   _tl.tl_dtype(gate.dtype), *((True,) if _tl.pdl() else ()))
     kern(x, gate, b, logits, count, weights, ids, float(scale))
     return weights, ids
 

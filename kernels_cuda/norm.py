@@ -24,13 +24,17 @@ def _padded(C: int, threads: int) -> int:
     return -(-C // threads) * threads
 
 
-def build_rms_norm(C: int, dtype: str, fused_add: bool):
+def build_rms_norm(C: int, dtype: str, fused_add: bool, pdl: bool = False):
+    """``pdl``: let the next kernel launch at once (``_tl.PDL_ENV``: the GEMV after a norm streams its weight
+    meanwhile and waits for this kernel before reading the normed row)."""
     T = _tl.language()
     N = T.dynamic("N")
     threads = _threads(C)
     CP = _padded(C, threads)
     if CP != C:
         return _build_padded(C, CP, threads, dtype, fused_add)
+    if pdl:
+        pdl_trigger = _tl.pdl_ops()[0]
 
     @T.prim_func
     def rms_norm_kernel(
@@ -45,6 +49,8 @@ def build_rms_norm(C: int, dtype: str, fused_add: bool):
             x = T.alloc_fragment((1, C), "float32")
             sq = T.alloc_fragment((1, C), "float32")
             ss = T.alloc_fragment((1,), "float32")
+            if pdl:
+                pdl_trigger()
             if fused_add:
                 xr = T.alloc_fragment((1, C), dtype)
                 for i, j in T.Parallel(1, C):
@@ -122,7 +128,8 @@ def _run(x, residual, w, eps, fused):
     else:
         r2 = r_out = x2  # unused by the kernel
     if x2.shape[0]:
-        _kernel(C, _tl.tl_dtype(x.dtype), fused)(x2, r2, w.to(x.dtype).contiguous(), y, r_out, float(eps))
+        kernel = _kernel(C, _tl.tl_dtype(x.dtype), fused, *((True,) if _tl.pdl() else ()))
+        kernel(x2, r2, w.to(x.dtype).contiguous(), y, r_out, float(eps))
     return y.view(shape), (r_out.view(shape) if fused else None)
 
 
