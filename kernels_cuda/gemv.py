@@ -25,8 +25,10 @@ from kernels_cuda import _tl
 
 #: the largest M the GEMVs take; more rows go to cuBLAS. One row runs this module's kernel (at M = 1 it beats
 #: cuBLAS on 14 of 15 decode projections on the H200, docs/decode_fusion.md), 2..8 rows of a 2-byte weight
-#: run ``gemv_rows`` (each activation vector reused across several rows of W: this kernel reloads it per row,
-#: 3-7x slower than cuBLAS at 8 rows), and the router's float32 gate stays here (one row per CTA, split-K).
+#: can run ``gemv_rows`` (each activation vector reused across several rows of W: this kernel reloads it per
+#: row, 3-7x slower than cuBLAS at 8 rows); ``linear`` sends it only what it measured faster than cuBLAS
+#: (``gemv_rows.faster_than_cublas``). The router's float32 gate stays here at 1..8 rows (2.0-2.5 us against
+#: cuBLAS's 6.6-10.9 us with the cast).
 MAX_M = 8
 _BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
@@ -171,8 +173,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The registry's ``linear``: a GEMV for at most 8 rows without bias, cuBLAS (the reference) otherwise."""
-    if bias is None and w.dtype == x.dtype and applies(x, w):
+    """The registry's ``linear``: a GEMV without bias where it is faster than cuBLAS (one row; 2..4 rows of a
+    small weight: ``gemv_rows.faster_than_cublas``), cuBLAS (the reference) otherwise."""
+    from kernels_cuda.gemv_rows import faster_than_cublas
+
+    if bias is None and w.dtype == x.dtype and applies(x, w) \
+            and faster_than_cublas(x.numel() // w.shape[1], w.numel() * w.element_size()):
         return gemv(x, w, x.dtype)
     from kernels_cpu import ops as ref
 

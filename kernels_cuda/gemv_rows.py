@@ -200,6 +200,19 @@ def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[
 _kernel = _tl.kernel_cache(build_gemv_rows)
 
 
+#: Measured on the H200 (docs/decode_fusion.md, gemv_bench round 1): at one row the GEMVs beat cuBLAS on every
+#: decode projection; at 2..4 rows only on small weights (V2-Lite's per-head W_UK / W_UV of 2 MB, o, kv_b); at
+#: 8 rows cuBLAS's tensor-core tiles win everywhere (this kernel's FMAs on the CUDA cores reach 25-58 % of the
+#: read ceiling there). ``mla_q_absorb`` also saves two launches (rope, cat), so it takes the kernel up to 4 rows
+#: for any weight.
+SMALL_WEIGHT = 4 << 20
+
+
+def faster_than_cublas(M: int, weight_bytes: int) -> bool:
+    """Whether M rows against a weight of ``weight_bytes`` go to these GEMVs rather than cuBLAS (measured)."""
+    return M == 1 or (M <= 4 and weight_bytes <= SMALL_WEIGHT)
+
+
 def m_bucket(M: int) -> int:
     return next(b for b in (1, 2, 4, 8) if M <= b)
 
@@ -238,9 +251,9 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The registry's ``head_linear`` (x[T, H, K], w[H, N, K] -> [T, H, N]): the GEMV for at most 8 tokens,
-    the reference's batched GEMM (cuBLAS) above."""
-    if applies(x, w):
+    """The registry's ``head_linear`` (x[T, H, K], w[H, N, K] -> [T, H, N]): the GEMV where it is faster than the
+    reference's batched GEMM (cuBLAS) (``faster_than_cublas``), cuBLAS elsewhere."""
+    if applies(x, w) and faster_than_cublas(x.shape[0], w.numel() * w.element_size()):
         return gemv_rows(x, w)
     from kernels_cpu import ops as ref
 
@@ -248,13 +261,14 @@ def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """The registry's ``mla_q_absorb``: one launch writing [W_UK q_nope | rope(q_pe)] for at most 8 tokens (the
-    GEMV's CTAs and one rope CTA per head); the reference composition otherwise."""
+    """The registry's ``mla_q_absorb``: one launch writing [W_UK q_nope | rope(q_pe)] (the GEMV's CTAs and one
+    rope CTA per head) for up to 4 tokens, or 8 on a small W_UK; the reference composition otherwise."""
     T_, H, D = q.shape
     L, NN = w_uk.shape[1], w_uk.shape[2]
     R = D - NN
     nope = q[..., :NN]
-    if (not applies(nope, w_uk) or R <= 0 or R % 2 or L % VEC or cos_sin.shape[-1] != R
+    wide = T_ > 4 and not faster_than_cublas(T_, w_uk.numel() * w_uk.element_size())
+    if (wide or not applies(nope, w_uk) or R <= 0 or R % 2 or L % VEC or cos_sin.shape[-1] != R
             or cos_sin.dtype not in (torch.float32, q.dtype)):
         from kernels_cpu import fused as ref
 

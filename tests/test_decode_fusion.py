@@ -138,7 +138,7 @@ def test_gemv_rows_dispatch_and_tiles(monkeypatch):
     """``gemv_rows`` (2..8 rows, ``head_linear``, ``mla_q_absorb``): which inputs it takes, and its tiles: K
     split over warps until about 16 warps per SM are in flight, half a warp per row where K is 128 (W_UK)."""
     from kernels_cuda import _tl
-    from kernels_cuda.gemv_rows import RowsConfig, applies, rows_config
+    from kernels_cuda.gemv_rows import RowsConfig, applies, faster_than_cublas, rows_config
 
     monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
     bf = torch.bfloat16
@@ -153,6 +153,9 @@ def test_gemv_rows_dispatch_and_tiles(monkeypatch):
     assert rows_config(1, 3648, 2048, 8, 132) == RowsConfig(RN=4, RT=32, KS=4, BNW=2, CH=2)
     assert rows_config(1, 102400, 2048, 8, 132) == RowsConfig(RN=4, RT=32, KS=1, BNW=8, CH=4)
     assert rows_config(1, 48, 32, 2, 132) == RowsConfig(RN=4, RT=4, KS=1, BNW=8, CH=1)
+    # measured against cuBLAS on the H200: one row always; 2..4 rows only of a small weight (<= 4 MB)
+    assert faster_than_cublas(1, 1 << 30) and faster_than_cublas(4, 2 << 20)
+    assert not faster_than_cublas(2, 15 << 20) and not faster_than_cublas(8, 1 << 20)
 
 
 def _tiny_model(kernels):
