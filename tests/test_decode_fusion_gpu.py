@@ -119,7 +119,8 @@ def test_decode_fusion_kernels_compile(shape):
             model.set_decode_fusion(fused)
             for n in sizes:
                 graphs._forward(n)
-            lens, cu = torch.tensor([5]), torch.tensor([0, 5])
-            prefill = PrefillMeta(cu, cu, lens, torch.zeros(1, 2, dtype=torch.int32), has_prefix=False)
-            model(torch.zeros(5, dtype=torch.long), torch.arange(5), AttentionMetadata(5, torch.arange(5), prefill,
-                                                                                       None), {"latent": kv})
+            for n in (5, 70):  # prefills of one short prompt and of a batch of prompts (MoE tile configurations)
+                lens, cu = torch.tensor([n]), torch.tensor([0, n])
+                prefill = PrefillMeta(cu, cu, lens, torch.zeros(1, 5, dtype=torch.int32), has_prefix=False)
+                model(torch.zeros(n, dtype=torch.long), torch.arange(n),
+                      AttentionMetadata(n, torch.arange(n), prefill, None), {"latent": kv})

@@ -37,7 +37,7 @@ for stage in $STAGES; do
   t0=$(date +%s)
   case $stage in
     conformance)
-      timeout ${CONF_CAP:-60} $py -m pytest -q -p no:cacheprovider -rfE -s tests/test_kernels_cuda_gpu.py \
+      timeout ${CONF_CAP:-60} $py -m pytest -v -p no:cacheprovider -rfE -s tests/test_kernels_cuda_gpu.py \
         tests/test_decode_fusion_gpu.py -k "$SEL" > "$OUT/conformance.log" 2>&1
       echo "conformance rc=$?" >> "$OUT/summary.txt" ;;
     bench)
@@ -55,7 +55,7 @@ done
 # the compact summary (stdout)
 cat "$OUT/summary.txt"
 for f in conformance greedy_pdl; do
-  [ -f "$OUT/$f.log" ] && grep -E "passed|failed|^FAILED|^ERROR|identical" "$OUT/$f.log" | tail -12
+  [ -f "$OUT/$f.log" ] && grep -E "passed|failed|FAILED|ERROR|identical" "$OUT/$f.log" | grep -v "PASSED" | tail -12; [ -f "$OUT/$f.log" ] && echo "PASSED: $(grep -c PASSED "$OUT/$f.log")"
 done
 [ -f "$OUT/gemv.log" ] && cut -c1-170 "$OUT/gemv.log"
 for name in suite suite_pdl; do
