@@ -75,9 +75,12 @@ def bench_projection(name: str, N: int, K: int, wdt: str, Ms: list[int], dry: bo
             ours_fn(x, ws[0])
             if M == 1 and wdt == "bf16":
                 _pdl_gemv(N, K)(x, ws[0])
+            if M > 1 and wdt == "bf16" and _mma(x, ws[0]) is not None:
+                _mma(x, ws[0])(x, ws[0])
             continue
         cublas = (lambda a, w: torch.nn.functional.linear(a.float(), w)) if wdt == "f32" else torch.nn.functional.linear
         pdl = _pdl_gemv(N, K) if M == 1 and wdt == "bf16" else None
+        mma = _mma(x, ws[0]) if M > 1 and wdt == "bf16" else None
         ms_ours = timed(graphed(_cycle(ours_fn, [(x, w) for w in ws])), warmup=1, reps=5) / copies
         ms_ref = timed(graphed(_cycle(cublas, [(x, w) for w in ws])), warmup=1, reps=5) / copies
         want = cublas(x, ws[0]).float()
@@ -87,6 +90,13 @@ def bench_projection(name: str, N: int, K: int, wdt: str, Ms: list[int], dry: bo
                "rel_err": float(f"{err:.2e}")}
         row["fraction"] = round(row["GBps"] / read_GBps, 3)
         row["cublas_fraction"] = round(row["cublas_GBps"] / read_GBps, 3)
+        if mma is not None:  # the tensor-core GEMV (kernels_cuda/gemv_mma.py)
+            ms_mma = timed(graphed(_cycle(mma, [(x, w) for w in ws])), warmup=1, reps=5) / copies
+            row["mma_us"] = round(ms_mma * 1e3, 2)
+            row["mma_fraction"] = round(nbytes / ms_mma / 1e6 / read_GBps, 3)
+            err_m = (mma(x, ws[0]).float() - want).abs().max().item() / want.abs().max().clamp_min(1e-6).item()
+            print(f"{'':>12} tensor cores: {row['mma_us']:8.2f} us ({row['mma_fraction'] * 100:4.1f}% of read), "
+                  f"rel err {err_m:.1e}", flush=True)
         if pdl is not None:  # the same kernel chained with programmatic dependent launch
             ms_pdl = timed(graphed(_cycle(pdl, [(x, w) for w in ws])), warmup=1, reps=5) / copies
             row["pdl_us"] = round(ms_pdl * 1e3, 2)
@@ -117,6 +127,13 @@ def _pdl_gemv(N: int, K: int):
         return y
 
     return run
+
+
+def _mma(x, w):
+    """``gemv_mma`` where it takes these shapes, else None."""
+    from kernels_cuda.gemv_mma import applies, gemv_mma
+
+    return gemv_mma if applies(x, w) else None
 
 
 def _copies(nbytes: int, dry: bool) -> int:

@@ -14,7 +14,7 @@ tensors they run the reference (tf32 tensor-core math would miss float32 toleran
 from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
-KERNEL_MODULES = ("gemv", "gemv_rows", "mla_kv_write",
+KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "mla_kv_write",
                   "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_fp8", "mla_prefill", "moe",
                   "moe_route", "moe_gate", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",

@@ -415,6 +415,25 @@ def test_gemv_real_shapes(N, K, w_dtype, M):
     close(y, x.double() @ w.double().T, torch.bfloat16, f"gemv N={N} K={K} M={M}")
 
 
+@pytest.mark.parametrize("N,K,M", [(s[0], s[1], m) for s in GEMV_SHAPES if s[2] == torch.bfloat16 and s[0] <= 24576
+                                   for m in (2, 5, 8)])
+def test_gemv_mma_real_shapes(N, K, M):
+    """The tensor-core GEMV (mma.m16n8k16, 16 weight rows x 8 activation rows) at 2..8 rows; N = 3650 has
+    rows past N in its last tile; K = 1416 is not in 32-element steps per warp (not taken)."""
+    from kernels_cuda.gemv_mma import applies, gemv_mma
+
+    g = gen(13)
+    x = randn(g, M, K)
+    w = randn(g, N, K, scale=K**-0.5)
+    if not applies(x, w):
+        assert K % 32, f"gemv_mma should take N={N} K={K}"
+        return
+    y = gemv_mma(x, w)
+    if DRY:
+        return
+    close(y, x.double() @ w.double().T, torch.bfloat16, f"gemv_mma N={N} K={K} M={M}")
+
+
 HEAD_SHAPES = [(16, 512, 128), (16, 128, 512), (128, 512, 128), (128, 128, 512), (8, 1024, 4096)]
 
 
