@@ -1,6 +1,6 @@
 """GEMV for 2..8 activation rows on the tensor cores (``mma.m16n8k16``): measured by ``gemv_bench.py``
 against ``gemv_rows`` (CUDA-core FMAs, 25-58 % of the read ceiling at 8 rows on the H200) and cuBLAS; the
-backend's ``linear`` does not dispatch to it until measured.
+backend's ``linear`` sends it 2..8 rows where ``DISPATCH`` says (the measurement).
 
 A warp owns 16 rows of W (the mma's M), the activation rows are its N = 8 (rows past M read row M - 1, never
 written), and ``KS`` warps of a CTA split K (partial sums added through shared memory in warp order: one
@@ -15,6 +15,9 @@ import torch
 from kernels_cuda import _tl
 
 U = 8  # K steps of 32 unrolled per loop iteration (loads of a thread in flight together)
+#: whether ``linear`` sends 2..8 rows that ``gemv_rows`` does not take (``faster_than_cublas``) here instead of
+#: to cuBLAS; set from the H200 measurement (docs/decode_fusion.md)
+DISPATCH = False
 
 
 def mma_config(N: int, K: int, sms: int) -> tuple[int, int] | None:
