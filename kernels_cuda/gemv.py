@@ -173,18 +173,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The registry's ``linear``: a GEMV without bias where it is faster than cuBLAS (one row; 2..4 rows of a
-    small weight: ``gemv_rows.faster_than_cublas``), cuBLAS (the reference) otherwise."""
+    """The registry's ``linear``: without bias, 2..8 rows on the tensor-core GEMV where it measured faster than
+    cuBLAS (``gemv_mma.wins``), one row (and 2..4 rows of a small weight, ``gemv_rows.faster_than_cublas``) on
+    the GEMVs, cuBLAS (the reference) otherwise."""
     from kernels_cuda import gemv_mma
     from kernels_cuda.gemv_rows import faster_than_cublas
 
     if bias is None and w.dtype == x.dtype and applies(x, w):
-        M = x.numel() // w.shape[1]
+        N, K = w.shape
+        M = x.numel() // K
+        x2 = x.reshape(M, K)
+        if M > 1 and gemv_mma.applies(x2, w) and gemv_mma.wins(N, K):  # the tensor cores (measured)
+            return gemv_mma.gemv_mma(x2, w).view(*x.shape[:-1], N)
         if faster_than_cublas(M, w.numel() * w.element_size()):
             return gemv(x, w, x.dtype)
-        x2 = x.reshape(M, w.shape[1])
-        if gemv_mma.DISPATCH and gemv_mma.applies(x2, w):
-            return gemv_mma.gemv_mma(x2, w).view(*x.shape[:-1], w.shape[0])
     from kernels_cpu import ops as ref
 
     return ref.linear(x, w, bias)

@@ -1,6 +1,6 @@
 """GEMV for 2..8 activation rows on the tensor cores (``mma.m16n8k16``): measured by ``gemv_bench.py``
 against ``gemv_rows`` (CUDA-core FMAs, 25-58 % of the read ceiling at 8 rows on the H200) and cuBLAS; the
-backend's ``linear`` sends it 2..8 rows where ``DISPATCH`` says (the measurement).
+backend's ``linear`` sends it 2..8 rows where it measured faster (``wins``).
 
 A warp owns 16 rows of W (the mma's M), the activation rows are its N = 8 (rows past M read row M - 1, never
 written), and ``KS`` warps of a CTA split K (partial sums added through shared memory in warp order: one
@@ -15,9 +15,21 @@ import torch
 from kernels_cuda import _tl
 
 U = 8  # K steps of 32 unrolled per loop iteration (loads of a thread in flight together)
-#: whether ``linear`` sends 2..8 rows that ``gemv_rows`` does not take (``faster_than_cublas``) here instead of
-#: to cuBLAS; set from the H200 measurement (docs/decode_fusion.md)
-DISPATCH = False
+#: the widest weight (rows) ``linear`` sends here: on the H200 (docs/decode_fusion.md, round 2) it beat cuBLAS at
+#: 2..8 rows on every weight of at most 4096 rows whose K splits into an even number of 32-element steps per
+#: warp (V2-Lite q+kv_a 58 against 52 % of the read ceiling, o 45 against 32 %, kv_b 32 against 24 %; V3
+#: q_a+kv_a 66 against 54 %, shared w13 74 against 70 %), and lost on wider weights (dense w13 74 against 79 %)
+#: and odd step counts (no unroll: V2-Lite shared w2 at K 2816, 30 against 37 %)
+MAX_ROWS = 4096
+
+
+def wins(N: int, K: int, sms: int = 132) -> bool:
+    """Whether ``linear`` takes this kernel for 2..8 rows of an [N, K] weight (measured; see ``MAX_ROWS``)."""
+    cfg = mma_config(N, K, sms)
+    if cfg is None or N > MAX_ROWS:
+        return False
+    steps = K // cfg[0] // 32
+    return steps < 2 or steps % 2 == 0
 
 
 def mma_config(N: int, K: int, sms: int) -> tuple[int, int] | None:

@@ -213,24 +213,24 @@ def test_fused_ops_only_where_the_backend_implements_them(native):
         assert calls.count("rope") == layers and calls.count("moe_route") == moes
 
 
-@pytest.mark.parametrize("mma", [False, True])
-def test_linear_dispatch_by_rows_and_weight(monkeypatch, mma):
-    """The CUDA ``linear`` per row count (CPU tensors, the kernels replaced by recorders: nothing compiles): one
-    row of any weight and 2..4 rows of a small one take the GEMVs; wider calls go to the tensor-core GEMV when
-    ``gemv_mma.DISPATCH`` is set (by the H200 measurement), else to cuBLAS (the reference)."""
+def test_linear_dispatch_by_rows_and_weight(monkeypatch):
+    """The CUDA ``linear`` per row count (CPU tensors, the kernels replaced by recorders: nothing compiles), as
+    measured on the H200: one row on ``gemv``; 2..8 rows of a weight of <= 4096 rows whose K splits evenly on
+    the tensor-core GEMV; 2..4 rows of another small weight on ``gemv_rows``; the rest on cuBLAS (the reference)."""
     from kernels_cuda import _tl, gemv, gemv_mma, gemv_rows
 
     monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
-    monkeypatch.setattr(gemv_mma, "DISPATCH", mma)
     launched: list[str] = []
     for mod in (gemv, gemv_rows, gemv_mma):
         monkeypatch.setattr(mod, "_kernel", lambda *cfg, _m=mod.__name__: lambda *a: launched.append(_m))
     bf = torch.bfloat16
-    big, small = torch.zeros(3648, 2048, dtype=bf), torch.zeros(512, 2048, dtype=bf)  # 15 MB, 2 MB
-    rows = "kernels_cuda.gemv_rows"
-    for M, w, want in ((1, big, "kernels_cuda.gemv"), (3, small, rows), (4, big, None), (8, small, None)):
+    qkv, dense, odd = (torch.zeros(3648, 2048, dtype=bf), torch.zeros(21888, 2048, dtype=bf),
+                       torch.zeros(2048, 2816, dtype=bf))  # V2-Lite q+kv_a, dense w13, shared w2 (11 steps)
+    small_odd = torch.zeros(512, 2816, dtype=bf)
+    cases = ((1, qkv, "gemv"), (2, qkv, "gemv_mma"), (8, qkv, "gemv_mma"), (4, dense, None), (8, odd, None),
+             (3, small_odd, "gemv_rows"))
+    for M, w, want in cases:
         launched.clear()
-        y = gemv.linear(torch.zeros(M, 2048, dtype=bf), w)
+        y = gemv.linear(torch.zeros(M, w.shape[1], dtype=bf), w)
         assert y.shape == (M, w.shape[0])
-        expected = want or ("kernels_cuda.gemv_mma" if mma else None)
-        assert launched == ([expected] if expected else []), (M, w.shape, launched)
+        assert launched == ([f"kernels_cuda.{want}"] if want else []), (M, w.shape, launched)
