@@ -98,6 +98,19 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "entry = [rms_norm(kv_a[:, :L]) | rope(kv_a[:, L:])]; paged_kv_write(cache, slot_mapping, entry); "
         "returns entry (one launch for MLA's latent norm, key rope and cache write)",
     ),
+    OpSpec(
+        "mla_q_absorb",
+        "(q[T, H, N+R], w_uk[H, L, N], positions[T], cos_sin[P, R]) -> [T, H, L+R]",
+        "[head_linear(q[..., :N], w_uk) | rope(q[..., N:], positions, cos_sin)]: MLA's absorbed decode "
+        "query (W_UK folded into the no-rope part, rope on the rest) in one launch",
+    ),
+    OpSpec(
+        "moe_gate",
+        "(x[T, C], gate[E, C], bias[E] | None, top_k, scoring, n_group, topk_group, group_score, renormalize, "
+        "scale, n_shared, dtype) -> (weights[T, k + n_shared] dtype, ids[T, k + n_shared] i64)",
+        "moe_route(linear_f32(x, gate), ...) with n_shared always-selected experts E..E+n_shared-1 of weight 1 "
+        "appended, weights cast to dtype: the router and the shared experts' slots of fused_moe",
+    ),
     # ---- block-scaled FP8 weights (reference and exact rules: kernels_cpu/fp8_ops.py) ----
     OpSpec(
         "fp8_linear",
@@ -240,6 +253,12 @@ class Kernels:
             logger.info(
                 "kernel backend %r has no %s; using the reference ops", backend.name, ", ".join(self.fallbacks)
             )
+
+    def implements(self, name: str) -> bool:
+        """Whether the platform's backend runs ``name`` itself (the reference backend implements every op). A
+        model calls a fused op (``mla_q_absorb``, ``moe_gate``) only where it does: elsewhere the reference's
+        composition would replace the backend's own unfused kernels (its ``rope``, ``moe_route``)."""
+        return name not in self.fallbacks
 
     def override(self, name: str, fn: Callable) -> None:
         """Replace one op (used by features such as batch-invariant mode)."""

@@ -35,12 +35,13 @@ MOE_DECODE = (1, 2, 4, 8)  # the weight-streaming MoE's row buckets (kernels_cud
 def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Call every kernel op of the engine's forward for ``cfg`` once per configuration; returns their names."""
     from kernels_cuda.gemv import MAX_M, linear, linear_f32
+    from kernels_cuda.gemv_rows import head_linear, mla_q_absorb
     from kernels_cuda.kv_cache import paged_kv_write
     from kernels_cuda.mla_decode import mla_decode
     from kernels_cuda.mla_kv_write import mla_kv_write
     from kernels_cuda.mla_prefill import mla_prefill
     from kernels_cuda.moe import fused_moe
-    from kernels_cuda.moe_route import moe_route
+    from kernels_cuda.moe_route import moe_gate, moe_route
     from kernels_cuda.norm import add_rms_norm, rms_norm
     from kernels_cuda.sampling import sample
 
@@ -67,12 +68,18 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
                (cfg.vocab_size, C)}
     if cfg.q_lora_rank:
         weights.add((H * (N + R), cfg.q_lora_rank))
-    for M in sorted({1, MAX_M}):  # the rows the backend's linear sends the GEMV
+    w_uk, w_uv = e(H, L, N, dtype=dtype), e(H, V, L, dtype=dtype)
+    for M in sorted({1, 2, 4, MAX_M}):  # the GEMVs' row buckets (up to MAX_M rows)
         for n_out, k_in in sorted(weights):
             linear(e(M, k_in, dtype=dtype), e(n_out, k_in, dtype=dtype))
         if E_r:
             linear_f32(e(M, C, dtype=dtype), e(E_r, C))
-        done.append(f"gemv M={M} x {len(weights) + bool(E_r)} weights")
+        # MLA's decode query (from the projection's output columns) and W_UV
+        q = e(M, q_cols + L + R, dtype=dtype)[:, : H * (N + R)].view(M, H, N + R)
+        mla_q_absorb(q, w_uk, torch.zeros(M, dtype=torch.long), e(16, R))
+        head_linear(q[..., :N], w_uk)
+        head_linear(e(M, H, L, dtype=dtype), w_uv)
+        done.append(f"gemv M={M} x {len(weights) + bool(E_r)} weights, mla_q_absorb, W_UV")
     for B in DECODE:
         tables = torch.zeros(B, 4, dtype=torch.int32)
         mla_decode(e(B, H, L + R, dtype=dtype), cache, tables, torch.arange(B + 1), torch.full((B,), 64),
@@ -89,9 +96,12 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
         S = cfg.n_shared_experts or 0  # folded in as always-selected experts E.. (MoE._fold_shared_experts)
         w13, w2 = e(E + S, 2 * I, C, dtype=dtype), e(E + S, C, I, dtype=dtype)
         bias = e(E) if moe.e_score_correction_bias is not None else None
+        gate = e(E, C)
         for T in sorted(set(TOKENS) | set(MOE_DECODE)):
             moe_route(e(T, E), bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score,
                       moe.renormalize, moe.scale)
+            moe_gate(e(T, C, dtype=dtype), gate, bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group,
+                     moe.group_score, moe.renormalize, moe.scale, S, dtype)
             fused_moe(e(T, C, dtype=dtype), w13, w2, e(T, k + S, dtype=dtype),
                       torch.zeros(T, k + S, dtype=torch.long))
             done.append(f"moe E={E}+{S} shared T={T}")

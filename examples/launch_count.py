@@ -89,6 +89,8 @@ def count(shape: str, batch: int, fused: bool) -> tuple[Counter, list[str]]:
 
         layer.register_forward_pre_hook(enter)
         layer.register_forward_hook(leave)
+    with torch.inference_mode():
+        graphs._forward(batch)  # once untraced: what ops make on their first call (moe_gate's counters) is not a step's
     _tl.dry_launch_hook = mode.tl_launch
     try:
         with torch.inference_mode(), mode:

@@ -10,7 +10,7 @@ MXFP8_OPS = ("ue8m0_scale", "mxfp8_quant", "mxfp8_dequant")
 #: ops defined in ``kernels_cpu.fp8_ops`` (block-scaled FP8 weights)
 FP8_OPS = ("fp8_linear", "fused_moe_fp8")
 #: ops defined in ``kernels_cpu.fused`` (compositions a backend may run as one launch)
-FUSED_OPS = ("linear_f32", "mla_kv_write")
+FUSED_OPS = ("linear_f32", "mla_kv_write", "mla_q_absorb", "moe_gate")
 #: ops defined in ``kernels_cpu.kv_fp8`` (the FP8 latent KV cache)
 KV_FP8_OPS = ("latent_kv_dequant",)
 _MODULES = {**dict.fromkeys(V4_OPS, "v4_ops"), **dict.fromkeys(MXFP8_OPS, "mxfp8"), **dict.fromkeys(FP8_OPS, "fp8_ops"),

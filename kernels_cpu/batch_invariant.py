@@ -315,6 +315,12 @@ def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 
+def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """``kernels_cpu.fused.mla_q_absorb`` with this module's ``head_linear`` (rope is per token already)."""
+    N = w_uk.shape[-1]
+    return torch.cat((head_linear(q[..., :N], w_uk), reference.rope(q[..., N:], positions, cos_sin)), -1)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     ms = row_sum(xf * xf) / xf.shape[-1]
@@ -454,6 +460,18 @@ def moe_route(logits, bias, top_k, scoring, n_group, topk_group, group_score, re
     return weights * scale, ids
 
 
+def moe_gate(x, gate, bias, top_k, scoring, n_group, topk_group, group_score, renormalize, scale, n_shared, dtype):
+    """``kernels_cpu.fused.moe_gate`` with this module's ``linear_f32`` and ``moe_route``."""
+    weights, ids = moe_route(linear_f32(x, gate), bias, top_k, scoring, n_group, topk_group, group_score,
+                             renormalize, scale)
+    if n_shared:
+        T, E = ids.shape[0], gate.shape[0]
+        shared = torch.arange(E, E + n_shared, dtype=ids.dtype, device=ids.device)
+        ids = torch.cat((ids, shared.expand(T, n_shared)), 1)
+        weights = torch.cat((weights, weights.new_ones(T, n_shared)), 1)
+    return weights.to(dtype), ids
+
+
 def fused_moe(x, w13, w2, weights, ids):
     """Expert MLPs with tiled GEMMs; each token's outputs summed in its top-k slot order."""
     T, C = x.shape
@@ -485,7 +503,8 @@ class BatchInvariantKernels(KernelBackend):
     name = "batch_invariant"
     core_api_version = "1.0"
     ops = {name: f"kernels_cpu.batch_invariant:{name}" for name in (
-        "linear", "linear_f32", "mla_kv_write", "head_linear", "rms_norm", "add_rms_norm", "silu_and_mul",
+        "linear", "linear_f32", "mla_kv_write", "mla_q_absorb", "head_linear", "rms_norm", "add_rms_norm",
+        "silu_and_mul",
         "mla_decode", "mla_prefill",
-        "moe_route", "fused_moe", "logsumexp",
+        "moe_route", "moe_gate", "fused_moe", "logsumexp",
     )}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_cpu.ops import paged_kv_write, rms_norm, rope
+from kernels_cpu.ops import head_linear, moe_route, paged_kv_write, rms_norm, rope
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -24,3 +24,26 @@ def mla_kv_write(kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, positions
     entry = torch.cat((rms_norm(latent, norm_w, eps), rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
     paged_kv_write(cache, slot_mapping, entry)
     return entry
+
+
+def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """MLA's absorbed decode query from the projected query q[T, H, N + R] (N = w_uk's last dim):
+    ``[head_linear(q[..., :N], w_uk) | rope(q[..., N:], positions, cos_sin)]``, [T, H, L + R]."""
+    N = w_uk.shape[-1]
+    return torch.cat((head_linear(q[..., :N], w_uk), rope(q[..., N:], positions, cos_sin)), -1)
+
+
+def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str, n_group: int,
+             topk_group: int, group_score: str, renormalize: bool, scale: float, n_shared: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router and the shared experts' slots for ``fused_moe``: ``moe_route(linear_f32(x, gate), ...)``, then
+    ``n_shared`` always-selected experts E..E+n_shared-1 (E = gate's rows) of weight 1 appended to every token,
+    the weights cast to ``dtype``: (weights[T, top_k + n_shared], ids[T, top_k + n_shared] int64)."""
+    weights, ids = moe_route(linear_f32(x, gate), bias, top_k, scoring, n_group, topk_group, group_score,
+                             renormalize, scale)
+    if n_shared:
+        T, E = ids.shape[0], gate.shape[0]
+        shared = torch.arange(E, E + n_shared, dtype=ids.dtype, device=ids.device)
+        ids = torch.cat((ids, shared.expand(T, n_shared)), 1)
+        weights = torch.cat((weights, weights.new_ones(T, n_shared)), 1)
+    return weights.to(dtype), ids

@@ -2,10 +2,10 @@
 
 Op implementations live in submodules that import TileLang lazily (inside the kernel builders), so
 listing this backend costs nothing. Ops not named here fall back to the reference (``kernels_cpu``):
-``head_linear``, ``paged_kv_gather``, ``latent_kv_dequant`` (prefill's read of FP8 latent rows) and
-``apply_penalties`` are plain torch on the device. ``linear`` and ``linear_f32`` run a TileLang GEMV for at
-most 8 rows (``gemv``) and cuBLAS through torch above. ``paged_kv_write`` and ``mla_decode`` also take the
-uint8 caches of FP8 latent rows (``kv_cache_dtype = "fp8"``: ``kv_cache``, ``mla_decode_fp8``).
+``paged_kv_gather``, ``latent_kv_dequant`` (prefill's read of FP8 latent rows) and ``apply_penalties``
+are plain torch on the device. ``linear``, ``linear_f32`` and ``head_linear`` run a TileLang GEMV for at
+most 8 rows (``gemv``, ``gemv_rows``) and cuBLAS through torch above. ``paged_kv_write`` and ``mla_decode``
+also take the uint8 caches of FP8 latent rows (``kv_cache_dtype = "fp8"``: ``kv_cache``, ``mla_decode_fp8``).
 
 The attention and MoE kernels use the tensor cores for bfloat16/float16 only; called with float32
 tensors they run the reference (tf32 tensor-core math would miss float32 tolerances).
@@ -14,9 +14,9 @@ tensors they run the reference (tf32 tensor-core math would miss float32 toleran
 from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
-KERNEL_MODULES = ("gemv", "mla_kv_write",
+KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "mla_kv_write",
                   "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_fp8", "mla_prefill", "moe", "moe_gemv",
-                  "moe_route", "sampling", "draft_lengths",
+                  "moe_route", "moe_gate", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
                   "mxfp8", "fp8_gemm")
 
@@ -27,6 +27,8 @@ class CudaKernels(KernelBackend):
     ops: dict[str, str] = {
         "linear": "kernels_cuda.gemv:linear",
         "linear_f32": "kernels_cuda.gemv:linear_f32",
+        "head_linear": "kernels_cuda.gemv_rows:head_linear",
+        "mla_q_absorb": "kernels_cuda.gemv_rows:mla_q_absorb",
         "mla_kv_write": "kernels_cuda.mla_kv_write:mla_kv_write",
         "rms_norm": "kernels_cuda.norm:rms_norm",
         "add_rms_norm": "kernels_cuda.norm:add_rms_norm",
@@ -36,6 +38,7 @@ class CudaKernels(KernelBackend):
         "mla_decode": "kernels_cuda.mla_decode:mla_decode",
         "mla_prefill": "kernels_cuda.mla_prefill:mla_prefill",
         "moe_route": "kernels_cuda.moe_route:moe_route",
+        "moe_gate": "kernels_cuda.moe_route:moe_gate",
         "fused_moe": "kernels_cuda.moe:fused_moe",
         "sample": "kernels_cuda.sampling:sample",
         "draft_lengths": "kernels_cuda.draft_lengths:draft_lengths",

@@ -93,6 +93,24 @@ def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
     return get
 
 
+#: Set to 1 to launch the decode GEMVs (``gemv``'s one-row kernel, ``gemv_rows``, ``moe_gate``) with programmatic
+#: dependent launch, and let the norms and GEMVs before them trigger it: a GEMV then streams its weight while
+#: the kernel before it finishes, and waits (``griddepcontrol.wait``) only before reading its activations.
+#: Off by default until measured on the H200 (examples/gemv_bench.py, the suite's b1 kernel table).
+PDL_ENV = "DEEPINFER_PDL"
+
+
+def pdl() -> bool:
+    return os.environ.get(PDL_ENV, "") not in ("", "0")
+
+
+def pdl_ops():
+    """(trigger, sync): ``griddepcontrol.launch_dependents`` / ``.wait`` as TileLang intrinsics."""
+    from tilelang.cuda.language import pdl_sync, pdl_trigger  # noqa: PLC0415
+
+    return pdl_trigger, pdl_sync
+
+
 @functools.cache
 def num_sms(index: int = 0) -> int:
     if dry_run() and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Small-M linear (one row at decode batch 1; the kernel takes up to 8) as a bandwidth-bound GEMV in TileLang.
+"""Small-M linear (up to 8 rows; 2..8 rows of a 2-byte weight through ``gemv_rows``) as a bandwidth-bound GEMV.
 
 At decode a projection reads a whole weight matrix for one to eight rows of activations, so the
 kernel's only job is to stream W at HBM speed. cuBLAS picks GEMM tiles for these shapes that leave
@@ -23,11 +23,13 @@ import torch
 
 from kernels_cuda import _tl
 
-#: the largest M this path takes; more rows go to cuBLAS. Measured on the H200 (docs/decode_fusion.md): at
-#: M = 1 the GEMV beats cuBLAS on 14 of 15 decode projections (up to 88-104 % of the read ceiling on the
-#: large ones), at M = 8 it is 3-7x slower (each thread's activation loads serialise behind the row guard),
-#: so only single rows take it until the multi-row loop is reworked (the kernel itself handles up to 8).
-MAX_M = 1
+#: the largest M the GEMVs take; more rows go to cuBLAS. One row runs this module's kernel (at M = 1 it beats
+#: cuBLAS on 14 of 15 decode projections on the H200, docs/decode_fusion.md), 2..8 rows of a 2-byte weight
+#: can run ``gemv_rows`` (each activation vector reused across several rows of W: this kernel reloads it per
+#: row, 3-7x slower than cuBLAS at 8 rows); ``linear`` sends it only what it measured faster than cuBLAS
+#: (``gemv_rows.faster_than_cublas``). The router's float32 gate stays here at 1..8 rows (2.0-2.5 us against
+#: cuBLAS's 6.6-10.9 us with the cast).
+MAX_M = 8
 _BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
@@ -52,14 +54,32 @@ def tile_config(N: int, K: int, sms: int, VEC: int = 8) -> tuple[int, int]:
     return 1, rt
 
 
-def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: str, out_dtype: str):
+def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: str, out_dtype: str,
+               pdl: bool = False):
+    """``pdl``: programmatic dependent launch (``_tl.PDL_ENV``; ``gemv_bench.py`` measures it chained): the
+    kernel lets the next launch start at once, issues its W loads, then waits for the previous kernel
+    before reading X, so a GEMV's weight stream overlaps the tail of the kernel before it."""
     T = _tl.language()
+    if pdl:
+        pdl_trigger, pdl_sync = _tl.pdl_ops()
     M = T.dynamic("M")
     accum = "float32"
     VEC = 16 // (4 if w_dtype == "float32" else 2)
     assert RT == 32 or BN == 1, (RT, BN)
     step = RT * VEC
     iters = -(-K // step)
+
+    @T.macro
+    def fma(X, w_loc, x_loc, acc, tk):
+        for it in T.unroll(iters):
+            k0 = it * step + tk * VEC
+            if k0 < K:
+                for m in T.unroll(MB):
+                    if m < M:
+                        for v in T.vectorized(VEC):
+                            x_loc[v] = X[m, k0 + v]
+                        for v in T.unroll(VEC):
+                            acc[m] += T.cast(x_loc[v], accum) * T.cast(w_loc[it, v], accum)
 
     @T.prim_func
     def gemv_kernel(X: T.Tensor((M, K), dtype), W: T.Tensor((N, K), w_dtype), Y: T.Tensor((M, N), out_dtype)):
@@ -73,6 +93,8 @@ def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: s
             red = T.alloc_local((1,), accum)
             for m in T.serial(MB):
                 acc[m] = 0.0
+            if pdl:
+                pdl_trigger()
             if n < N:
                 # every W vector of this thread first (independent loads, all in flight), then the FMAs
                 for it in T.unroll(iters):
@@ -80,15 +102,12 @@ def build_gemv(N: int, K: int, MB: int, BN: int, RT: int, dtype: str, w_dtype: s
                     if k0 < K:
                         for v in T.vectorized(VEC):
                             w_loc[it, v] = W[n, k0 + v]
-                for it in T.unroll(iters):
-                    k0 = it * step + tk * VEC
-                    if k0 < K:
-                        for m in T.unroll(MB):
-                            if m < M:
-                                for v in T.vectorized(VEC):
-                                    x_loc[v] = X[m, k0 + v]
-                                for v in T.unroll(VEC):
-                                    acc[m] += T.cast(x_loc[v], accum) * T.cast(w_loc[it, v], accum)
+                if not pdl:
+                    fma(X, w_loc, x_loc, acc, tk)
+            if pdl:
+                pdl_sync()  # X is the previous kernel's output
+                if n < N:
+                    fma(X, w_loc, x_loc, acc, tk)
             for m in T.unroll(MB):
                 acc[m] = T.warp_reduce_sum(acc[m])
             if RT == 32:
@@ -115,8 +134,8 @@ _kernel = _tl.kernel_cache(build_gemv)
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x @ w.T`` takes this path: 2-byte float activations, a weight of the same dtype or float32
-    (the router's), at most ``MAX_M`` rows, K a whole number of 16-byte vectors of W, on a CUDA device."""
+    """Whether ``x @ w.T`` takes a GEMV: 2-byte float activations, a weight of the same dtype or float32 (the
+    router's), at most ``MAX_M`` rows, K a whole number of 16-byte vectors of W, on a CUDA device."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (x.dtype, torch.float32) or w.dim() != 2:
         return False
     K = w.shape[1]
@@ -131,22 +150,43 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``x[..., K] @ w[N, K].T`` in float32 accumulation, written as ``out_dtype`` (``applies`` must hold)."""
     N, K = w.shape
-    x2 = x.reshape(-1, K).contiguous()
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M > 1 and w.dtype == x.dtype:
+        from kernels_cuda.gemv_rows import _aligned, gemv_rows
+
+        x3 = x2[:, None]
+        if not _aligned(x3):
+            x3 = x3.clone(memory_format=torch.contiguous_format)
+        y = torch.empty(M, 1, N, dtype=out_dtype, device=x.device)
+        return gemv_rows(x3, w[None], out=y).view(*x.shape[:-1], N)
+    x2 = x2.contiguous()
     if x2.data_ptr() % 16:  # a view at an odd offset: the kernel loads 16-byte vectors
         x2 = x2.clone()
-    M = x2.shape[0]
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     sms = _tl.num_sms(x.device.index or 0) if x.is_cuda else _tl.num_sms()
     bn, rt = tile_config(N, K, sms, vec(w.dtype))
-    kernel = _kernel(N, K, m_bucket(M), bn, rt, _tl.tl_dtype(x.dtype), _tl.tl_dtype(w.dtype), _tl.tl_dtype(out_dtype))
+    args = (N, K, m_bucket(M), bn, rt, _tl.tl_dtype(x.dtype), _tl.tl_dtype(w.dtype), _tl.tl_dtype(out_dtype))
+    kernel = _kernel(*args, True) if _tl.pdl() else _kernel(*args)
     kernel(x2, w, y)
     return y.view(*x.shape[:-1], N)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The registry's ``linear``: the GEMV for small M without bias, cuBLAS (the reference) otherwise."""
+    """The registry's ``linear``: without bias, 2..8 rows on the tensor-core GEMV where it measured faster than
+    cuBLAS (``gemv_mma.wins``), one row (and 2..4 rows of a small weight, ``gemv_rows.faster_than_cublas``) on
+    the GEMVs, cuBLAS (the reference) otherwise."""
+    from kernels_cuda import gemv_mma
+    from kernels_cuda.gemv_rows import faster_than_cublas
+
     if bias is None and w.dtype == x.dtype and applies(x, w):
-        return gemv(x, w, x.dtype)
+        N, K = w.shape
+        M = x.numel() // K
+        x2 = x.reshape(M, K)
+        if M > 1 and gemv_mma.applies(x2, w) and gemv_mma.wins(N, K):  # the tensor cores (measured)
+            return gemv_mma.gemv_mma(x2, w).view(*x.shape[:-1], N)
+        if faster_than_cublas(M, w.numel() * w.element_size()):
+            return gemv(x, w, x.dtype)
     from kernels_cpu import ops as ref
 
     return ref.linear(x, w, bias)

@@ -1,5 +1,9 @@
 """RMSNorm and fused residual-add + RMSNorm in TileLang: one CTA per token row, the row held in
-registers (float32), one block reduction."""
+registers (float32), one block reduction.
+
+A width that no power-of-two thread count divides (the tiny test model's 24) is padded to a whole
+number of elements per thread: the pad reads as zero (adds nothing to the sum of squares, which is
+still divided by the real width) and is never written, so every width compiles."""
 
 import torch
 
@@ -15,10 +19,22 @@ def _threads(C: int) -> int:
     return 32
 
 
-def build_rms_norm(C: int, dtype: str, fused_add: bool):
+def _padded(C: int, threads: int) -> int:
+    """C rounded up to a whole number of elements per thread (the fragment layout needs it)."""
+    return -(-C // threads) * threads
+
+
+def build_rms_norm(C: int, dtype: str, fused_add: bool, pdl: bool = False):
+    """``pdl``: let the next kernel launch at once (``_tl.PDL_ENV``: the GEMV after a norm streams its weight
+    meanwhile and waits for this kernel before reading the normed row)."""
     T = _tl.language()
     N = T.dynamic("N")
     threads = _threads(C)
+    CP = _padded(C, threads)
+    if CP != C:
+        return _build_padded(C, CP, threads, dtype, fused_add)
+    if pdl:
+        pdl_trigger = _tl.pdl_ops()[0]
 
     @T.prim_func
     def rms_norm_kernel(
@@ -33,6 +49,8 @@ def build_rms_norm(C: int, dtype: str, fused_add: bool):
             x = T.alloc_fragment((1, C), "float32")
             sq = T.alloc_fragment((1, C), "float32")
             ss = T.alloc_fragment((1,), "float32")
+            if pdl:
+                pdl_trigger()
             if fused_add:
                 xr = T.alloc_fragment((1, C), dtype)
                 for i, j in T.Parallel(1, C):
@@ -55,6 +73,47 @@ def build_rms_norm(C: int, dtype: str, fused_add: bool):
     return rms_norm_kernel
 
 
+def _build_padded(C: int, CP: int, threads: int, dtype: str, fused_add: bool):
+    """``build_rms_norm`` for a width C that the threads do not divide: the row in a fragment of CP > C."""
+    T = _tl.language()
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def rms_norm_kernel(
+        X: T.Tensor((N, C), dtype),
+        Res: T.Tensor((N, C), dtype),
+        W: T.Tensor((C,), dtype),
+        Y: T.Tensor((N, C), dtype),
+        ResOut: T.Tensor((N, C), dtype),
+        eps: T.float32,
+    ):
+        with T.Kernel(N, threads=threads) as row:
+            x = T.alloc_fragment((1, CP), "float32")
+            sq = T.alloc_fragment((1, CP), "float32")
+            ss = T.alloc_fragment((1,), "float32")
+            for i, j in T.Parallel(1, CP):
+                if j < C:
+                    if fused_add:
+                        # the residual sum is rounded to the activation dtype first, as in the reference
+                        r = T.cast(T.cast(X[row, j], "float32") + T.cast(Res[row, j], "float32"), dtype)
+                        ResOut[row, j] = r
+                        x[i, j] = T.cast(r, "float32")
+                    else:
+                        x[i, j] = T.cast(X[row, j], "float32")
+                else:
+                    x[i, j] = 0.0
+            for i, j in T.Parallel(1, CP):
+                sq[i, j] = x[i, j] * x[i, j]
+            T.reduce_sum(sq, ss, dim=1)
+            for i in T.Parallel(1):
+                ss[i] = T.rsqrt(ss[i] / C + eps)
+            for i, j in T.Parallel(1, CP):
+                if j < C:
+                    Y[row, j] = T.cast(T.cast(W[j], "float32") * (x[i, j] * ss[i]), dtype)
+
+    return rms_norm_kernel
+
+
 _kernel = _tl.kernel_cache(build_rms_norm)
 
 
@@ -69,7 +128,8 @@ def _run(x, residual, w, eps, fused):
     else:
         r2 = r_out = x2  # unused by the kernel
     if x2.shape[0]:
-        _kernel(C, _tl.tl_dtype(x.dtype), fused)(x2, r2, w.to(x.dtype).contiguous(), y, r_out, float(eps))
+        kernel = _kernel(C, _tl.tl_dtype(x.dtype), fused, *((True,) if _tl.pdl() else ()))
+        kernel(x2, r2, w.to(x.dtype).contiguous(), y, r_out, float(eps))
     return y.view(shape), (r_out.view(shape) if fused else None)
 
 
@@ -83,4 +143,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: 
 
 
 def representative_kernels():
-    return [("add_rms_norm C7168", lambda: build_rms_norm(7168, "bfloat16", True))]
+    return [("add_rms_norm C7168", lambda: build_rms_norm(7168, "bfloat16", True)),
+            ("add_rms_norm C24 (padded: the tiny model)", lambda: build_rms_norm(24, "bfloat16", True)),
+            ("rms_norm C24 (padded)", lambda: build_rms_norm(24, "bfloat16", False))]

@@ -176,7 +176,9 @@ def test_every_registry_op_is_overridden_or_a_listed_plain_torch_fallback():
     plain |= {"ue8m0_scale", "mxfp8_quant", "mxfp8_dequant"}  # window KV snapshots (docs/ascend.md)
     plain |= {"draft_lengths"}  # speculative draft lengths, a few hundred values per step
     plain |= {"fp8_linear", "fused_moe_fp8"}  # block-scaled FP8 weights (docs/ascend.md)
-    plain |= {"linear_f32", "mla_kv_write"}  # decode-fusion compositions (the model writes planes unfused)
+    # decode-fusion compositions: the model writes planes unfused, and calls mla_q_absorb / moe_gate only where
+    # the backend implements them (Kernels.implements), so this platform keeps its rope and moe_route
+    plain |= {"linear_f32", "mla_kv_write", "mla_q_absorb", "moe_gate"}
     plain |= {"latent_kv_dequant"}  # FP8 latent KV rows: the platform does not list kv_cache_dtype "fp8"
     assert set(AscendKernels.overrides()) | plain == set(OP_NAMES)
     assert set(AscendKernels.overrides()) == set(FUSED_AT_KIT_SHAPES)

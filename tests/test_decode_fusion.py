@@ -1,9 +1,11 @@
 """Decode fusion on the CPU (reference ops): the shared experts folded into the routed ``fused_moe`` as
-always-selected experts, MLA's cache entry through ``mla_kv_write``, the router through ``linear_f32``.
+always-selected experts (their slots appended by ``moe_gate`` with the router), MLA's cache entry through
+``mla_kv_write`` and its decode query through ``mla_q_absorb``, the router through ``linear_f32``.
 The fused and unfused paths (``set_decode_fusion``) give the same greedy tokens and logprobs, on the
 trained embedded model (one shared expert: the shared MLP becomes a view of the stacked tensors) and on
 the V2-Lite shape (two shared experts of the shared MLP's width split in two); a placement change of the
-routed experts turns the folding off instead of reading stale weights."""
+routed experts turns the folding off instead of reading stale weights; the fused ops run only where the
+backend implements them."""
 
 from __future__ import annotations
 
@@ -114,9 +116,9 @@ def test_gemv_dispatch_rules(monkeypatch):
     monkeypatch.setenv(_tl.DRYRUN_ENV, "1")  # CPU tensors stand in for device ones
     bf = torch.bfloat16
     w = torch.empty(3648, 2048, dtype=bf)
-    assert MAX_M == 1  # measured: the GEMV wins at one row, loses at eight (kernels_cuda/gemv.py)
+    assert MAX_M == 8  # one row: gemv's kernel; 2..8 rows: gemv_rows; more: cuBLAS
     assert applies(torch.empty(1, 2048, dtype=bf), w) and applies(torch.empty(1, 1, 2048, dtype=bf), w)
-    assert not applies(torch.empty(2, 2048, dtype=bf), w)  # 2 rows: cuBLAS
+    assert applies(torch.empty(8, 2048, dtype=bf), w) and not applies(torch.empty(9, 2048, dtype=bf), w)
     assert not applies(torch.empty(0, 2048, dtype=bf), w)
     assert not applies(torch.empty(1, 2048), w.float())  # float32 activations: cuBLAS (the reference)
     assert applies(torch.empty(1, 2048, dtype=bf), torch.empty(64, 2048))  # the router's float32 gate
@@ -162,3 +164,105 @@ def test_moe_streaming_dispatch_rules(monkeypatch):
     assert split(7168) == (128, 2) and split(4096) == (64, 4)  # V3 / V4 hidden: K over 4 / 2 warps
     # the tensor-core up kernel takes V2-Lite / V3 / V4 hidden widths (8 warps x 32-element steps), not the kit's 32
     assert mma_fits(2048) and mma_fits(7168) and mma_fits(4096) and not mma_fits(32) and not mma_fits(2560 + 8)
+
+
+def test_gemv_rows_dispatch_and_tiles(monkeypatch):
+    """``gemv_rows`` (2..8 rows, ``head_linear``, ``mla_q_absorb``): which inputs it takes, and its tiles: K
+    split over warps until about 16 warps per SM are in flight, half a warp per row where K is 128 (W_UK)."""
+    from kernels_cuda import _tl
+    from kernels_cuda.gemv_rows import RowsConfig, applies, faster_than_cublas, rows_config
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
+    bf = torch.bfloat16
+    w_uk = torch.empty(16, 512, 128, dtype=bf)
+    q = torch.empty(3, 16, 192, dtype=bf)
+    assert applies(q[..., :128], w_uk)  # a column slice of the projection output (strides multiples of 8)
+    assert not applies(torch.empty(3, 16, 200, dtype=bf)[..., 1:129], w_uk)  # not 16-byte aligned
+    assert not applies(torch.empty(9, 16, 128, dtype=bf), w_uk)  # 9 tokens: the reference's batched GEMM
+    assert not applies(torch.empty(3, 16, 128), w_uk.float())  # float32: the reference
+    assert not applies(torch.empty(0, 16, 128, dtype=bf), w_uk)
+    assert rows_config(16, 512, 128, 1, 132) == RowsConfig(RN=2, RT=16, KS=1, BNW=8, CH=1)
+    assert rows_config(1, 3648, 2048, 8, 132) == RowsConfig(RN=4, RT=32, KS=4, BNW=2, CH=2)
+    assert rows_config(1, 102400, 2048, 8, 132) == RowsConfig(RN=4, RT=32, KS=1, BNW=8, CH=4)
+    assert rows_config(1, 48, 32, 2, 132) == RowsConfig(RN=4, RT=4, KS=1, BNW=8, CH=1)
+    # measured against cuBLAS on the H200: one row always; 2..4 rows only of a small weight (<= 4 MB)
+    assert faster_than_cublas(1, 1 << 30) and faster_than_cublas(4, 2 << 20)
+    assert not faster_than_cublas(2, 15 << 20) and not faster_than_cublas(8, 1 << 20)
+
+
+def _tiny_model(kernels):
+    import json
+
+    from deepinfer_core.models.config import ModelConfig
+    from deepinfer_core.models.loader import build_model
+
+    cfg = ModelConfig.from_dict(json.loads((EMBEDDED_MODEL / "config.json").read_text()))
+    torch.manual_seed(0)
+    model = build_model(kernels, cfg, torch.float32, torch.device("cpu"), 256)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.post_load()
+    return model, cfg
+
+
+def _decode_once(model, cfg) -> None:
+    from deepinfer_core.engine.graph_runner import DecodeGraphs
+
+    bs = 16
+    kv = [torch.zeros(4, bs, cfg.kv_entry_dim) for _ in range(cfg.num_hidden_layers)]
+    graphs = DecodeGraphs(model, {"latent": kv}, [2], 256 // bs + 1, torch.device("cpu"), capture=False)
+    with torch.inference_mode():
+        graphs._forward(2)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_fused_ops_only_where_the_backend_implements_them(native):
+    """``mla_q_absorb`` and ``moe_gate`` run at decode when the backend has them (the reference has every op);
+    a backend without them (Ascend) keeps its own ``rope`` and ``moe_route`` instead of the reference's
+    composition of them."""
+    from deepinfer_core.kernels import KernelBackend, Kernels
+    from kernels_cpu import ReferenceKernels
+
+    class NoFusedOps(KernelBackend):
+        name = "no-fused-ops"
+        core_api_version = "1.0"
+        ops = {k: v for k, v in ReferenceKernels.ops.items() if k not in ("mla_q_absorb", "moe_gate")}
+
+    k = Kernels(ReferenceKernels if native else NoFusedOps, ReferenceKernels)
+    calls: list[str] = []
+    for op in ("mla_q_absorb", "moe_gate", "moe_route", "rope"):
+        fn = getattr(k, op)
+        k.override(op, lambda *a, _fn=fn, _op=op, **kw: calls.append(_op) or _fn(*a, **kw))
+    model, cfg = _tiny_model(k)
+    _decode_once(model, cfg)
+    layers, moes = cfg.num_hidden_layers, len(model.moe_layers())
+    if native:
+        assert calls.count("mla_q_absorb") == layers and calls.count("moe_gate") == moes
+        assert "rope" not in calls and "moe_route" not in calls  # the key's rope is inside mla_kv_write
+    else:
+        assert "mla_q_absorb" not in calls and "moe_gate" not in calls
+        assert calls.count("rope") == layers and calls.count("moe_route") == moes
+
+
+def test_linear_dispatch_by_rows_and_weight(monkeypatch):
+    """The CUDA ``linear`` per row count (CPU tensors, the kernels replaced by recorders: nothing compiles), as
+    measured on the H200: one row on ``gemv``; 2..8 rows of a weight of <= 4096 rows whose K splits evenly on
+    the tensor-core GEMV; 2..4 rows of another small weight on ``gemv_rows``; the rest on cuBLAS (the reference)."""
+    from kernels_cuda import _tl, gemv, gemv_mma, gemv_rows
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
+    launched: list[str] = []
+    for mod in (gemv, gemv_rows, gemv_mma):
+        monkeypatch.setattr(mod, "_kernel", lambda *cfg, _m=mod.__name__: lambda *a: launched.append(_m))
+    bf = torch.bfloat16
+    qkv, dense, odd = (torch.zeros(3648, 2048, dtype=bf), torch.zeros(21888, 2048, dtype=bf),
+                       torch.zeros(2048, 2816, dtype=bf))  # V2-Lite q+kv_a, dense w13, shared w2 (11 steps)
+    small_odd = torch.zeros(512, 2816, dtype=bf)
+    cases = ((1, qkv, "gemv"), (2, qkv, "gemv_mma"), (8, qkv, "gemv_mma"), (4, dense, None), (8, odd, None),
+             (3, small_odd, "gemv_rows"))
+    for M, w, want in cases:
+        launched.clear()
+        y = gemv.linear(torch.zeros(M, w.shape[1], dtype=bf), w)
+        assert y.shape == (M, w.shape[0])
+        assert launched == ([f"kernels_cuda.{want}"] if want else []), (M, w.shape, launched)

@@ -19,15 +19,54 @@ pytestmark = GPU_OR_DRY
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (DEEPINFER_TL_DRYRUN only compiles)")
 
 
-def _llm(eager: bool, fused: bool):
+def _llm(eager: bool, fused: bool, **kw):
     from deepinfer_core import LLM
 
     llm = LLM(accelerator="nvidia", dtype="bfloat16", max_num_seqs=16, graph_batch_sizes=[1, 2, 4, 8],
-              enforce_eager=eager, kv_cache_memory=1 << 30, decode_fusion=fused)
+              enforce_eager=eager, kv_cache_memory=1 << 30, decode_fusion=fused, **kw)
     return llm
 
 
+def _embedded_weights() -> bool:
+    import json
+
+    from deepinfer_core.models.loader import EMBEDDED_MODEL
+
+    index = EMBEDDED_MODEL / "model.safetensors.index.json"
+    if not index.is_file():
+        return (EMBEDDED_MODEL / "model.safetensors").is_file()
+    return all((EMBEDDED_MODEL / f).is_file() for f in set(json.loads(index.read_text())["weight_map"].values()))
+
+
 @needs_gpu
+@pytest.mark.parametrize("eager", [True, False])
+def test_fused_and_unfused_greedy_agree_random_v2_lite(eager, tmp_path):
+    """The V2-Lite layout (two shared experts, 8 routed, V2 routing) at tiny widths with random bf16 weights:
+    every request gives the same greedy tokens fused and unfused, or parts only at a near-tie."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from h200_suite import suite_config
+    from random_checkpoint import write_config
+
+    model_dir = str(write_config(tmp_path / "v2-lite", suite_config("v2-lite", "tiny", None)))
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(2, 500, (n,), generator=g).tolist()} for n in range(5, 13)]
+    params = [greedy(8 + 4 * i) for i in range(8)]  # finishing one by one: decode batches 8 down to 1
+    outs = []
+    for fused in (False, True):
+        llm = _llm(eager, fused, model=model_dir, load_format="random", seed=3)
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+        llm.shutdown()
+    same, ties = compare(outs[1], outs[0])
+    print(f"random V2-Lite tiny, fused vs unfused ({'eager' if eager else 'graphs'}): {same}/8 identical, "
+          f"{ties} parted at near-ties")
+    assert same + ties == 8
+
+
+@needs_gpu
+@pytest.mark.skipif(not _embedded_weights(), reason="the embedded model's weights are not in this checkout")
 @pytest.mark.parametrize("eager", [True, False])
 def test_fused_and_unfused_greedy_agree(eager):
     prompts = [BASES[i % len(BASES)] for i in range(8)]
@@ -45,9 +84,13 @@ def test_fused_and_unfused_greedy_agree(eager):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="compile-only check for DEEPINFER_TL_DRYRUN=1 without a GPU")
-def test_decode_fusion_kernels_compile():
-    """The decode steps of both paths at batches 1..8 and a prefill, on the default model's shapes."""
+@pytest.mark.parametrize("shape", ["default", "v2-lite-tiny"])
+def test_decode_fusion_kernels_compile(shape):
+    """The decode steps of both paths at batches 1..8 and a prefill, on the default model's shapes and the tiny
+    V2-Lite of the random-weight test."""
     import json
+    import sys
+    from pathlib import Path
 
     from deepinfer_core.engine.graph_runner import DecodeGraphs
     from deepinfer_core.kernels import Kernels
@@ -57,7 +100,13 @@ def test_decode_fusion_kernels_compile():
     from kernels_cpu import ReferenceKernels
     from kernels_cuda import CudaKernels
 
-    cfg = ModelConfig.from_dict(json.loads((EMBEDDED_MODEL / "config.json").read_text()))
+    if shape == "default":
+        cfg = ModelConfig.from_dict(json.loads((EMBEDDED_MODEL / "config.json").read_text()))
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from h200_suite import suite_config
+
+        cfg = ModelConfig.from_dict(suite_config("v2-lite", "tiny", None))
     model = build_model(Kernels(CudaKernels, ReferenceKernels), cfg, torch.bfloat16, torch.device("cpu"), 1024)
     model.post_load()
     assert all(m._folded() for m in model.moe_layers().values())
@@ -70,7 +119,8 @@ def test_decode_fusion_kernels_compile():
             model.set_decode_fusion(fused)
             for n in sizes:
                 graphs._forward(n)
-            lens, cu = torch.tensor([5]), torch.tensor([0, 5])
-            prefill = PrefillMeta(cu, cu, lens, torch.zeros(1, 2, dtype=torch.int32), has_prefix=False)
-            model(torch.zeros(5, dtype=torch.long), torch.arange(5), AttentionMetadata(5, torch.arange(5), prefill,
-                                                                                       None), {"latent": kv})
+            for n in (5, 70):  # prefills of one short prompt and of a batch of prompts (MoE tile configurations)
+                lens, cu = torch.tensor([n]), torch.tensor([0, n])
+                prefill = PrefillMeta(cu, cu, lens, torch.zeros(1, 5, dtype=torch.int32), has_prefix=False)
+                model(torch.zeros(n, dtype=torch.long), torch.arange(n),
+                      AttentionMetadata(n, torch.arange(n), prefill, None), {"latent": kv})

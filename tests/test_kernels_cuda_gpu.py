@@ -24,6 +24,7 @@ from kernels_cpu import ops as ref
 pytestmark = GPU_OR_DRY
 DEV = "cuda" if HAS_CUDA else "cpu"
 RTOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="runs kernels (DEEPINFER_TL_DRYRUN only compiles)")
 
 
 def close(out: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -334,7 +335,71 @@ def test_moe_route_real_shapes(case):
     close(wo, wr, torch.float32, f"moe_route {case[0]} weights")
 
 
-@pytest.mark.parametrize("C", [7168, 2048, 5120])
+GATE_CASES = [  # label, C, route case, shared experts
+    ("V2-Lite", 2048, ROUTE_CASES[1], 2), ("V3", 7168, ROUTE_CASES[0], 1), ("V2 groups", 5120, ROUTE_CASES[2], 2)]
+
+
+def _gate_inputs(case, T, seed):
+    """x[T, C] bf16 whose routes have a clear margin (the kit's rule), the float32 gate, the bias."""
+    from deepinfer_core.testing.kernel_cases import _route_margin
+
+    _, C, (_, E, k, scoring, has_bias, ng, tg, gs, renorm, scale), S = case
+    g = torch.Generator().manual_seed(seed)
+    gate = torch.randn(E, C, generator=g) * 2.0 * C**-0.5
+    bias = torch.randn(E, generator=g) * 0.05 if has_bias else None
+    rows = []
+    while len(rows) < T:
+        cand = torch.randn(4 * T, C, generator=g).to(torch.bfloat16)
+        rows.extend(cand[_route_margin(cand.float() @ gate.T, bias, k, scoring, ng, tg, gs) >= 1e-3])
+    args = (k, scoring, ng, tg, gs, renorm, scale, S, torch.bfloat16)
+    return torch.stack(rows[:T]).to(DEV), gate.to(DEV), None if bias is None else bias.to(DEV), args
+
+
+def _check_gate(out, x, gate, bias, args, what):
+    from kernels_cpu.fused import moe_gate as reference
+
+    w, ids = out
+    rw, rids = reference(x.cpu(), gate.cpu(), None if bias is None else bias.cpu(), *args)
+    assert w.dtype == torch.bfloat16 and ids.dtype == torch.int64 and ids.shape == rids.shape, what
+    assert torch.equal(ids.sort(-1).values.cpu(), rids.sort(-1).values), f"{what}: routed differently"
+    close(w.gather(1, ids.sort(-1).indices).float(), rw.gather(1, rids.sort(-1).indices).float(), torch.bfloat16,
+          f"{what} weights")
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 20])  # 20: the two-launch path (GEMV + route)
+@pytest.mark.parametrize("case", GATE_CASES, ids=[c[0] for c in GATE_CASES])
+def test_moe_gate_real_shapes(case, T):
+    """The router from the activations with the shared experts appended: one launch up to 8 tokens (the last
+    CTA of a token routes it), twice in a row (the counters must be back at 0)."""
+    from kernels_cuda.moe_route import moe_gate
+
+    x, gate, bias, args = _gate_inputs(case, T, T)
+    for rep in range(2):
+        out = moe_gate(x, gate, bias, *args)
+        if not DRY:
+            _check_gate(out, x, gate, bias, args, f"moe_gate {case[0]} T={T} call {rep}")
+
+
+@needs_cuda
+def test_moe_gate_graph_replays():
+    """Captured once, replayed on new activations: each replay routes them (the counters reset themselves)."""
+    from kernels_cuda.moe_route import moe_gate
+
+    x, gate, bias, args = _gate_inputs(GATE_CASES[0], 4, 1)
+    moe_gate(x, gate, bias, *args)  # counters made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_gate(x, gate, bias, *args)
+    for seed in (2, 3, 4):
+        x2 = _gate_inputs(GATE_CASES[0], 4, seed)[0]
+        x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_gate(out, x, gate, bias, args, f"replay seed {seed}")
+
+
+@pytest.mark.parametrize("C", [7168, 2048, 5120, 24, 40])  # 24: the tiny test model (a padded row)
 def test_norms_real_shapes(C):
     from kernels_cuda.norm import add_rms_norm, rms_norm
 
@@ -442,10 +507,11 @@ GEMV_SHAPES = [  # (N, K, weight dtype): V2-Lite q+kv_a, o, shared w13 / w2, LM 
     (3650, 1416, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("N,K,w_dtype,M", [(*s, m) for s in GEMV_SHAPES for m in (1, 8)]
-                         + [(3648, 2048, torch.bfloat16, 3)])  # 3 rows in the bucket of 4
+@pytest.mark.parametrize("N,K,w_dtype,M", [(*s, m) for s in GEMV_SHAPES for m in (1, 2, 8)]
+                         + [(3648, 2048, torch.bfloat16, 3), (3650, 1416, torch.bfloat16, 5)])  # in the bucket of 4, 8
 def test_gemv_real_shapes(N, K, w_dtype, M):
-    """The kernel at 1 to 8 rows (the backend's ``linear`` sends it only ``MAX_M`` rows)."""
+    """The GEMVs at 1 to 8 rows: ``gemv``'s kernel for one row and the float32 gate, ``gemv_rows`` for 2..8 rows
+    of a bf16 weight (N = 3650: row groups past N; K = 1416: K vectors past K in the last step)."""
     from kernels_cuda.gemv import gemv
 
     g = gen(8)
@@ -456,6 +522,82 @@ def test_gemv_real_shapes(N, K, w_dtype, M):
         return
     assert y.dtype == (torch.float32 if w_dtype == torch.float32 else torch.bfloat16)
     close(y, x.double() @ w.double().T, torch.bfloat16, f"gemv N={N} K={K} M={M}")
+
+
+@pytest.mark.parametrize("N,K,M", [(s[0], s[1], m) for s in GEMV_SHAPES if s[2] == torch.bfloat16 and s[0] <= 24576
+                                   for m in (2, 5, 8)])
+def test_gemv_mma_real_shapes(N, K, M):
+    """The tensor-core GEMV (mma.m16n8k16, 16 weight rows x 8 activation rows) at 2..8 rows; N = 3650 has
+    rows past N in its last tile; K = 1416 is not in 32-element steps per warp (not taken)."""
+    from kernels_cuda.gemv_mma import applies, gemv_mma
+
+    g = gen(13)
+    x = randn(g, M, K)
+    w = randn(g, N, K, scale=K**-0.5)
+    if not applies(x, w):
+        assert K % 32, f"gemv_mma should take N={N} K={K}"
+        return
+    y = gemv_mma(x, w)
+    if DRY:
+        return
+    close(y, x.double() @ w.double().T, torch.bfloat16, f"gemv_mma N={N} K={K} M={M}")
+
+
+HEAD_SHAPES = [(16, 512, 128), (16, 128, 512), (128, 512, 128), (128, 128, 512), (8, 1024, 4096)]
+
+
+@pytest.mark.parametrize("H,N,K,T", [(*s, t) for s in HEAD_SHAPES for t in (1, 3, 8)])
+def test_head_linear_real_shapes(H, N, K, T):
+    """MLA's absorbed W_UK (K 128: half a warp per row group) and W_UV at V2-Lite / V3 heads, and V4's grouped
+    output projection, from a strided query (q_nope is a column slice of the projection output)."""
+    from kernels_cuda.gemv_rows import head_linear
+
+    g = gen(10)
+    x = randn(g, T, H, K + 64)[..., :K]
+    w = randn(g, H, N, K, scale=K**-0.5)
+    y = head_linear(x, w)
+    if DRY:
+        return
+    assert y.shape == (T, H, N) and y.is_contiguous()
+    close(y, ref.head_linear(x.double(), w.double()), torch.bfloat16, f"head_linear H={H} N={N} K={K} T={T}")
+
+
+@pytest.mark.parametrize("H,T", [(16, 1), (16, 3), (16, 8), (128, 1), (128, 4)])  # V2-Lite, V3 heads
+def test_mla_q_absorb_real_shapes(H, T):
+    """The decode query from the projection output's columns (q_a or q width + kv_a): W_UK GEMV and rope in
+    one launch, against the reference composition."""
+    from kernels_cpu.fused import mla_q_absorb as reference
+    from kernels_cuda.gemv_rows import mla_q_absorb
+
+    g = gen(12)
+    N, R, L = 128, 64, 512
+    xa = randn(g, T, H * (N + R) + L + R)
+    q = xa[:, : H * (N + R)].view(T, H, N + R)
+    w_uk = randn(g, H, L, N, scale=N**-0.5)
+    pos = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    cs = randn(g, 4096, R, dtype=torch.float32)
+    out = mla_q_absorb(q, w_uk, pos, cs)
+    if DRY:
+        return
+    want = reference(q.double(), w_uk.double(), pos, cs.double())
+    close(out, want, torch.bfloat16, f"mla_q_absorb H={H} T={T}")
+
+
+def test_gemv_rows_writes_a_strided_out():
+    """``gemv_rows(out=...)``: the decode query's latent columns [T, H, :L] of a [T, H, L + R] tensor; the rope
+    columns are left as they were."""
+    from kernels_cuda.gemv_rows import gemv_rows
+
+    g = gen(11)
+    x = randn(g, 2, 16, 192)[..., :128]
+    w = randn(g, 16, 512, 128, scale=128**-0.5)
+    q_abs = randn(g, 2, 16, 576)
+    before = q_abs.clone()
+    gemv_rows(x, w, out=q_abs[..., :512])
+    if DRY:
+        return
+    close(q_abs[..., :512], ref.head_linear(x.double(), w.double()), torch.bfloat16, "strided out")
+    assert torch.equal(q_abs[..., 512:], before[..., 512:])
 
 
 @pytest.mark.parametrize("bs", [16, 64])

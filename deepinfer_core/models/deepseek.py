@@ -78,7 +78,9 @@ class MLA(nn.Module):
         # [q_a_proj | q_proj ; kv_a_proj_with_mqa]: both read the layer input, so one GEMM (post_load)
         self.w_xa: torch.Tensor | None = None
         self.w_xa_scale: torch.Tensor | None = None
-        self.fuse_kv_write = True  # mla_kv_write (set_decode_fusion(False): rms_norm + rope + paged_kv_write)
+        # mla_kv_write and mla_q_absorb (set_decode_fusion(False): rms_norm + rope + paged_kv_write, and
+        # head_linear + rope + cat for the decode query)
+        self.fuse_kv_write = True
 
     def post_load(self) -> None:
         kv_b = self.kv_b_proj.view(self.H, self.N + self.V, self.L)
@@ -118,7 +120,13 @@ class MLA(nn.Module):
             q = linear(k, self.q_a_layernorm(x_q), self.q_b_proj, self.q_b_proj_scale_inv)
         q = q.view(T, self.H, self.N + self.R)
         q_nope, q_pe = q.split([self.N, self.R], dim=-1)  # [T, H, N], [T, H, R]
-        q_pe = k.rope(q_pe, positions, cos_sin)
+        P = meta.num_prefill_tokens
+        # fused: the decode rows' rope happens inside mla_q_absorb, so only prefill rows are rotated here
+        absorb = self.fuse_kv_write and meta.decode is not None and k.implements("mla_q_absorb")
+        if not absorb:
+            q_pe = k.rope(q_pe, positions, cos_sin)
+        elif P:
+            q_pe = k.rope(q_pe[:P], positions[:P], cos_sin)
 
         if self.fuse_kv_write and isinstance(cache, torch.Tensor) and cache.dtype == kv_a.dtype:
             entry = k.mla_kv_write(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, positions, cos_sin,
@@ -128,17 +136,16 @@ class MLA(nn.Module):
             entry = torch.cat((self.kv_a_layernorm(latent), k.rope(k_pe[:, None], positions, cos_sin)[:, 0]), -1)
             k.paged_kv_write(cache, meta.slot_mapping, entry)  # entry: [T, L + R]
 
-        P = meta.num_prefill_tokens
         if meta.prefill is None and meta.decode is None:  # no tokens (an idle expert-parallel rank)
             out = x.new_empty(T, self.H, self.V)
         elif meta.decode is None:
             out = self._prefill(q_nope, q_pe, entry, meta, cache)
         elif meta.prefill is None:
-            out = self._decode(q_nope, q_pe, meta, cache)
+            out = self._decode(q, None if absorb else q_pe, positions, cos_sin, meta, cache)
         else:  # a mixed step: prefill chunks' rows first
             out = x.new_empty(T, self.H, self.V)
             out[:P] = self._prefill(q_nope[:P], q_pe[:P], entry[:P], meta, cache)
-            out[P:] = self._decode(q_nope[P:], q_pe[P:], meta, cache)
+            out[P:] = self._decode(q[P:], None if absorb else q_pe[P:], positions[P:], cos_sin, meta, cache)
         return linear(k, out.reshape(T, self.H * self.V), self.o_proj, self.o_proj_scale_inv)
 
     def _prefill(self, q_nope, q_pe, entry, meta: AttentionMetadata, cache) -> torch.Tensor:
@@ -159,11 +166,15 @@ class MLA(nn.Module):
         query = torch.cat((q_nope, q_pe), dim=-1)
         return self.k.mla_prefill(query, key, v.contiguous(), pm.cu_q_lens, pm.cu_k_lens, self.scale)
 
-    def _decode(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
-        """Absorbed form: fold W_UK into q, attend over latents, then apply W_UV."""
+    def _decode(self, q, q_pe, positions, cos_sin, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """Absorbed form: fold W_UK into q, attend over latents, then apply W_UV. ``q_pe`` None: q's rope part
+        is not rotated yet, and ``mla_q_absorb`` does both in one op (decode fusion)."""
         dm = meta.decode
-        q_lat = self.k.head_linear(q_nope, self.w_uk)  # [T, H, L]
-        q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, L + R]
+        if q_pe is None:
+            q_abs = self.k.mla_q_absorb(q, self.w_uk, positions, cos_sin)  # [T, H, L + R]
+        else:
+            q_lat = self.k.head_linear(q[..., : self.N], self.w_uk)  # [T, H, L]
+            q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, L + R]
         o_lat = self.k.mla_decode(q_abs, cache, dm.block_tables, dm.cu_q_lens, dm.seq_lens, self.scale, self.L)
         return self.k.head_linear(o_lat, self.w_uv)  # [T, H, V]
 
@@ -277,6 +288,12 @@ class MoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._folded() and self.route_hook is None and self.k.implements("moe_gate"):  # router + shared slots
+            cfg = self.cfg
+            weights, ids = self.k.moe_gate(x, self.gate, self.e_score_correction_bias, cfg.num_experts_per_tok,
+                                           cfg.scoring_func, self.n_group, cfg.topk_group, self.group_score,
+                                           self.renormalize, self.scale, self.shared_ids.shape[1], x.dtype)
+            return self.k.fused_moe(x, self.w13_all, self.w2_all, weights, ids)
         weights, ids = self.route(x)
         if self._folded():
             T, S = x.shape[0], self.shared_ids.shape[1]
@@ -396,9 +413,9 @@ class DeepseekForCausalLM(CausalLM):
                 layer.mlp.post_load()
 
     def set_decode_fusion(self, enabled: bool) -> None:
-        """Decode fusion on (the default) or off: the shared experts inside the routed ``fused_moe`` and MLA's
-        cache entry by ``mla_kv_write``, or the unfused ops (to check one against the other). Graphs captured
-        before keep the path they captured."""
+        """Decode fusion on (the default) or off: the router and shared experts by ``moe_gate`` and one routed
+        ``fused_moe``, MLA's cache entry by ``mla_kv_write`` and its decode query by ``mla_q_absorb``; or the
+        unfused ops (to check one against the other). Graphs captured before keep the path they captured."""
         for layer in self.layers:
             layer.self_attn.fuse_kv_write = enabled
             if isinstance(layer.mlp, MoE):

@@ -79,6 +79,15 @@ def _cases_mla_kv_write(g, dtype, bs):
                                              _randn(g, NB, bs, L + R, dtype=dtype), slots))]
 
 
+def _cases_mla_q_absorb(g, dtype, bs):
+    H, N, R, L, T, P = 3, 32, 16, 48, 5, 64
+    q = _randn(g, T, H, N + R + 8, dtype=dtype)[..., : N + R]  # a strided view, as the projection's output
+    w_uk = _randn(g, H, L, N, dtype=dtype, scale=N**-0.5)
+    pos = torch.randint(0, P, (T,), generator=g)
+    return [Case("strided q", (q, w_uk, pos, _rope_table(P, R))),
+            Case("one token", (q[:1].contiguous(), w_uk, pos[:1], _rope_table(P, R)))]
+
+
 def _cases_head_linear(g, dtype, bs):
     H, K, N = 3, 40, 24
     w = _randn(g, H, N, K, dtype=dtype, scale=K**-0.5)
@@ -260,6 +269,32 @@ def _cases_moe_route(g, dtype, bs):
                 break
         logits = torch.stack(rows[:T]).to(dtype)
         cases.append(Case(label, (logits, bias, k, scoring, ng, tg, gs, renorm, scale)))
+    return cases
+
+
+def _cases_moe_gate(g, dtype, bs):
+    T, C = 8, 64
+    variants = [
+        # label, E, top_k, scoring, bias?, n_group, topk_group, group_score, renormalize, scale, n_shared, f32 gate
+        ("V2 softmax groups, 2 shared, float32 gate", 16, 4, "softmax", False, 4, 2, "max", False, 16.0, 2, True),
+        ("V3 sigmoid bias top2sum, 1 shared", 32, 8, "sigmoid", True, 8, 4, "top2sum", True, 2.5, 1, True),
+        ("softmax renorm, no shared, gate in the model dtype", 16, 4, "softmax", False, 1, 1, "max", True, 1.0, 0,
+         False),
+    ]
+    cases = []
+    for label, E, k, scoring, has_bias, ng, tg, gs, renorm, scale, S, f32 in variants:
+        bias = _randn(g, E, scale=0.05) if has_bias else None
+        gate = _randn(g, E, C, scale=2.0 * C**-0.5)
+        gate = gate if f32 else gate.to(dtype)
+        rows: list[torch.Tensor] = []
+        for _ in range(20):  # tokens whose selection is unambiguous (no near-ties)
+            cand = _randn(g, 4 * T, C, dtype=dtype)
+            ok = _route_margin(cand.float() @ gate.float().T, bias, k, scoring, ng, tg, gs) >= 1e-3
+            rows.extend(cand[ok])
+            if len(rows) >= T:
+                break
+        x = torch.stack(rows[:T])
+        cases.append(Case(label, (x, gate, bias, k, scoring, ng, tg, gs, renorm, scale, S, dtype)))
     return cases
 
 
@@ -561,6 +596,8 @@ CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "linear_f32": _cases_linear_f32,
     "mla_kv_write": _cases_mla_kv_write,
     "head_linear": _cases_head_linear,
+    "mla_q_absorb": _cases_mla_q_absorb,
+    "moe_gate": _cases_moe_gate,
     "rms_norm": _cases_rms_norm,
     "add_rms_norm": _cases_add_rms_norm,
     "silu_and_mul": _cases_silu_and_mul,

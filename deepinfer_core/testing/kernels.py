@@ -12,8 +12,9 @@ reference computed in float32 on the CPU from the same (already rounded) inputs:
   quantisation, dequantisation and ue8m0 scales: bit-exact;
 * ``moe_route``: the same expert set per token (inputs are drawn with a clear margin between the
   k-th and (k+1)-th choice, so this is well posed), weights within tolerance;
-* ``moe_route_v4`` likewise; ``v4_indexer_topk``: the same set of entry ids per token (inputs drawn with
-  a clear margin at the top-k boundary);
+* ``moe_route_v4`` and ``moe_gate`` (the router from the activations, shared experts appended)
+  likewise; ``v4_indexer_topk``: the same set of entry ids per token (inputs drawn with a clear
+  margin at the top-k boundary);
 * ``sample``: bit-exact token ids, greedy and seeded rows alike (the counter-based RNG in
   ``kernels_cpu.rng`` gives every backend the same uniforms for a (seed, offset)), and a row's
   token must not change when it is sampled alone.
@@ -162,20 +163,21 @@ def _compare(where: str, out: torch.Tensor, ref: torch.Tensor, expected_dtype: t
               f"(|ref| + rms(ref) {scale:.3g})")
 
 
-def _check_moe_route(where, out, ref, rtol):
+def _check_moe_route(where, out, ref, rtol, weight_dtype=torch.float32):
     weights, ids = (t.detach().cpu() for t in out)
     ref_w, ref_ids = ref
     if tuple(ids.shape) != tuple(ref_ids.shape) or tuple(weights.shape) != tuple(ref_w.shape):
         _fail(where, f"shapes {tuple(weights.shape)}/{tuple(ids.shape)}, reference {tuple(ref_w.shape)}/"
               f"{tuple(ref_ids.shape)}")
-    if weights.dtype != torch.float32 or ids.dtype != torch.int64:
-        _fail(where, f"dtypes {_dtype_name(weights.dtype)}/{_dtype_name(ids.dtype)}, expected float32/int64")
+    if weights.dtype != weight_dtype or ids.dtype != torch.int64:
+        _fail(where, f"dtypes {_dtype_name(weights.dtype)}/{_dtype_name(ids.dtype)}, expected "
+              f"{_dtype_name(weight_dtype)}/int64")
     ids_s, order = ids.sort(-1)
     ref_s, ref_order = ref_ids.sort(-1)
     if not torch.equal(ids_s, ref_s):
         t = int((ids_s != ref_s).any(-1).nonzero()[0])
         _fail(where, f"token {t} routed to experts {ids_s[t].tolist()}, reference {ref_s[t].tolist()}")
-    _compare(where + " weights", weights.gather(1, order), ref_w.gather(1, ref_order), torch.float32, rtol,
+    _compare(where + " weights", weights.gather(1, order), ref_w.gather(1, ref_order), weight_dtype, rtol,
              exact=False)
 
 
@@ -271,8 +273,8 @@ def check_op(
             raise AssertionError(f"{where} raised {type(exc).__name__}: {exc}") from exc
         if len(out) != len(truth):
             _fail(where, f"returned {len(out)} output(s), reference {len(truth)}")
-        if op in ("moe_route", "moe_route_v4"):
-            _check_moe_route(where, out, truth, rtol)
+        if op in ("moe_route", "moe_route_v4", "moe_gate"):
+            _check_moe_route(where, out, truth, rtol, shaped[0].dtype)
         elif op == "v4_indexer_topk":
             _check_id_sets(where, out[0], truth[0])
         elif op == "sample":

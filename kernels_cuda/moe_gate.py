@@ -1,0 +1,144 @@
+"""``moe_gate`` in one launch for decode (at most 8 tokens): the router GEMV and the gate of ``moe_route``.
+
+Grid (E, T): a CTA computes one float32 logit (gate row e against token t, K split over its threads,
+16-byte loads) and writes it to a workspace; its thread 0 then counts the token's finished logits on a
+device-scope counter (acq_rel). The CTA that brings the count to E holds the token's last logit and
+routes the token (``moe_route``'s gate, reading the logits with acquire loads from L2), appends the
+shared experts, and puts the counter back to 0 for the next launch (so a CUDA graph replays it as is).
+Tokens are routed in parallel, each by its own last CTA. One launch instead of two (the GEMV and
+``moe_route``), and no host sync.
+
+The counters are one int32 tensor of 8 per device, made (zeroed) on the first call outside a graph capture
+(the engine's warm-up step; a capture runs on its own stream, so they are per device, not per stream): a
+device runs one model forward at a time, its kernels one after the other, and each launch leaves them at 0.
+"""
+
+import torch
+
+from kernels_cuda import _tl
+from kernels_cuda.moe_route import route_macro
+
+MAX_T = 8
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def build_gate_route(E: int, C: int, K: int, n_group: int, topk_group: int, softmax: bool, has_bias: bool,
+                     top2sum: bool, renormalize: bool, S: int, w_dtype: str, x_dtype: str, g_dtype: str,
+                     pdl: bool = False):
+    """``pdl``: programmatic dependent launch (``_tl.PDL_ENV``): the gate rows are loaded before waiting for
+    the kernel that wrote X (the norm before it)."""
+    T = _tl.language()
+    if pdl:
+        pdl_sync = _tl.pdl_ops()[1]
+    NT = T.dynamic("NT")
+    threads = max(128, (E + 31) // 32 * 32)
+    VEC = 16 // _BYTES[g_dtype]
+    iters = -(-C // (threads * VEC))
+    KS = K + S
+    route_token = route_macro(E, K, n_group, topk_group, softmax, has_bias, top2sum, renormalize, S, w_dtype,
+                              atomic_logits=True)
+
+    @T.prim_func
+    def moe_gate_kernel(X: T.Tensor((NT, C), x_dtype), Gate: T.Tensor((E, C), g_dtype),
+                        Bias: T.Tensor((E,), "float32"), Logits: T.Tensor((NT, E), "float32"),
+                        Count: T.Tensor((MAX_T,), "int32"), Wt: T.Tensor((NT, KS), w_dtype),
+                        Ids: T.Tensor((NT, KS), "int64"), scale: T.float32):
+        with T.Kernel(E, NT, threads=threads) as (e, t):
+            tx = T.get_thread_binding()
+            g_loc = T.alloc_local((iters, VEC), g_dtype)
+            x_loc = T.alloc_local((VEC,), x_dtype)
+            acc = T.alloc_local((1,), "float32")
+            part = T.alloc_shared((threads // 32,), "float32")
+            last = T.alloc_shared((1,), "int32")
+            acc[0] = 0.0
+            for it in T.unroll(iters):
+                k0 = (it * threads + tx) * VEC
+                if k0 < C:
+                    for v in T.vectorized(VEC):
+                        g_loc[it, v] = Gate[e, k0 + v]
+            if pdl:
+                pdl_sync()
+            for it in T.unroll(iters):
+                k0 = (it * threads + tx) * VEC
+                if k0 < C:
+                    for v in T.vectorized(VEC):
+                        x_loc[v] = X[t, k0 + v]
+                    for v in T.unroll(VEC):
+                        acc[0] += T.cast(x_loc[v], "float32") * T.cast(g_loc[it, v], "float32")
+            acc[0] = T.warp_reduce_sum(acc[0])
+            if tx % 32 == 0:
+                part[tx // 32] = acc[0]
+            T.sync_threads()
+            if tx == 0:
+                tot = T.alloc_var("float32", 0.0)
+                for w in T.serial(threads // 32):
+                    tot += part[w]
+                Logits[t, e] = tot
+                last[0] = T.atomic_add(Count[t], 1, memory_order="acq_rel", return_prev=True)
+            T.sync_threads()
+            if last[0] == E - 1:  # every logit of token t is written: this CTA routes it
+                route_token(Logits, Bias, Wt, Ids, t, tx, scale)
+                if tx == 0:
+                    Count[t] = 0
+
+    return moe_gate_kernel
+
+
+_kernel = _tl.kernel_cache(build_gate_route)
+_counters: dict[int, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor | None:
+    """The zeroed counters of this device; None while a graph is being captured and none exist yet (a tensor
+    made during capture would live in the graph's pool)."""
+    key = (device.index or 0) if device.type == "cuda" else -1
+    if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _counters[key] = torch.zeros(MAX_T, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
+def applies(x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> bool:
+    """At most 8 tokens of 2-byte activations, a float32 or same-dtype gate with rows of whole 16-byte vectors,
+    contiguous and aligned, on a CUDA device."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or gate.dtype not in (x.dtype, torch.float32):
+        return False
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() != 2 or gate.dim() != 2:
+        return False
+    C = gate.shape[1]
+    if x.shape[1] != C or C % (16 // gate.element_size()) or not 1 <= x.shape[0] <= MAX_T:
+        return False
+    if not (x.is_contiguous() and gate.is_contiguous()) or x.data_ptr() % 16 or gate.data_ptr() % 16:
+        return False
+    return x.is_cuda or _tl.dry_run()
+
+
+def gate_route(x, gate, bias, top_k, n_group, topk_group, softmax, top2sum, renormalize, scale, n_shared, dtype):
+    """One launch of the kernel (``applies`` must hold); None when no counter can be had (first call inside a
+    graph capture): the caller runs the two-launch path."""
+    count = _counter(x.device)
+    if count is None:
+        return None
+    NT, E = x.shape[0], gate.shape[0]
+    dev = x.device
+    logits = torch.empty(NT, E, dtype=torch.float32, device=dev)
+    weights = torch.empty(NT, top_k + n_shared, dtype=dtype, device=dev)
+    ids = torch.empty(NT, top_k + n_shared, dtype=torch.int64, device=dev)
+    b = bias.float().contiguous() if bias is not None else logits[0]  # unread without a bias
+    kern = _kernel(E, x.shape[1], int(top_k), n_group, topk_group, softmax, bias is not None, top2sum,
+                   bool(renormalize), int(n_shared), _tl.tl_dtype(dtype), _tl.tl_dtype(x.dtype),
+                   _tl.tl_dtype(gate.dtype), *((True,) if _tl.pdl() else ()))
+    kern(x, gate, b, logits, count, weights, ids, float(scale))
+    return weights, ids
+
+
+def representative_kernels():
+    return [
+        ("moe_gate V2-Lite (64 experts x 2048, float32 gate, softmax, top-6, 2 shared)",
+         lambda: build_gate_route(64, 2048, 6, 1, 1, True, False, False, False, 2, "bfloat16", "bfloat16",
+                                  "float32")),
+        ("moe_gate V3 (256 experts x 7168, float32 gate, sigmoid groups, top-8, 1 shared)",
+         lambda: build_gate_route(256, 7168, 8, 8, 4, False, True, True, True, 1, "bfloat16", "bfloat16",
+                                  "float32")),
+    ]
