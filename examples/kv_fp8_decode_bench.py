@@ -26,9 +26,10 @@ def _time(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps * 1e3  # us
 
 
-#: FP8 tile configurations to compare (BN keys per step; fewer keys per tile -> smaller shared tiles)
-FP8_CONFIGS = [{"BH": 16, "BN": 32, "stages": 2, "threads": 128}, {"BH": 16, "BN": 64, "stages": 2, "threads": 256},
-               {"BH": 16, "BN": 64, "stages": 2, "threads": 128}]
+#: FP8 tile configurations to compare: None is the default (64-key tiles, 8 consumer warps); then the
+#: previous default (64-key tiles, 4 warps) and 32-key tiles
+FP8_CONFIGS = [None, {"BH": 16, "BN": 64, "stages": 2, "threads": 128},
+               {"BH": 16, "BN": 32, "stages": 2, "threads": 128}]
 
 
 def bench(kind: str, B: int, ctx: int, H: int, bs: int, reps: int) -> list[dict]:
@@ -36,7 +37,6 @@ def bench(kind: str, B: int, ctx: int, H: int, bs: int, reps: int) -> list[dict]
 
     from kernels_cpu.kv_fp8 import quantize_latent_rows
     from kernels_cuda.mla_decode import mla_decode
-    from kernels_cuda.mla_decode_fp8 import mla_decode_fp8
 
     dev, L, R = "cuda", 512, 64
     nb = B * (ctx // bs)
@@ -51,7 +51,7 @@ def bench(kind: str, B: int, ctx: int, H: int, bs: int, reps: int) -> list[dict]
         for i in range(0, nb, 4096):  # quantise in chunks (the reference, on the device)
             n = min(4096, nb - i)
             cache[i:i + n] = quantize_latent_rows(torch.randn(n * bs, L + R, device=dev), 656).view(n, bs, 656)
-        calls = [(c, functools.partial(mla_decode_fp8, q, cache, *args, cfg=c)) for c in FP8_CONFIGS]
+        calls = [(c, functools.partial(mla_decode, q, cache, *args, cfg=c)) for c in FP8_CONFIGS]
         width = 656
     rows = []
     for cfg, fn in calls:
