@@ -31,6 +31,8 @@ there. Nothing synchronises with the host (ragged token -> sequence maps are com
 so the op can be captured in a CUDA graph.
 """
 
+import math
+
 import torch
 
 from kernels_cuda import _tl
@@ -41,6 +43,7 @@ MAX_SPLIT = 64  # most key splits per (token, head tile): the combine stages the
 #: fewest keys per split (the rest of a split grid idles): a split's fixed cost (Q load, first tile's
 #: latency, its partial output and the combine's read of it) is worth a few key tiles
 SPLIT_KEYS = 256
+SPLIT_OVERHEAD = 0.01  # a split's extra cost as a fraction of a CTA's work (choose_split)
 
 
 def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: int, threads: int,
@@ -87,7 +90,7 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
         per_split = T.max(T.ceildiv(n_blocks, n_split), min_blocks)
         blk0 = sp * per_split
         n_iter = T.max(T.min(n_blocks, blk0 + per_split) - blk0, 0)
-        return b, kv_len, blk0, n_iter
+        return b, kv_len, blk0, n_iter, n_blocks
 
     @T.prim_func
     def mla_decode_kernel(
@@ -122,7 +125,7 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
             row_sum = T.alloc_fragment((BH,), accum)
             l_i = T.alloc_fragment((BH,), accum)
 
-            b, kv_len, blk0, n_iter = key_window(t, sp, TokSeq, CuQ, SeqLens, min_blocks)
+            b, kv_len, blk0, n_iter, n_blocks = key_window(t, sp, TokSeq, CuQ, SeqLens, min_blocks)
 
             T.copy(Q[t, hb * BH:(hb + 1) * BH, 0:DV], Q_s)
             T.copy(Q[t, hb * BH:(hb + 1) * BH, DV:D], Qpe_s)
@@ -183,7 +186,10 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
                 for i in T.Parallel(BH):
                     m_prev[i] = T.if_then_else(l_i[i] > 0, T.log2(l_i[i]) + m_i[i] * scale_log2, ninf)
                 T.copy(m_prev, LsePart[t, hb * BH:(hb + 1) * BH, sp])
-                T.copy(acc_o, OPart[t, hb * BH:(hb + 1) * BH, sp, :])
+                if sp == 0 and n_iter == n_blocks:  # the only live split: the final output (the combine skips it)
+                    T.copy(acc_o, Out[t, hb * BH:(hb + 1) * BH, :])
+                else:
+                    T.copy(acc_o, OPart[t, hb * BH:(hb + 1) * BH, sp, :])
             else:
                 for i, j in T.Parallel(BH, DV):
                     acc_o[i, j] /= l_i[i]
@@ -196,7 +202,8 @@ def build_combine(H: int, DV: int, dtype: str = "bfloat16", stages: int = 3):
     """out[t, h] = sum_s exp2(lse_s - lse) * o_s over the splits that saw any key (a prefix of them: a
     split's key range starts at split * keys_per_split). The split scores are loaded in one parallel
     pass; the partial outputs of the live splits stream through a ``stages``-deep copy pipeline, so
-    their loads overlap instead of each waiting for the previous one."""
+    their loads overlap instead of each waiting for the previous one. A single live split has written
+    the output itself (short contexts at small batch): nothing to do."""
     T = _tl.language()
     NT, n_split = T.dynamic("NT"), T.dynamic("NSPLIT")
     threads = 128
@@ -235,12 +242,13 @@ def build_combine(H: int, DV: int, dtype: str = "bfloat16", stages: int = 3):
                 n_s[0] = T.cast(n_live[i], "int32")
             n = T.alloc_var("int32")
             n = n_s[0]
-            T.fill(o, 0)
-            for s in T.Pipelined(n, num_stages=stages):
-                T.copy(OPart[t, h, s, :], o_s)
-                for i in T.Parallel(DV):
-                    o[i] += w_s[s] * o_s[i]
-            T.copy(o, Out[t, h, :])
+            if n_s[0] != 1:  # one live split wrote the output itself
+                T.fill(o, 0)
+                for s in T.Pipelined(n, num_stages=stages):
+                    T.copy(OPart[t, h, s, :], o_s)
+                    for i in T.Parallel(DV):
+                        o[i] += w_s[s] * o_s[i]
+                T.copy(o, Out[t, h, :])
 
     return mla_decode_combine
 
@@ -273,11 +281,16 @@ def config(H: int, D: int, DV: int, BS: int, fp8: bool = False) -> dict:
 
 
 def choose_split(n_ctas: int, sms: int) -> int:
-    """Split the context when the natural grid fills less than one wave (one CTA per SM: the
-    shared-memory tiles take most of it): about one CTA per SM in total."""
-    if n_ctas >= sms * 0.75:
-        return 1
-    return int(min(MAX_SPLIT, max(1, round(sms / n_ctas))))
+    """Key splits per (token, head tile) for a grid of ``n_ctas`` (one CTA per SM: the shared-memory tiles
+    take most of it). ``s`` splits run ``s * n_ctas`` CTAs of 1/s of the keys each in ``ceil(s * n_ctas /
+    sms)`` waves, and each split costs ~``SPLIT_OVERHEAD`` of a CTA (its partial output, the combine's
+    read of it): the count with the least modelled time. So a grid short of one wave fills it (batch 1:
+    64 splits, sized on the device by ``SPLIT_KEYS``), and a grid of 1.1 waves (151 CTAs on 132 SMs) is
+    cut into ~7 well-packed waves instead of running a nearly empty second wave at full length."""
+    def cost(s: int) -> float:
+        return math.ceil(s * n_ctas / sms) / s * (1 + SPLIT_OVERHEAD * (s - 1))
+
+    return min(range(1, MAX_SPLIT + 1), key=lambda s: (cost(s), s))
 
 
 def _pad_last(x: torch.Tensor, widths: list[tuple[int, int]]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Used by :func:`kernels_cuda.mla_decode.mla_decode` when the heads are a multiple of 64 (V3's 128); same
 arguments and outputs as :func:`kernels_cuda.mla_decode.build_decode` with a bf16 cache (split partials
-go through the same combine kernel).
+go through the same combine kernel; a split that is the only live one writes the final output).
 """
 
 from kernels_cuda import _tl
@@ -178,7 +178,10 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
                     for h in T.Parallel(BH):
                         m_prev[h] = T.if_then_else(l_i[h] > 0, T.log2(l_i[h]) + m_i[h] * scale_log2, ninf)
                     T.copy(m_prev, LsePart[t, hb * BH:(hb + 1) * BH, sp])
-                    T.copy(acc_l, OPart[t, hb * BH:(hb + 1) * BH, sp, 0:DH])
+                    if sp == 0 and n_iter == n_blocks:  # the only live split: the final output
+                        T.copy(acc_l, Out[t, hb * BH:(hb + 1) * BH, 0:DH])
+                    else:
+                        T.copy(acc_l, OPart[t, hb * BH:(hb + 1) * BH, sp, 0:DH])
                 else:
                     for h, d in T.Parallel(BH, DH):
                         acc_l[h, d] /= l_i[h]
@@ -195,7 +198,10 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
                 if split:
                     for h, d in T.Parallel(BH, DH):
                         acc_r[h, d] = T.if_then_else(l_s[h] > 0, acc_r[h, d] / l_s[h], 0)
-                    T.copy(acc_r, OPart[t, hb * BH:(hb + 1) * BH, sp, DH:DV])
+                    if sp == 0 and n_iter == n_blocks:
+                        T.copy(acc_r, Out[t, hb * BH:(hb + 1) * BH, DH:DV])
+                    else:
+                        T.copy(acc_r, OPart[t, hb * BH:(hb + 1) * BH, sp, DH:DV])
                 else:
                     for h, d in T.Parallel(BH, DH):
                         acc_r[h, d] /= l_s[h]
