@@ -198,12 +198,12 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
     return mla_decode_kernel
 
 
-def build_combine(H: int, DV: int, dtype: str = "bfloat16", stages: int = 3):
+def build_combine(H: int, DV: int, dtype: str = "bfloat16", chunk: int = 16, stages: int = 2):
     """out[t, h] = sum_s exp2(lse_s - lse) * o_s over the splits that saw any key (a prefix of them: a
     split's key range starts at split * keys_per_split). The split scores are loaded in one parallel
-    pass; the partial outputs of the live splits stream through a ``stages``-deep copy pipeline, so
-    their loads overlap instead of each waiting for the previous one. A single live split has written
-    the output itself (short contexts at small batch): nothing to do."""
+    pass; the partial outputs of the live splits arrive ``chunk`` splits per copy (one TMA load of
+    chunk x DV floats, ``stages`` in flight), so 32 live splits cost two loads' latency, not 32. A
+    single live split has written the output itself (short contexts at small batch): nothing to do."""
     T = _tl.language()
     NT, n_split = T.dynamic("NT"), T.dynamic("NSPLIT")
     threads = 128
@@ -226,7 +226,7 @@ def build_combine(H: int, DV: int, dtype: str = "bfloat16", stages: int = 3):
             n_live = T.alloc_fragment((1,), accum)
             w_s = T.alloc_shared((S,), accum)
             n_s = T.alloc_shared((1,), "int32")
-            o_s = T.alloc_shared((DV,), accum)
+            o_s = T.alloc_shared((chunk, DV), accum)
             o = T.alloc_fragment((DV,), accum)
             for i, s in T.Parallel(1, S):
                 lse[i, s] = T.if_then_else(s < n_split, LsePart[t, h, T.min(s, n_split - 1)], ninf)
@@ -244,10 +244,13 @@ def build_combine(H: int, DV: int, dtype: str = "bfloat16", stages: int = 3):
             n = n_s[0]
             if n_s[0] != 1:  # one live split wrote the output itself
                 T.fill(o, 0)
-                for s in T.Pipelined(n, num_stages=stages):
-                    T.copy(OPart[t, h, s, :], o_s)
-                    for i in T.Parallel(DV):
-                        o[i] += w_s[s] * o_s[i]
+                for c in T.Pipelined(T.ceildiv(n, chunk), num_stages=stages):
+                    # rows past the live splits (or past n_split: zero-filled) hold stale partials: masked
+                    T.copy(OPart[t, h, c * chunk:(c + 1) * chunk, :], o_s)
+                    for d in T.Parallel(DV):
+                        for j in T.serial(chunk):
+                            o[d] += T.if_then_else(c * chunk + j < n, w_s[T.min(c * chunk + j, S - 1)] * o_s[j, d],
+                                                   0.0)
                 T.copy(o, Out[t, h, :])
 
     return mla_decode_combine

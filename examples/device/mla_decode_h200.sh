@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# MLA decode kernels on one H200 (issue 19: split/combine at small batch, FP8 rows), one device call of
+# about 2.5 minutes; each stage has its own timeout and writes under $OUT:
+#   1. conformance: tests/test_kernels_cuda_gpu.py -k mla_decode (bf16: 16/32/128 heads, splits, contexts
+#      1..40000, ragged), tests/test_kv_fp8_gpu.py (FP8 rows), tests/test_mla_decode_split.py;
+#   2. examples/mla_decode_bench.py: attention time per layer at batch 1 and 8 (27 calls in a CUDA graph),
+#      before (64-key splits + serial combine) / after / split-size sweep;
+#   3. examples/kv_fp8_decode_bench.py: us per 1k keys, bf16 rows at batch 86 vs FP8 rows at 151, 32k context.
+# STAGES (default "conf,b1,fp8") picks stages. What comes back: summary.txt and the logs/JSON of each stage.
+source examples/device/setup.sh
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+STAGES=${STAGES:-conf,b1,fp8}
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader > "$OUT/summary.txt" 2>&1
+stage() { [[ ",$STAGES," == *",$1,"* ]]; }
+if stage conf; then
+  t0=$(date +%s)
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_cuda_gpu.py -k mla_decode \
+    tests/test_kv_fp8_gpu.py tests/test_mla_decode_split.py > "$OUT/conformance.log" 2>&1
+  echo "conformance rc=$? $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/conformance.log")" >> "$OUT/summary.txt"
+  grep -E "^(FAILED|ERROR)" "$OUT/conformance.log" | cut -c1-200 >> "$OUT/summary.txt"
+fi
+if stage b1; then
+  t0=$(date +%s)
+  timeout 40 python3 examples/mla_decode_bench.py --heads 16,128 --batches 1,8 --contexts 512,2048,8192 \
+    --json "$OUT/mla_small_batch.json" > "$OUT/mla_small_batch.log" 2>&1
+  echo "mla_small_batch rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
+  python3 - "$OUT/mla_small_batch.log" >> "$OUT/summary.txt" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for key in sorted({(r["heads"], r["batch"], r["context"]) for r in rows}):
+    got = {r["variant"]: r["us_per_layer"] for r in rows if (r["heads"], r["batch"], r["context"]) == key}
+    print("H%d B%d ctx%d: " % key + "  ".join(f"{k} {v}" for k, v in got.items()))
+EOF
+fi
+if stage fp8; then
+  t0=$(date +%s)
+  timeout 45 python3 examples/kv_fp8_decode_bench.py --heads 16,128 --reps 10 --json "$OUT/fp8_per_key.json" \
+    > "$OUT/fp8_per_key.log" 2>&1
+  echo "fp8_per_key rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
+  python3 - "$OUT/fp8_per_key.log" >> "$OUT/summary.txt" <<'EOF'
+import json, sys
+for l in open(sys.argv[1]):
+    if l.startswith("{"):
+        r = json.loads(l)
+        print(f"{r['kind']} H{r['heads']} B{r['batch']} {r['cfg']}: {r['us']:.0f} us, {r['us_per_1k_keys']:.3f} us/1k keys, "
+              f"{r['kv_TBps']:.2f} TB/s")
+EOF
+fi
+cat "$OUT/summary.txt"
