@@ -14,8 +14,8 @@ Kernels:
   bytes (``kernels_cpu/kv_fp8.py``: e4m3 latent, a power-of-two float32 scale per 128 values, bf16
   rope), dequantised in the CTA into the bf16 key tile the GEMMs read (``e4m3 * scale`` is exact in
   bf16, so the kernel attends over exactly the reference's keys).
-* :func:`kernels_cuda.mla_decode_ws.build_decode_ws` (64-head multiples over a bf16 cache, V3's 128):
-  warp-specialised like FlashMLA.
+* :func:`kernels_cuda.mla_decode_ws.build_decode_ws` (64-head multiples, V3's 128; both row formats):
+  warp-specialised like FlashMLA; with FP8 rows its loader warpgroup converts the latent in registers.
 * :func:`build_combine`: merges key splits.
 
 Key splits. A grid that fills less than one wave of SMs splits the key axis: ``n_split`` CTAs per token
@@ -260,16 +260,17 @@ _decode_kernel = _tl.kernel_cache(build_decode)
 _combine_kernel = _tl.kernel_cache(build_combine)
 
 
-def config(H: int, D: int, DV: int, BS: int, fp8: bool = False) -> dict:
+def config(H: int, D: int, DV: int, BS: int, fp8: bool = False, ws: bool = True) -> dict:
     """Tile configuration. 64-head multiples over a bf16 cache take the warp-specialised kernel (64 heads
     x 64 keys per step, any page size that divides or is a multiple of 64). Otherwise BH heads per CTA
     and BN keys per step in the auto-pipelined kernel, where a key tile is one page or a slice of one
     (TileLang lowers a whole-page copy to a TMA load, but not several pages into one tile), so small
-    pages mean small key tiles and a deeper pipeline. FP8 rows: the dequantised bf16 key tile sits
-    beside the staged e4m3 one, so at most 32 heads per CTA (a 64-head Q tile plus both would overflow
-    shared memory at L = 512)."""
+    pages mean small key tiles and a deeper pipeline. FP8 rows in the tile kernel: the dequantised bf16
+    key tile sits beside the staged e4m3 one, so at most 32 heads per CTA (a 64-head Q tile plus both
+    would overflow shared memory at L = 512); 64-head multiples take the ws kernel, whose loader
+    warpgroup converts the rows in registers."""
     ws_ok = DV % 128 == 0 and (D - DV) % 16 == 0 and D - DV <= 64 and (64 % BS == 0 or BS % 64 == 0)
-    if not fp8 and H % 64 == 0 and ws_ok:
+    if H % 64 == 0 and ws_ok and ws:
         return {"kernel": "ws", "BH": 64, "BN": 64}
     BN = min(64, BS)
     stages = 2 if BN >= 64 else (4 if BN >= 16 else 8)
@@ -346,7 +347,9 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
     if (dv_p, r_p) != (dv, R):  # odd test shapes only: real models have dv 512, rope 64
         q = _pad_last(q, [(dv, dv_p), (R, r_p)])
         cache = _pad_last(cache, [(dv, dv_p), (R, r_p)])
-    c = dict(cfg or config(_round(H, 16), dv_p + r_p, dv_p, BS, fp8))
+    # the ws kernel's FP8 loader converts into bf16 tiles and loads 16-byte vectors of the rows
+    ws = not fp8 or (q.dtype == torch.bfloat16 and cache.shape[-1] % 16 == 0)
+    c = dict(cfg or config(_round(H, 16), dv_p + r_p, dv_p, BS, fp8, ws))
     h_p = _round(H, c["BH"])  # 64-row tiles of the ws kernel are also usable for 16 heads: padded rows
     if h_p != H:
         q = torch.nn.functional.pad(q, (0, 0, 0, h_p - H))
@@ -375,19 +378,19 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
     meta = (block_tables.to(torch.int32).contiguous(), cu_q_lens.to(torch.int64).contiguous(),
             seq_lens.to(torch.int64).contiguous(), tok_seq, out, o_part, lse_part, float(scale * LOG2E), min_blocks)
     dt = _tl.tl_dtype(q.dtype)
+    if fp8:
+        lat, scales, rope, W = _fp8_views(q, cache, dv)
+    else:
+        rows = cache.view(-1, dv_p + r_p)
+        lat, rope, W = rows[:, :dv_p], rows[:, dv_p:], 0
+        scales = torch.empty(1, 1, dtype=torch.float32, device=dev)  # unused
     if c.get("kernel") == "ws":
         from kernels_cuda.mla_decode_ws import _decode_ws_kernel
 
-        _decode_ws_kernel(h_p, dv_p + r_p, dv_p, BS, n_split > 1, ragged, dt)(q, cache, *meta)
+        kern = _decode_ws_kernel(h_p, dv_p + r_p, dv_p, BS, n_split > 1, ragged, dt, W)
     else:
-        if fp8:
-            lat, scales, rope, W = _fp8_views(q, cache, dv)
-        else:
-            rows = cache.view(-1, dv_p + r_p)
-            lat, rope, W = rows[:, :dv_p], rows[:, dv_p:], 0
-            scales = torch.empty(1, 1, dtype=torch.float32, device=dev)  # unused
-        _decode_kernel(h_p, dv_p, r_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split > 1, ragged, dt, W)(
-            q, lat, scales, rope, *meta)
+        kern = _decode_kernel(h_p, dv_p, r_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split > 1, ragged, dt, W)
+    kern(q, lat, scales, rope, *meta)
     if n_split > 1:
         _combine_kernel(h_p, dv_p, dt)(o_part, lse_part, out)
     if h_p != H or dv_p != dv:

@@ -1,14 +1,19 @@
-"""The warp-specialised MLA decode kernel for 64-head tiles (FlashMLA's division of work), bf16 cache.
+"""The warp-specialised MLA decode kernel for 64-head tiles (FlashMLA's division of work), over bf16 rows
+or FP8 latent rows.
 
 Used by :func:`kernels_cuda.mla_decode.mla_decode` when the heads are a multiple of 64 (V3's 128); same
-arguments and outputs as :func:`kernels_cuda.mla_decode.build_decode` with a bf16 cache (split partials
-go through the same combine kernel; a split that is the only live one writes the final output).
+arguments and outputs as :func:`kernels_cuda.mla_decode.build_decode` (the cache as strided row views;
+split partials go through the same combine kernel; a split that is the only live one writes the final
+output).
 """
 
 from kernels_cuda import _tl
 
+TILE = 128  # latent values per FP8 scale
 
-def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool, dtype: str = "bfloat16"):
+
+def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool, dtype: str = "bfloat16",
+                    W: int = 0):
     """The warp-specialised kernel for 64-head tiles (H a multiple of 64), FlashMLA's division of work:
 
     * warpgroup 0 computes the whole 64 x 64 score tile (one wgmma chain over the 576-wide keys, so
@@ -17,7 +22,9 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
     * warpgroup 1 computes the right half of O from P and the rescale factors in shared memory, while
       warpgroup 0 already computes the next score tile;
     * warpgroup 2 gathers the next key tiles (64 cached tokens through the block table: any page
-      size) with cp.async into a double buffer.
+      size) into a double buffer: bf16 rows with cp.async; FP8 rows (``W`` > 0 bytes) with plain loads
+      into registers (two threads per key, issued before the buffer is free), converted and scaled
+      there and stored as the bf16 tile (the rope, already bf16, with cp.async).
 
     Hand-off through mbarriers: k_ready/k_free per buffer, p_ready/p_free for the P tile.
     Same arguments as :func:`build_decode`.
@@ -29,7 +36,14 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
     HB = H // BH
     accum = "float32"
     assert H % 64 == 0 and DV % 128 == 0 and DPE % 16 == 0 and DPE <= 64
-    NT, NB, B, B1, M = T.dynamic("NT"), T.dynamic("NB"), T.dynamic("B"), T.dynamic("B1"), T.dynamic("M")
+    FP8 = W > 0
+    if FP8:
+        G = DV // TILE
+        lat_t, rope_t, WL, WS, WR = "float8_e4m3", "bfloat16", W, W // 4, W // 2
+        assert W % 16 == 0 and dtype == "bfloat16" and DH % TILE == 0
+    else:
+        G, lat_t, rope_t, WL, WS, WR = 1, dtype, dtype, D, 1, D
+    NT, NS, NSS, B, B1, M = (T.dynamic(n) for n in ("NT", "NS", "NSS", "B", "B1", "M"))
     NTP, n_split = T.dynamic("NTP"), T.dynamic("NSPLIT")
     ninf = -T.infinity(accum)
 
@@ -73,27 +87,60 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
         T.barrier_arrive(p_free[0])
 
     @T.macro
-    def load_step(i, buf, Kl, Kr, Kt, Cache, Tables, k_ready, k_free, b, pos0, kv_len):
+    def load_step(i, buf, Kl, Kr, Kt, Lat, Rope, Tables, k_ready, k_free, b, pos0, kv_len):
         T.barrier_wait(k_free[buf], ((i // 2) % 2) ^ 1)
         if BS >= BN:
             # one page (slice) per tile; a tile past the context reads page 0 (masked anyway)
-            page = T.if_then_else(pos0 < kv_len, Tables[b, T.min(pos0 // BS, M - 1)], 0)
-            T.async_copy(Cache[page, pos0 % BS:pos0 % BS + BN, 0:DH], Kl)
-            T.async_copy(Cache[page, pos0 % BS:pos0 % BS + BN, DH:DV], Kr)
-            T.async_copy(Cache[page, pos0 % BS:pos0 % BS + BN, DV:D], Kt)
+            s0 = T.if_then_else(pos0 < kv_len, Tables[b, T.min(pos0 // BS, M - 1)], 0) * BS + pos0 % BS
+            T.async_copy(Lat[s0:s0 + BN, 0:DH], Kl)
+            T.async_copy(Lat[s0:s0 + BN, DH:DV], Kr)
+            T.async_copy(Rope[s0:s0 + BN, :], Kt)
         else:
             for pg in T.unroll(BN // BS):
                 pos = pos0 + pg * BS
-                page = T.if_then_else(pos < kv_len, Tables[b, T.min(pos // BS, M - 1)], 0)
-                T.async_copy(Cache[page, 0:BS, 0:DH], Kl[pg * BS:(pg + 1) * BS, :])
-                T.async_copy(Cache[page, 0:BS, DH:DV], Kr[pg * BS:(pg + 1) * BS, :])
-                T.async_copy(Cache[page, 0:BS, DV:D], Kt[pg * BS:(pg + 1) * BS, :])
+                s1 = T.if_then_else(pos < kv_len, Tables[b, T.min(pos // BS, M - 1)], 0) * BS
+                T.async_copy(Lat[s1:s1 + BS, 0:DH], Kl[pg * BS:(pg + 1) * BS, :])
+                T.async_copy(Lat[s1:s1 + BS, DH:DV], Kr[pg * BS:(pg + 1) * BS, :])
+                T.async_copy(Rope[s1:s1 + BS, :], Kt[pg * BS:(pg + 1) * BS, :])
+        T.cp_async_barrier_noinc(k_ready[buf])
+
+    @T.macro
+    def load_step_fp8(i, buf, Kl, Kr, Kt, Lat, Scales, Rope, Tables, k_ready, k_free, b, pos0, kv_len, r, lat_r):
+        # thread r of the warpgroup: key row j = r // 2 of the tile, latent half r % 2 (-> Kl or Kr)
+        j = r // 2
+        pos = pos0 + j
+        slot = T.if_then_else(pos < kv_len, Tables[b, T.min(pos // BS, M - 1)], 0) * BS + pos % BS
+        for k in T.serial(DH // 16):  # the loads are in flight while the buffer is still in use
+            for v in T.vectorized(16):
+                lat_r[k * 16 + v] = Lat[slot, (r % 2) * DH + k * 16 + v]
+        T.barrier_wait(k_free[buf], ((i // 2) % 2) ^ 1)
+        if BS >= BN:
+            s0 = T.if_then_else(pos0 < kv_len, Tables[b, T.min(pos0 // BS, M - 1)], 0) * BS + pos0 % BS
+            T.async_copy(Rope[s0:s0 + BN, :], Kt)
+        else:
+            for pg in T.unroll(BN // BS):
+                s1 = T.if_then_else(pos0 + pg * BS < kv_len, Tables[b, T.min((pos0 + pg * BS) // BS, M - 1)], 0)
+                T.async_copy(Rope[s1 * BS:s1 * BS + BS, :], Kt[pg * BS:(pg + 1) * BS, :])
+        if r % 2 == 0:
+            for k in T.serial(DH // 16):
+                sc = Scales[slot, (k * 16) // TILE]
+                for v in T.vectorized(16):
+                    Kl[j, k * 16 + v] = T.cast(T.cast(lat_r[k * 16 + v], accum) * sc, dtype)
+        else:
+            for k in T.serial(DH // 16):
+                sc = Scales[slot, (DH + k * 16) // TILE]
+                for v in T.vectorized(16):
+                    Kr[j, k * 16 + v] = T.cast(T.cast(lat_r[k * 16 + v], accum) * sc, dtype)
+        T.fence_proxy_async()  # the stores are read by wgmma (async proxy)
+        T.barrier_arrive(k_ready[buf])
         T.cp_async_barrier_noinc(k_ready[buf])
 
     @T.prim_func
     def mla_decode_ws_kernel(
         Q: T.Tensor((NT, H, D), dtype),
-        Cache: T.Tensor((NB, BS, D), dtype),
+        Lat: T.StridedTensor((NS, DV), (WL, 1), lat_t),
+        Scales: T.StridedTensor((NSS, G), (WS, 1), "float32"),
+        Rope: T.StridedTensor((NS, DPE), (WR, 1), rope_t),
         Tables: T.Tensor((B, M), "int32"),
         CuQ: T.Tensor((B1,), "int64"),
         SeqLens: T.Tensor((B,), "int64"),
@@ -130,7 +177,8 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
             l_i = T.alloc_fragment((BH,), accum)
 
             bar_q = T.alloc_barrier(arrive_count=384)
-            k_ready = T.alloc_barrier(arrive_count=[128, 128])
+            # FP8: each loader thread arrives once for its stores and once through its rope cp.async
+            k_ready = T.alloc_barrier(arrive_count=[256, 256] if FP8 else [128, 128])
             k_free = T.alloc_barrier(arrive_count=[256, 256])
             p_ready = T.alloc_barrier(arrive_count=128)
             p_free = T.alloc_barrier(arrive_count=128)
@@ -155,7 +203,7 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
             T.barrier_arrive(bar_q[0])
 
             if tx < 128:
-                T.set_max_nreg(240, 1)
+                T.set_max_nreg(232 if FP8 else 240, 1)
                 T.fill(acc_l, 0)
                 T.fill(l_i, 0)
                 T.fill(m_i, ninf)
@@ -207,12 +255,26 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
                         acc_r[h, d] /= l_s[h]
                     T.copy(acc_r, Out[t, hb * BH:(hb + 1) * BH, DH:DV])
             else:
-                T.set_max_nreg(80, 0)
-                for i in T.serial(n_iter):
-                    if i % 2 == 0:
-                        load_step(i, 0, K0_l, K0_r, K0_t, Cache, Tables, k_ready, k_free, b, (blk0 + i) * BN, kv_len)
-                    else:
-                        load_step(i, 1, K1_l, K1_r, K1_t, Cache, Tables, k_ready, k_free, b, (blk0 + i) * BN, kv_len)
+                if FP8:
+                    # 64 registers of e4m3 per thread: the loader gets 104, warpgroup 0 gives up 8
+                    T.set_max_nreg(104, 1)
+                    lat_r = T.alloc_local((DH,), lat_t)
+                    for i in T.serial(n_iter):
+                        if i % 2 == 0:
+                            load_step_fp8(i, 0, K0_l, K0_r, K0_t, Lat, Scales, Rope, Tables, k_ready, k_free, b,
+                                          (blk0 + i) * BN, kv_len, tx - 256, lat_r)
+                        else:
+                            load_step_fp8(i, 1, K1_l, K1_r, K1_t, Lat, Scales, Rope, Tables, k_ready, k_free, b,
+                                          (blk0 + i) * BN, kv_len, tx - 256, lat_r)
+                else:
+                    T.set_max_nreg(80, 0)
+                    for i in T.serial(n_iter):
+                        if i % 2 == 0:
+                            load_step(i, 0, K0_l, K0_r, K0_t, Lat, Rope, Tables, k_ready, k_free, b, (blk0 + i) * BN,
+                                      kv_len)
+                        else:
+                            load_step(i, 1, K1_l, K1_r, K1_t, Lat, Rope, Tables, k_ready, k_free, b, (blk0 + i) * BN,
+                                      kv_len)
 
     return mla_decode_ws_kernel
 
@@ -221,6 +283,8 @@ _decode_ws_kernel = _tl.kernel_cache(build_decode_ws)
 
 
 def representative_kernels():
-    """V3's 128 heads over pages of 16 (the CPU CI compile test)."""
+    """V3's 128 heads over bf16 pages of 16 and over 656-byte FP8 rows (the CPU CI compile test)."""
     return [("mla_decode H128 bs16 split ragged (warp-specialised)",
-             lambda: build_decode_ws(128, 576, 512, 16, True, True))]
+             lambda: build_decode_ws(128, 576, 512, 16, True, True)),
+            ("mla_decode H128 fp8 rows bs64 split ragged (warp-specialised)",
+             lambda: build_decode_ws(128, 576, 512, 64, True, True, "bfloat16", 656))]

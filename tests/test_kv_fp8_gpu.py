@@ -50,8 +50,11 @@ CASES = [
     ("V2-Lite heads, bs16, ragged batch", 16, 16, [3, 1, 2], [70, 4096, 64], None),
 ]
 
-#: tile configurations besides the default (64-key tiles, 8 consumer warps): the old default and 32-key tiles
-CFGS = [{"BH": 16, "BN": 64, "stages": 2, "threads": 128}, {"BH": 16, "BN": 32, "stages": 2, "threads": 128}]
+#: (heads, tile configuration) besides the defaults (16 heads: 64-key tiles, 8 consumer warps; 128 heads: the
+#: warp-specialised kernel): the old 16-head default, 32-key tiles, and V3's heads in 32-head tiles
+CFGS = [(16, {"BH": 16, "BN": 64, "stages": 2, "threads": 128}),
+        (16, {"BH": 16, "BN": 32, "stages": 2, "threads": 128}),
+        (128, {"BH": 32, "BN": 64, "stages": 2, "threads": 256})]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -76,13 +79,14 @@ def test_mla_decode_fp8_real_shapes(case):
     assert worst <= 1.0, f"{case[0]}: {worst:.2f}x the bf16 tolerance"
 
 
-@pytest.mark.parametrize("cfg", CFGS, ids=lambda c: f"BN{c['BN']}-t{c['threads']}")
+@pytest.mark.parametrize("heads,cfg", CFGS, ids=lambda c: f"H{c}" if isinstance(c, int) else f"BH{c['BH']}-BN{c['BN']}"
+                         f"-t{c['threads']}")
 @pytest.mark.parametrize("seq_lens", [[1, 63, 64, 65], [5000]], ids=str)
-def test_mla_decode_fp8_tile_configs(cfg, seq_lens):
+def test_mla_decode_fp8_tile_configs(heads, cfg, seq_lens):
     from kernels_cuda.mla_decode import mla_decode
 
     cache, tables = fp8_paged(seq_lens, 64, seed=2)
-    q = (torch.randn(len(seq_lens), 16, L + R, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    q = (torch.randn(len(seq_lens), heads, L + R, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
     q = q.to(DEV)
     cu = torch.arange(len(seq_lens) + 1, device=DEV)
     sl = torch.tensor(seq_lens, device=DEV)
