@@ -7,6 +7,7 @@
 #      before (64-key splits + serial combine) / after / split-size sweep;
 #   3. examples/kv_fp8_decode_bench.py: us per 1k keys, bf16 rows at batch 86 vs FP8 rows at 151, 32k context,
 #      16 heads, then 128 (V3: the warp-specialised kernel, FP8 loader).
+#   4. (STAGES=cap) examples/kv_fp8_capacity.py: max batch at 32k and decode tok/s at it, bf16 vs FP8 rows.
 # STAGES (default "conf,b1,fp8") picks stages. What comes back: summary.txt and the logs/JSON of each stage.
 source examples/device/setup.sh
 export PYTHONUNBUFFERED=1
@@ -56,5 +57,12 @@ for l in open(sys.argv[1]):
               f"{r['kv_TBps']:.2f} TB/s")
 EOF
   done
+fi
+if stage cap; then  # decode tok/s at the 32k max batch, bf16 vs FP8 rows (docs/kv_fp8.md's run, ~2 minutes)
+  t0=$(date +%s)
+  timeout 170 python3 examples/kv_fp8_capacity.py --shape v2-lite --context 32768 --runs 2 --decode-layers 2 \
+    --json "$OUT/capacity.json" > "$OUT/capacity.log" 2>&1
+  echo "capacity rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
+  grep -v Warning "$OUT/capacity.log" | grep '"decode_layers"' | cut -c1-400 >> "$OUT/summary.txt"
 fi
 cat "$OUT/summary.txt"
