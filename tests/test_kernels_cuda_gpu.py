@@ -112,6 +112,8 @@ MLA_DECODE_CASES = [
     ("V2-Lite heads, bs64, batch 1, 40000 keys (64 splits)", 16, 64, [1], [40000], None, None),
     ("V3 heads, bs64, batch 1, 4097 keys", 128, 64, [1], [4097], None, None),
     ("V2-Lite heads, bs64, ragged batch 2 of 3 tokens", 16, 64, [2, 1], [65, 4096], None, None),
+    ("V2-Lite heads, bs64, batch 130 (one wave: no split)", 16, 64, [1] * 130, [1 + 37 * i for i in range(130)],
+     None, None),
 ]
 
 

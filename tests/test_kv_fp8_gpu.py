@@ -48,6 +48,7 @@ CASES = [
     ("V2-Lite heads, bs64, batch 1, 65 keys", 16, 64, [1], [65], None),
     ("V2-Lite heads, bs64, batch 1, 4100 keys", 16, 64, [1], [4100], None),
     ("V2-Lite heads, bs16, ragged batch", 16, 16, [3, 1, 2], [70, 4096, 64], None),
+    ("V2-Lite heads, bs64, batch 130 (one wave: no split)", 16, 64, [1] * 130, [1 + 37 * i for i in range(130)], None),
 ]
 
 #: (heads, tile configuration) besides the defaults (16 heads: 64-key tiles, 8 consumer warps; 128 heads: the
