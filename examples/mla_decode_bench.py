@@ -11,8 +11,6 @@ launch gaps inside the graph count and host overhead does not. For each (heads, 
     python examples/mla_decode_bench.py --json out.json [--heads 16] [--batches 1,8] [--contexts 512,2048,8192]
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 
