@@ -60,8 +60,9 @@ EOF
 fi
 if stage cap; then  # decode tok/s at the 32k max batch, bf16 vs FP8 rows (docs/kv_fp8.md's run, ~2 minutes)
   t0=$(date +%s)
+  # MAX_BATCH (e.g. bf16=86,fp8=151, docs/kv_fp8.md's capacity runs) skips the capacity runs: decode only
   timeout 170 python3 examples/kv_fp8_capacity.py --shape v2-lite --context 32768 --runs 2 --decode-layers 2 \
-    --json "$OUT/capacity.json" > "$OUT/capacity.log" 2>&1
+    ${MAX_BATCH:+--max-batch $MAX_BATCH} --json "$OUT/capacity.json" > "$OUT/capacity.log" 2>&1
   echo "capacity rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
   grep -v Warning "$OUT/capacity.log" | grep '"decode_layers"' | cut -c1-400 >> "$OUT/summary.txt"
 fi
