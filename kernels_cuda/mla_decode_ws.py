@@ -110,7 +110,7 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
         j = r // 2
         pos = pos0 + j
         slot = T.if_then_else(pos < kv_len, Tables[b, T.min(pos // BS, M - 1)], 0) * BS + pos % BS
-        for k in T.serial(DH // 16):  # the loads are in flight while the buffer is still in use
+        for k in T.unroll(DH // 16):  # unrolled: lat_r stays in registers; in flight while the buffer is in use
             for v in T.vectorized(16):
                 lat_r[k * 16 + v] = Lat[slot, (r % 2) * DH + k * 16 + v]
         T.barrier_wait(k_free[buf], ((i // 2) % 2) ^ 1)
@@ -122,12 +122,12 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
                 s1 = T.if_then_else(pos0 + pg * BS < kv_len, Tables[b, T.min((pos0 + pg * BS) // BS, M - 1)], 0)
                 T.async_copy(Rope[s1 * BS:s1 * BS + BS, :], Kt[pg * BS:(pg + 1) * BS, :])
         if r % 2 == 0:
-            for k in T.serial(DH // 16):
+            for k in T.unroll(DH // 16):
                 sc = Scales[slot, (k * 16) // TILE]
                 for v in T.vectorized(16):
                     Kl[j, k * 16 + v] = T.cast(T.cast(lat_r[k * 16 + v], accum) * sc, dtype)
         else:
-            for k in T.serial(DH // 16):
+            for k in T.unroll(DH // 16):
                 sc = Scales[slot, (DH + k * 16) // TILE]
                 for v in T.vectorized(16):
                     Kr[j, k * 16 + v] = T.cast(T.cast(lat_r[k * 16 + v], accum) * sc, dtype)

@@ -52,10 +52,16 @@ CASES = [
 ]
 
 #: (heads, tile configuration) besides the defaults (16 heads: 64-key tiles, 8 consumer warps; 128 heads: the
-#: warp-specialised kernel): the old 16-head default, 32-key tiles, and V3's heads in 32-head tiles
+#: warp-specialised kernel): the old 16-head default, 32-key tiles, V3's heads in 32-head tiles, and 16 heads
+#: through the warp-specialised kernel
 CFGS = [(16, {"BH": 16, "BN": 64, "stages": 2, "threads": 128}),
         (16, {"BH": 16, "BN": 32, "stages": 2, "threads": 128}),
-        (128, {"BH": 32, "BN": 64, "stages": 2, "threads": 256})]
+        (128, {"BH": 32, "BN": 64, "stages": 2, "threads": 256}),
+        (16, {"kernel": "ws", "BH": 64, "BN": 64})]  # the warp-specialised kernel, heads padded to 64
+
+
+def _cfg_id(c):
+    return f"H{c}" if isinstance(c, int) else f"BH{c['BH']}-BN{c['BN']}-" + c.get("kernel", f"t{c.get('threads')}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -80,8 +86,7 @@ def test_mla_decode_fp8_real_shapes(case):
     assert worst <= 1.0, f"{case[0]}: {worst:.2f}x the bf16 tolerance"
 
 
-@pytest.mark.parametrize("heads,cfg", CFGS, ids=lambda c: f"H{c}" if isinstance(c, int) else f"BH{c['BH']}-BN{c['BN']}"
-                         f"-t{c['threads']}")
+@pytest.mark.parametrize("heads,cfg", CFGS, ids=_cfg_id)
 @pytest.mark.parametrize("seq_lens", [[1, 63, 64, 65], [5000]], ids=str)
 def test_mla_decode_fp8_tile_configs(heads, cfg, seq_lens):
     from kernels_cuda.mla_decode import mla_decode
