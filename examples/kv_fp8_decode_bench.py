@@ -27,9 +27,11 @@ def _time(fn, reps: int) -> float:
 
 
 #: FP8 tile configurations to compare: None is the default (64-key tiles, 8 consumer warps); then the
-#: previous default (64-key tiles, 4 warps), 32-key tiles, and the warp-specialised kernel (heads padded to 64)
+#: previous default (64-key tiles, 4 warps), 32-key tiles, the warp-specialised kernel (heads padded to 64),
+#: and the default tiles with f16 tiles and tensor cores
 FP8_CONFIGS = [None, {"BH": 16, "BN": 64, "stages": 2, "threads": 128},
-               {"BH": 16, "BN": 32, "stages": 2, "threads": 128}, {"kernel": "ws", "BH": 64, "BN": 64}]
+               {"BH": 16, "BN": 32, "stages": 2, "threads": 128}, {"kernel": "ws", "BH": 64, "BN": 64},
+               {"BH": 16, "BN": 64, "stages": 2, "threads": 256, "mma": "float16"}]
 
 
 def bench(kind: str, B: int, ctx: int, H: int, bs: int, reps: int) -> list[dict]:

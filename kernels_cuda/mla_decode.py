@@ -47,11 +47,14 @@ SPLIT_OVERHEAD = 0.01  # a split's extra cost as a fraction of a CTA's work (cho
 
 
 def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: int, threads: int,
-                 split: bool, ragged: bool, dtype: str = "bfloat16", W: int = 0):
+                 split: bool, ragged: bool, dtype: str = "bfloat16", W: int = 0, mma: str | None = None):
     """The attention kernel. ``split``: write per-split partials (the split count is the grid's z
     extent, taken from ``OPart``); else the final output. ``ragged``: token -> sequence comes from
     ``TokSeq`` (else token t is sequence t, the all-q_len-1 case). ``W``: 0 for a cache of ``dtype`` rows
-    (DV + DPE values: ``Scales`` is unused), else the byte width of FP8 rows (module docstring)."""
+    (DV + DPE values: ``Scales`` is unused), else the byte width of FP8 rows (module docstring). ``mma``: the
+    dtype of the shared tiles and the tensor-core math when not ``dtype``: "float16" under a bf16 model with
+    FP8 rows, where e4m3 -> f16 is one instruction per pair and the power-of-two scale one f16 multiply (q,
+    the latents and P fit f16's range; it keeps 3 more mantissa bits than bf16)."""
     T = _tl.language()
     FP8 = W > 0
     D = DV + DPE
@@ -69,7 +72,8 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
     else:
         G, lat_t, rope_t, WL, WS, WR, tma = 1, dtype, dtype, D, 1, D, True
     stages = stages if tma else 1  # TileLang 0.1.15 fails to generate multi-stage cp.async for those rows
-    rope_cast = rope_t != dtype
+    cdt = mma or dtype  # the tiles' and the tensor cores' dtype
+    rope_cast = rope_t != cdt
     NT, NS, NSS, B, B1, M = (T.dynamic(n) for n in ("NT", "NS", "NSS", "B", "B1", "M"))
     NTP, n_split = T.dynamic("NTP"), T.dynamic("NSPLIT")
     ninf = -T.infinity(accum)
@@ -109,14 +113,14 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
         min_blocks: T.int32,
     ):
         with T.Kernel(HB, NT, n_split, threads=threads) as (hb, t, sp):
-            Q_s = T.alloc_shared((BH, DV), dtype)
-            Qpe_s = T.alloc_shared((BH, DPE), dtype)
+            Q_s = T.alloc_shared((BH, DV), cdt)
+            Qpe_s = T.alloc_shared((BH, DPE), cdt)
             Kq_s = T.alloc_shared((BN, DV) if FP8 else (1, 16), lat_t)
             Ks_s = T.alloc_shared((BN, G) if FP8 else (1, 4), "float32")
-            KV_s = T.alloc_shared((BN, DV), dtype)
+            KV_s = T.alloc_shared((BN, DV), cdt)
             Kr_s = T.alloc_shared((BN, DPE), rope_t)
-            Kpe_s = T.alloc_shared((BN, DPE) if rope_cast else (1, 16), dtype)
-            P_s = T.alloc_shared((BH, BN), dtype)
+            Kpe_s = T.alloc_shared((BN, DPE) if rope_cast else (1, 16), cdt)
+            P_s = T.alloc_shared((BH, BN), cdt)
             acc_s = T.alloc_fragment((BH, BN), accum)
             acc_o = T.alloc_fragment((BH, DV), accum)
             m_i = T.alloc_fragment((BH,), accum)
@@ -156,11 +160,14 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
                         T.copy(Rope[s1:s1 + BS, :], Kr_s[p * BS:(p + 1) * BS, :], disable_tma=not tma)
                 if FP8:
                     for j, d in T.Parallel(BN, DV):
-                        KV_s[j, d] = T.cast(T.cast(Kq_s[j, d], accum) * Ks_s[j, d // TILE], dtype)
+                        if cdt == "float16":  # e4m3 -> f16 is one instruction per pair; the scale is exact
+                            KV_s[j, d] = T.cast(Kq_s[j, d], cdt) * T.cast(Ks_s[j, d // TILE], cdt)
+                        else:
+                            KV_s[j, d] = T.cast(T.cast(Kq_s[j, d], accum) * Ks_s[j, d // TILE], cdt)
                 T.gemm(Q_s, KV_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 if rope_cast:
                     for j, d in T.Parallel(BN, DPE):
-                        Kpe_s[j, d] = T.cast(Kr_s[j, d], dtype)
+                        Kpe_s[j, d] = T.cast(Kr_s[j, d], cdt)
                     T.gemm(Qpe_s, Kpe_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 else:
                     T.gemm(Qpe_s, Kr_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
@@ -389,7 +396,8 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
 
         kern = _decode_ws_kernel(h_p, dv_p + r_p, dv_p, BS, n_split > 1, ragged, dt, W)
     else:
-        kern = _decode_kernel(h_p, dv_p, r_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split > 1, ragged, dt, W)
+        kern = _decode_kernel(h_p, dv_p, r_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split > 1, ragged, dt, W,
+                              c.get("mma"))
     kern(q, lat, scales, rope, *meta)
     if n_split > 1:
         _combine_kernel(h_p, dv_p, dt)(o_part, lse_part, out)

@@ -57,11 +57,14 @@ CASES = [
 CFGS = [(16, {"BH": 16, "BN": 64, "stages": 2, "threads": 128}),
         (16, {"BH": 16, "BN": 32, "stages": 2, "threads": 128}),
         (128, {"BH": 32, "BN": 64, "stages": 2, "threads": 256}),
-        (16, {"kernel": "ws", "BH": 64, "BN": 64})]  # the warp-specialised kernel, heads padded to 64
+        (16, {"kernel": "ws", "BH": 64, "BN": 64}),  # the warp-specialised kernel, heads padded to 64
+        (16, {"BH": 16, "BN": 64, "stages": 2, "threads": 256, "mma": "float16"})]  # f16 tiles and tensor cores
 
 
 def _cfg_id(c):
-    return f"H{c}" if isinstance(c, int) else f"BH{c['BH']}-BN{c['BN']}-" + c.get("kernel", f"t{c.get('threads')}")
+    if isinstance(c, int):
+        return f"H{c}"
+    return f"BH{c['BH']}-BN{c['BN']}-" + c.get("kernel", f"t{c.get('threads')}") + ("-f16" if c.get("mma") else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
