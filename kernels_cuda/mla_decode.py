@@ -46,6 +46,32 @@ SPLIT_KEYS = 256
 SPLIT_OVERHEAD = 0.01  # a split's extra cost as a fraction of a CTA's work (choose_split)
 
 
+def key_window_macro(BN: int, ragged: bool, n_split):
+    """The decode kernels' shared prologue, a macro (t, sp, TokSeq, CuQ, SeqLens, min_blocks) -> (sequence b,
+    its keys visible to query token t, split sp's first key tile, its tile count, the sequence's tile count):
+    ragged query blocks map tokens to sequences through ``TokSeq``; each split gets at least ``min_blocks`` tiles
+    of ``BN`` keys (``n_split``: the grid's split extent)."""
+    T = _tl.language()
+
+    @T.macro
+    def key_window(t, sp, TokSeq, CuQ, SeqLens, min_blocks):
+        b = T.alloc_var("int32")
+        if ragged:
+            b = TokSeq[t]
+        else:
+            b = t
+        q_start = T.cast(CuQ[b], "int32")
+        q_len = T.cast(CuQ[b + 1], "int32") - q_start
+        kv_len = T.cast(SeqLens[b], "int32") - q_len + (t - q_start) + 1
+        n_blocks = T.ceildiv(kv_len, BN)
+        per_split = T.max(T.ceildiv(n_blocks, n_split), min_blocks)
+        blk0 = sp * per_split
+        n_iter = T.max(T.min(n_blocks, blk0 + per_split) - blk0, 0)
+        return b, kv_len, blk0, n_iter, n_blocks
+
+    return key_window
+
+
 def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: int, threads: int,
                  split: bool, ragged: bool, dtype: str = "bfloat16", W: int = 0, mma: str | None = None):
     """The attention kernel. ``split``: write per-split partials (the split count is the grid's z
@@ -79,22 +105,7 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
     ninf = -T.infinity(accum)
     SPLIT = split
 
-    @T.macro
-    def key_window(t, sp, TokSeq, CuQ, SeqLens, min_blocks):
-        """(sequence, its visible keys for query token t, this split's first key tile, its tile count)"""
-        b = T.alloc_var("int32")
-        if ragged:
-            b = TokSeq[t]
-        else:
-            b = t
-        q_start = T.cast(CuQ[b], "int32")
-        q_len = T.cast(CuQ[b + 1], "int32") - q_start
-        kv_len = T.cast(SeqLens[b], "int32") - q_len + (t - q_start) + 1
-        n_blocks = T.ceildiv(kv_len, BN)
-        per_split = T.max(T.ceildiv(n_blocks, n_split), min_blocks)
-        blk0 = sp * per_split
-        n_iter = T.max(T.min(n_blocks, blk0 + per_split) - blk0, 0)
-        return b, kv_len, blk0, n_iter, n_blocks
+    key_window = key_window_macro(BN, ragged, n_split)
 
     @T.prim_func
     def mla_decode_kernel(

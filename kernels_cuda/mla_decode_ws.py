@@ -8,8 +8,7 @@ output).
 """
 
 from kernels_cuda import _tl
-
-TILE = 128  # latent values per FP8 scale
+from kernels_cuda.mla_decode import TILE, key_window_macro
 
 
 def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool, dtype: str = "bfloat16",
@@ -46,6 +45,7 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
     NT, NS, NSS, B, B1, M = (T.dynamic(n) for n in ("NT", "NS", "NSS", "B", "B1", "M"))
     NTP, n_split = T.dynamic("NTP"), T.dynamic("NSPLIT")
     ninf = -T.infinity(accum)
+    key_window = key_window_macro(BN, ragged, n_split)
 
     @T.macro
     def score_step(i, buf, Kl, Kr, Kt, Q_l, Q_r, Q_t, acc_s, acc_l, m_i, m_prev, alpha, row_sum, l_i, alpha_s, P_s,
@@ -184,18 +184,7 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
             p_free = T.alloc_barrier(arrive_count=128)
 
             tx = T.get_thread_binding()
-            b = T.alloc_var("int32")
-            if ragged:
-                b = TokSeq[t]
-            else:
-                b = t
-            q_start = T.cast(CuQ[b], "int32")
-            q_len = T.cast(CuQ[b + 1], "int32") - q_start
-            kv_len = T.cast(SeqLens[b], "int32") - q_len + (t - q_start) + 1
-            n_blocks = T.ceildiv(kv_len, BN)
-            per_split = T.max(T.ceildiv(n_blocks, n_split), min_blocks)
-            blk0 = sp * per_split
-            n_iter = T.max(T.min(n_blocks, blk0 + per_split) - blk0, 0)
+            b, kv_len, blk0, n_iter, n_blocks = key_window(t, sp, TokSeq, CuQ, SeqLens, min_blocks)
 
             T.copy(Q[t, hb * BH:(hb + 1) * BH, 0:DH], Q_l)
             T.copy(Q[t, hb * BH:(hb + 1) * BH, DH:DV], Q_r)
