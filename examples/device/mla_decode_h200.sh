@@ -31,8 +31,8 @@ if stage conf; then
   conf conformance_ws_fp8 40 tests/test_kv_fp8_gpu.py -k "V3 or H128 or ws"
 fi
 if stage confws; then  # the ws kernel (bf16 rows; FP8 loader: V3 heads, 16 heads padded) and f16 tiles for FP8 rows
-  conf conformance_ws_bf16 25 tests/test_kernels_cuda_gpu.py -k "mla_decode and (V3 or warp)"
-  conf conformance_ws_fp8 35 tests/test_kv_fp8_gpu.py -k "V3 or ws or f16"
+  conf conformance_ws ${CONF_TIMEOUT:-45} tests/test_kernels_cuda_gpu.py tests/test_kv_fp8_gpu.py \
+    -k "mla_decode and (V3 or warp or ws or f16 or H128)"
 fi
 if stage b1; then
   t0=$(date +%s)
