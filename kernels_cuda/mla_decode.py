@@ -40,9 +40,10 @@ from kernels_cuda import _tl
 LOG2E = 1.4426950408889634
 TILE = 128  # latent values per FP8 scale
 MAX_SPLIT = 64  # most key splits per (token, head tile): the combine stages the split scores in registers
-#: fewest keys per split (the rest of a split grid idles): a split's fixed cost (Q load, first tile's
-#: latency, its partial output and the combine's read of it) is worth a few key tiles
-SPLIT_KEYS = 256
+#: fewest keys per split (the rest of a split grid idles). Measured on the H200 (docs/mla_decode.md): with the
+#: chunked combine, one 64-key tile per split beats 256 and 512 at batch 1 and 8 (a split's partial output
+#: costs less than a tile's latency in a CTA's pipeline)
+SPLIT_KEYS = 64
 SPLIT_OVERHEAD = 0.01  # a split's extra cost as a fraction of a CTA's work (choose_split)
 
 
@@ -411,7 +412,10 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
                               c.get("mma"))
     kern(q, lat, scales, rope, *meta)
     if n_split > 1:
-        _combine_kernel(h_p, dv_p, dt)(o_part, lse_part, out)
+        # a small grid (batch 1) pipelines 16-split loads; a large one keeps the shared tiles small so that
+        # many CTAs share an SM (2 x 32 KB stages cost V3's batch 8 three waves, measured 5-14 % slower)
+        small_grid = h_p * T_ <= 2 * _tl.num_sms(dev.index or 0)
+        _combine_kernel(h_p, dv_p, dt, *((16, 2) if small_grid else (8, 1)))(o_part, lse_part, out)
     if h_p != H or dv_p != dv:
         out = out[:, :H, :dv].contiguous()
     return out
