@@ -37,7 +37,7 @@ fi
 if stage b1; then
   t0=$(date +%s)
   timeout ${B1_TIMEOUT:-35} python3 examples/mla_decode_bench.py --heads 16,128 --batches 1,8 --contexts 512,2048,8192 \
-    --keys ${B1_KEYS:-64,128,512,1024} --json "$OUT/mla_small_batch.json" > "$OUT/mla_small_batch.log" 2>&1
+    --keys "${B1_KEYS-64,128,512,1024}" --json "$OUT/mla_small_batch.json" > "$OUT/mla_small_batch.log" 2>&1
   echo "mla_small_batch rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
   python3 - "$OUT/mla_small_batch.log" >> "$OUT/summary.txt" <<'EOF'
 import json, sys
