@@ -54,7 +54,7 @@ def legacy_combine(H: int, DV: int, dtype: str = "bfloat16"):
     return mla_decode_combine_serial
 
 
-def _legacy_kernel(H: int, DV: int, dtype: str):
+def _legacy_kernel(H: int, DV: int, dtype: str, *_):  # *_: the new combine's chunk and stages
     from kernels_cuda import _tl
 
     global _LEGACY
