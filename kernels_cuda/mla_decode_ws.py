@@ -105,7 +105,7 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
         T.cp_async_barrier_noinc(k_ready[buf])
 
     @T.macro
-    def load_step_fp8(i, buf, Kl, Kr, Kt, Lat, Scales, Rope, Tables, k_ready, k_free, b, pos0, kv_len, r, lat_r):
+    def load_step_fp8(i, buf, Kl, Kr, Kt, Lat, Scales, Rope, Tables, k_ready, k_free, b, pos0, kv_len, r, lat_r, sc_r):
         # thread r of the warpgroup: key row j = r // 2 of the tile, latent half r % 2 (-> Kl or Kr)
         j = r // 2
         pos = pos0 + j
@@ -113,6 +113,8 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
         for k in T.unroll(DH // 16):  # unrolled: lat_r stays in registers; in flight while the buffer is in use
             for v in T.vectorized(16):
                 lat_r[k * 16 + v] = Lat[slot, (r % 2) * DH + k * 16 + v]
+        for g in T.unroll(DH // TILE):  # this half's scales, loaded with the latent (not after the wait)
+            sc_r[g] = Scales[slot, (r % 2) * (DH // TILE) + g]
         T.barrier_wait(k_free[buf], ((i // 2) % 2) ^ 1)
         if BS >= BN:
             s0 = T.if_then_else(pos0 < kv_len, Tables[b, T.min(pos0 // BS, M - 1)], 0) * BS + pos0 % BS
@@ -123,14 +125,12 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
                 T.async_copy(Rope[s1 * BS:s1 * BS + BS, :], Kt[pg * BS:(pg + 1) * BS, :])
         if r % 2 == 0:
             for k in T.unroll(DH // 16):
-                sc = Scales[slot, (k * 16) // TILE]
                 for v in T.vectorized(16):
-                    Kl[j, k * 16 + v] = T.cast(T.cast(lat_r[k * 16 + v], accum) * sc, dtype)
+                    Kl[j, k * 16 + v] = T.cast(T.cast(lat_r[k * 16 + v], accum) * sc_r[(k * 16) // TILE], dtype)
         else:
             for k in T.unroll(DH // 16):
-                sc = Scales[slot, (DH + k * 16) // TILE]
                 for v in T.vectorized(16):
-                    Kr[j, k * 16 + v] = T.cast(T.cast(lat_r[k * 16 + v], accum) * sc, dtype)
+                    Kr[j, k * 16 + v] = T.cast(T.cast(lat_r[k * 16 + v], accum) * sc_r[(k * 16) // TILE], dtype)
         T.fence_proxy_async()  # the stores are read by wgmma (async proxy)
         T.barrier_arrive(k_ready[buf])
         T.cp_async_barrier_noinc(k_ready[buf])
@@ -248,13 +248,14 @@ def build_decode_ws(H: int, D: int, DV: int, BS: int, split: bool, ragged: bool,
                     # 64 registers of e4m3 per thread: the loader keeps 104 (not 80), warpgroup 0 takes 232
                     T.set_max_nreg(104, 0)
                     lat_r = T.alloc_local((DH,), lat_t)
+                    sc_r = T.alloc_local((DH // TILE,), accum)
                     for i in T.serial(n_iter):
                         if i % 2 == 0:
                             load_step_fp8(i, 0, K0_l, K0_r, K0_t, Lat, Scales, Rope, Tables, k_ready, k_free, b,
-                                          (blk0 + i) * BN, kv_len, tx - 256, lat_r)
+                                          (blk0 + i) * BN, kv_len, tx - 256, lat_r, sc_r)
                         else:
                             load_step_fp8(i, 1, K1_l, K1_r, K1_t, Lat, Scales, Rope, Tables, k_ready, k_free, b,
-                                          (blk0 + i) * BN, kv_len, tx - 256, lat_r)
+                                          (blk0 + i) * BN, kv_len, tx - 256, lat_r, sc_r)
                 else:
                     T.set_max_nreg(80, 0)
                     for i in T.serial(n_iter):
