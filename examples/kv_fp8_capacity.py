@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="capacity runs: share of free memory "
                     "(default: the platform's)")
+    ap.add_argument("--max-batch", default=None, help="skip the capacity runs and decode at these batches, e.g. "
+                    "bf16=86,fp8=151 (a previous capacity run's; the KV bytes then come from the row layouts)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--capacity-of", default=None, help=argparse.SUPPRESS)  # one capacity run (a subprocess)
     args = ap.parse_args(argv)
@@ -151,7 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     res = {"shape": args.shape, "context": args.context, "block_size": args.block_size, "capacity": [],
            "decode": []}
     kvs = args.kv.split(",")
-    for run in range(args.runs):
+    if args.max_batch:
+        from kernels_cpu.kv_fp8 import row_bytes
+
+        L, R = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        given = dict(item.split("=") for item in args.max_batch.split(","))
+        for kv in kvs:
+            per_layer = row_bytes(L, R) if kv == "fp8" else (L + R) * 2
+            res["capacity"].append({"run": "given", "kv_cache_dtype": kv, "max_batch": int(given[kv]),
+                                    "kv_bytes_per_token": per_layer * cfg["num_hidden_layers"]})
+    for run in range(0 if args.max_batch else args.runs):
         for kv in kvs:
             t = time.perf_counter()
             row = {"run": run, **_capacity_process(args, kv), "s": time.perf_counter() - t}

@@ -26,9 +26,12 @@ def _time(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps * 1e3  # us
 
 
-#: FP8 tile configurations to compare (BN keys per step; fewer keys per tile -> smaller shared tiles)
-FP8_CONFIGS = [{"BH": 16, "BN": 32, "stages": 2, "threads": 128}, {"BH": 16, "BN": 64, "stages": 2, "threads": 256},
-               {"BH": 16, "BN": 64, "stages": 2, "threads": 128}]
+#: FP8 tile configurations to compare: None is the default (64-key tiles, 8 consumer warps); then the
+#: previous default (64-key tiles, 4 warps), 32-key tiles, the warp-specialised kernel (heads padded to 64),
+#: and the default tiles with f16 tiles and tensor cores
+FP8_CONFIGS = [None, {"BH": 16, "BN": 64, "stages": 2, "threads": 128},
+               {"BH": 16, "BN": 32, "stages": 2, "threads": 128}, {"kernel": "ws", "BH": 64, "BN": 64},
+               {"BH": 16, "BN": 64, "stages": 2, "threads": 256, "mma": "float16"}]
 
 
 def bench(kind: str, B: int, ctx: int, H: int, bs: int, reps: int) -> list[dict]:
@@ -36,9 +39,8 @@ def bench(kind: str, B: int, ctx: int, H: int, bs: int, reps: int) -> list[dict]
 
     from kernels_cpu.kv_fp8 import quantize_latent_rows
     from kernels_cuda.mla_decode import mla_decode
-    from kernels_cuda.mla_decode_fp8 import mla_decode_fp8
 
-    dev, L, R = "cuda", 512, 64
+    dev, L, R = ("cuda" if torch.cuda.is_available() else "cpu"), 512, 64  # cpu: --dry
     nb = B * (ctx // bs)
     tables = torch.randperm(nb, device=dev, dtype=torch.int32).view(B, ctx // bs)
     q = torch.randn(B, H, L + R, device=dev, dtype=torch.bfloat16)
@@ -51,13 +53,17 @@ def bench(kind: str, B: int, ctx: int, H: int, bs: int, reps: int) -> list[dict]
         for i in range(0, nb, 4096):  # quantise in chunks (the reference, on the device)
             n = min(4096, nb - i)
             cache[i:i + n] = quantize_latent_rows(torch.randn(n * bs, L + R, device=dev), 656).view(n, bs, 656)
-        calls = [(c, functools.partial(mla_decode_fp8, q, cache, *args, cfg=c)) for c in FP8_CONFIGS]
+        cfgs = FP8_CONFIGS if H == 16 else [None]  # the tile alternatives are 16-head tiles
+        calls = [(c, functools.partial(mla_decode, q, cache, *args, cfg=c)) for c in cfgs]
         width = 656
     rows = []
     for cfg, fn in calls:
+        if dev == "cpu":  # --dry: compile only
+            fn()
+            continue
         us = _time(fn, reps)
         keys = B * ctx
-        rows.append({"kind": kind, "batch": B, "cfg": cfg, "us": us, "kv_TBps": keys * width / us / 1e6,
+        rows.append({"kind": kind, "heads": H, "batch": B, "cfg": cfg, "us": us, "kv_TBps": keys * width / us / 1e6,
                      "us_per_1k_keys": us / keys * 1e3})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -68,15 +74,23 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--bf16-batch", type=int, default=86)
     ap.add_argument("--fp8-batch", type=int, default=151)
-    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--heads", default="16", help="comma-separated head counts (128: V3's)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dry", action="store_true", help="compile the kernels only (no GPU; fills TileLang's cache)")
     a = ap.parse_args()
+    if a.dry:
+        import os
+
+        os.environ["DEEPINFER_TL_DRYRUN"] = "1"
+        a.context = a.block_size
     rows = []
-    for kind, B in (("bf16", a.bf16_batch), ("fp8", a.fp8_batch)):
-        rows += bench(kind, B, a.context, a.heads, a.block_size, a.reps)
-        torch.cuda.empty_cache()
+    for H in (int(h) for h in a.heads.split(",")):
+        for kind, B in (("bf16", a.bf16_batch), ("fp8", a.fp8_batch)):
+            rows += bench(kind, B, a.context, H, a.block_size, a.reps)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -5,7 +5,7 @@ listing this backend costs nothing. Ops not named here fall back to the referenc
 ``paged_kv_gather``, ``latent_kv_dequant`` (prefill's read of FP8 latent rows) and ``apply_penalties``
 are plain torch on the device. ``linear``, ``linear_f32`` and ``head_linear`` run a TileLang GEMV for at
 most 8 rows (``gemv``, ``gemv_rows``) and cuBLAS through torch above. ``paged_kv_write`` and ``mla_decode``
-also take the uint8 caches of FP8 latent rows (``kv_cache_dtype = "fp8"``: ``kv_cache``, ``mla_decode_fp8``).
+also take the uint8 caches of FP8 latent rows (``kv_cache_dtype = "fp8"``: ``kv_cache``, ``mla_decode``).
 
 The attention and MoE kernels use the tensor cores for bfloat16/float16 only; called with float32
 tensors they run the reference (tf32 tensor-core math would miss float32 tolerances).
@@ -15,7 +15,7 @@ from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
 KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "mla_kv_write",
-                  "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_fp8", "mla_prefill", "moe", "moe_gemv",
+                  "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_ws", "mla_prefill", "moe", "moe_gemv",
                   "moe_route", "moe_gate", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
                   "mxfp8", "fp8_gemm")

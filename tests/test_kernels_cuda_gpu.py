@@ -106,6 +106,18 @@ MLA_DECODE_CASES = [
      {"BH": 64, "BN": 64, "stages": 2, "threads": 256}),
     ("V2-Lite heads, bs64, 8 consumer warps", 16, 64, [1, 2, 1], [64, 700, 3000], None,
      {"BH": 16, "BN": 64, "stages": 2, "threads": 256}),
+    # batch 1 (one CTA: the split grid of 64, sized on the device to >= SPLIT_KEYS keys per split)
+    ("V2-Lite heads, bs64, batch 1, 1 key", 16, 64, [1], [1], None, None),
+    ("V2-Lite heads, bs64, batch 1, 63 keys", 16, 64, [1], [63], None, None),
+    ("V2-Lite heads, bs64, batch 1, 64 keys", 16, 64, [1], [64], None, None),
+    ("V2-Lite heads, bs64, batch 1, 65 keys", 16, 64, [1], [65], None, None),
+    ("V2-Lite heads, bs64, batch 1, 2049 keys", 16, 64, [1], [2049], None, None),
+    ("V2-Lite heads, bs16, batch 1, 4100 keys", 16, 16, [1], [4100], None, None),
+    ("V2-Lite heads, bs64, batch 1, 40000 keys (64 splits)", 16, 64, [1], [40000], None, None),
+    ("V3 heads, bs64, batch 1, 4097 keys", 128, 64, [1], [4097], None, None),
+    ("V2-Lite heads, bs64, ragged batch 2 of 3 tokens", 16, 64, [2, 1], [65, 4096], None, None),
+    ("V2-Lite heads, bs64, batch 130 (one wave: no split)", 16, 64, [1] * 130, [1 + 37 * i for i in range(130)],
+     None, None),
 ]
 
 
@@ -125,6 +137,25 @@ def test_mla_decode_real_shapes(case):
     if not DRY:
         truth = ref.mla_decode(*up(q, cache), tables.clamp_min(0), cu, sl, scale, L)
         close(out, truth, torch.bfloat16, f"mla_decode {case[0]}")
+
+
+@pytest.mark.parametrize("split_keys", [64, 128, 512])
+@pytest.mark.parametrize("seq_lens", [[1], [65], [3000], [63, 700, 5000]], ids=str)
+def test_mla_decode_split_sizes(split_keys, seq_lens):
+    """Every split size the policy may pick: splits past the context idle and the combine reads only the
+    live ones (a prefix of the grid)."""
+    from kernels_cuda.mla_decode import mla_decode
+
+    g = gen(3)
+    L, R = 512, 64
+    cache, tables = paged(g, seq_lens, 64, L + R)
+    q = randn(g, len(seq_lens), 16, L + R)
+    cu = torch.arange(len(seq_lens) + 1, device=DEV)
+    sl = torch.tensor(seq_lens, device=DEV)
+    out = mla_decode(q, cache, tables, cu, sl, 0.1, L, split_keys=split_keys)
+    if not DRY:
+        close(out, ref.mla_decode(*up(q, cache), tables.clamp_min(0), cu, sl, 0.1, L), torch.bfloat16,
+              f"mla_decode split_keys={split_keys} {seq_lens}")
 
 
 def test_mla_decode_graph_capture():

@@ -1,5 +1,5 @@
 """GPU conformance of the FP8 latent KV cache kernels (``kernels_cuda.kv_cache`` FP8 write and
-``kernels_cuda.mla_decode_fp8``) at real-model shapes the kit does not reach: 656-byte rows, 16 and
+``kernels_cuda.mla_decode`` over FP8 rows) at real-model shapes the kit does not reach: 656-byte rows, 16 and
 128 heads, pages of 16 and 64, long contexts (split-KV + combine), ragged multi-token queries, and
 graph capture. The kit's own FP8 cases run in ``test_kernels_cuda_gpu.py::test_conformance_kit``.
 
@@ -42,7 +42,29 @@ CASES = [
     ("V2-Lite heads, bs64, ragged (MTP)", 16, 64, [1, 3, 2, 4], [9, 3, 300, 1200], None),
     ("V2-Lite heads, bs64, one 32k context", 16, 64, [1], [32768], None),
     ("V3 heads, bs64, forced split", 128, 64, [1] * 3, [5, 700, 2000], 7),
+    ("V3 heads, bs64, decode", 128, 64, [1] * 4, [1, 64, 65, 4097], None),
+    ("V2-Lite heads, bs64, batch 1, 1 key", 16, 64, [1], [1], None),
+    ("V2-Lite heads, bs64, batch 1, 63 keys", 16, 64, [1], [63], None),
+    ("V2-Lite heads, bs64, batch 1, 65 keys", 16, 64, [1], [65], None),
+    ("V2-Lite heads, bs64, batch 1, 4100 keys", 16, 64, [1], [4100], None),
+    ("V2-Lite heads, bs16, ragged batch", 16, 16, [3, 1, 2], [70, 4096, 64], None),
+    ("V2-Lite heads, bs64, batch 130 (one wave: no split)", 16, 64, [1] * 130, [1 + 37 * i for i in range(130)], None),
 ]
+
+#: (heads, tile configuration) besides the defaults (16 heads: 64-key tiles, 8 consumer warps; 128 heads: the
+#: warp-specialised kernel): the old 16-head default, 32-key tiles, V3's heads in 32-head tiles, and 16 heads
+#: through the warp-specialised kernel
+CFGS = [(16, {"BH": 16, "BN": 64, "stages": 2, "threads": 128}),
+        (16, {"BH": 16, "BN": 32, "stages": 2, "threads": 128}),
+        (128, {"BH": 32, "BN": 64, "stages": 2, "threads": 256}),
+        (16, {"kernel": "ws", "BH": 64, "BN": 64}),  # the warp-specialised kernel, heads padded to 64
+        (16, {"BH": 16, "BN": 64, "stages": 2, "threads": 256, "mma": "float16"})]  # f16 tiles and tensor cores
+
+
+def _cfg_id(c):
+    if isinstance(c, int):
+        return f"H{c}"
+    return f"BH{c['BH']}-BN{c['BN']}-" + c.get("kernel", f"t{c.get('threads')}") + ("-f16" if c.get("mma") else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -65,6 +87,26 @@ def test_mla_decode_fp8_real_shapes(case):
     bound = 2e-2 * (r.abs() + r.pow(2).mean().sqrt())
     worst = ((o - r).abs() / bound).max().item()
     assert worst <= 1.0, f"{case[0]}: {worst:.2f}x the bf16 tolerance"
+
+
+@pytest.mark.parametrize("heads,cfg", CFGS, ids=_cfg_id)
+@pytest.mark.parametrize("seq_lens", [[1, 63, 64, 65], [5000]], ids=str)
+def test_mla_decode_fp8_tile_configs(heads, cfg, seq_lens):
+    from kernels_cuda.mla_decode import mla_decode
+
+    cache, tables = fp8_paged(seq_lens, 64, seed=2)
+    q = (torch.randn(len(seq_lens), heads, L + R, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    q = q.to(DEV)
+    cu = torch.arange(len(seq_lens) + 1, device=DEV)
+    sl = torch.tensor(seq_lens, device=DEV)
+    out = mla_decode(q, cache, tables, cu, sl, 0.1, L, cfg=cfg)
+    if DRY:
+        return
+    truth = ref.mla_decode(q.float(), cache, tables.clamp_min(0), cu, sl, 0.1, L)
+    o, r = out.double().cpu(), truth.double().cpu()
+    assert torch.isfinite(o).all()
+    worst = ((o - r).abs() / (2e-2 * (r.abs() + r.pow(2).mean().sqrt()))).max().item()
+    assert worst <= 1.0, f"{cfg}: {worst:.2f}x the bf16 tolerance"
 
 
 @pytest.mark.parametrize("bs", [16, 64])
