@@ -73,6 +73,23 @@ class DeviceDraft:
     min_confidence: float = 0.0
 
 
+@dataclass
+class StepHidden:
+    """The target's final hidden states of the step in flight, for a proposer that reads them
+    (``Proposer.needs_hidden``, e.g. an MTP head) and proposes on the device. Request i's rows are
+    ``hidden[rows[i] + t]`` for t < ``counts[i]``, at token positions ``first[i] + t`` (``rows`` and
+    ``first`` are on the device: that step's rows may have been laid out, and its positions shifted
+    back by the rejected drafts of the step before it, on the device); ``counts[i] == 0``: the request
+    was not in that step. Rows past what the step keeps (rejected drafts) hold states of tokens that
+    were not accepted: a row at position p is valid when p + 1 < the request's true length."""
+
+    hidden: torch.Tensor
+    rows: torch.Tensor
+    first: torch.Tensor
+    counts: list[int]
+    first_bound: list[int]  # ``first`` as the host knows it: an upper bound, exact for a prefill chunk
+
+
 class Proposer(ABC):
     """A draft proposer (see the module docstring)."""
 
@@ -124,8 +141,8 @@ class Proposer(ABC):
         """
 
     def propose_on_device(self, engine: EngineView, requests: list[Sequence], max_drafts: list[int],
-                          last_tokens: torch.Tensor, num_tokens: torch.Tensor, pending: torch.Tensor
-                          ) -> DeviceDraft:
+                          last_tokens: torch.Tensor, num_tokens: torch.Tensor, pending: torch.Tensor,
+                          hidden: StepHidden | None = None) -> DeviceDraft:
         """Drafts for the step being launched while the previous one is still on the device (async
         scheduling; only when ``proposes_on_device``). Never read device values on the host here.
 
@@ -137,6 +154,8 @@ class Proposer(ABC):
         :param num_tokens: [R] int64 on the device: each request's true length, that last token included.
         :param pending: [R, P] int64 on the device: each request's tokens after its host-known ones
             (``token_ids[:num_known_tokens]``), still in flight, padded with -1 (a row of -1: none).
+        :param hidden: only for a proposer with ``needs_hidden``: the step in flight's hidden states
+            (:class:`StepHidden`; None when it kept none, e.g. a synchronous step).
         :return: a :class:`DeviceDraft` of ``R`` rows and at least ``max(max_drafts)`` columns.
         """
         raise NotImplementedError(f"proposer {self.name!r} does not propose on the device")

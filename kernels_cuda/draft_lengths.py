@@ -82,8 +82,11 @@ def draft_lengths(conf: torch.Tensor, max_drafts: torch.Tensor, budget: int, min
     out = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
         return out
-    scalars = torch.tensor([max(int(budget), 0)], dtype=torch.int64).to(dev, non_blocking=True)
-    thr = torch.tensor([float(min_conf)], dtype=torch.float32).to(dev, non_blocking=True)
+    # from pinned memory: a copy from pageable memory would make the host wait for the queued work
+    # (this op runs while the step before is still on the device)
+    pin = dev.type == "cuda"
+    scalars = torch.tensor([max(int(budget), 0)], dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
+    thr = torch.tensor([float(min_conf)], dtype=torch.float32, pin_memory=pin).to(dev, non_blocking=True)
     _kernel(K)(conf.float().contiguous(), max_drafts.to(dev, torch.int64).contiguous(), scalars, thr, out)
     return out
 

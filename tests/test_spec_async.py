@@ -488,16 +488,19 @@ def test_launching_a_speculative_step_reads_nothing_back_from_the_device(tiny_v3
 
     for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, guarded(name))
-    for name in ("_resolve", "_draft", "_patch", "_compact", "_verify"):
-        orig = getattr(AsyncSpec, name)
+    from deepinfer_core.engine import spec_async
 
-        def wrapped(self, *a, _orig=orig, **kw):
+    for owner, name in ((AsyncSpec, "_resolve"), (AsyncSpec, "_draft"), (spec_async, "patch_rows"),
+                        (spec_async, "compact_rows"), (AsyncSpec, "_verify")):
+        orig = getattr(owner, name)
+
+        def wrapped(*a, _orig=orig, **kw):
             inside[0] += 1
             try:
-                return _orig(self, *a, **kw)
+                return _orig(*a, **kw)
             finally:
                 inside[0] -= 1
-        monkeypatch.setattr(AsyncSpec, name, wrapped)
+        monkeypatch.setattr(owner, name, wrapped)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seq_seed=i, max_tokens=8, ignore_eos=True, logprobs=1)
               for i in range(len(PROMPTS))]
     llm = make(tiny_v3_path, speculative={"proposer": "device_previous", "k": 3})
@@ -543,3 +546,29 @@ def test_dp_ep_2_with_async_speculation_equals_one_rank_without(tmp_path_factory
         assert m["spec_draft_slots"] == sum(r["spec_draft_slots"] for r in m["ranks"])
     finally:
         llm.shutdown()
+
+
+def test_upload_and_host_copy_pack_their_parts():
+    """``Upload`` sends parts of several dtypes and shapes as views of one buffer, each with its own
+    values; ``HostCopy`` brings tensors back one copy per dtype, each with its shape and values."""
+    from deepinfer_core.engine.transfer import HostCopy, Upload
+    from deepinfer_core.selection import select_platform
+
+    up = Upload(torch.device("cpu"), False)
+    parts = [([3, 1, 2], torch.long), ([[1, 2], [3, 4], [5, 6]], torch.int32), ([], torch.long),
+             ([0.5, -1.5], torch.float32), ([True, False, True], torch.bool), ([7], torch.long)]
+    handles = [up.add(d, dt) for d, dt in parts]
+    sent = up.send()
+    for h, (d, dt) in zip(handles, parts):
+        assert sent[h].dtype == dt and sent[h].tolist() == d
+    sent[handles[0]][0] = 9  # parts never overlap
+    assert sent[handles[5]].tolist() == [7] and sent[handles[2]].numel() == 0
+    platform = select_platform("cpu")
+    tensors = [torch.arange(6).view(2, 3), torch.tensor([0.25, 0.5]), None, torch.tensor(4),
+               torch.arange(4).view(2, 2).t(), torch.empty(0, 3, dtype=torch.float32)]
+    host = HostCopy(tensors, platform, False, copy_cpu=True).wait()
+    assert host[2] is None
+    for a, b in zip(tensors, host):
+        if a is not None:
+            assert b is not a and b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
+    assert host[0].untyped_storage().data_ptr() == host[3].untyped_storage().data_ptr()  # one int64 copy

@@ -3,36 +3,10 @@
     step():  schedule -> prepare -> forward -> sample -> postprocess
 
 Async scheduling (``async_scheduling``; on by default where ``Platform.supports_async_overlap()``)
-pipelines the loop one step deep. While the device runs forward(N) and sample(N), the host runs
-schedule(N+1), launches forward(N+1), and only then post-processes N:
-
-    step N+1:  schedule(N+1) -> prepare(N+1) -> launch forward+sample(N+1) -> complete(N)
-
-(launch and complete live in ``engine/pipeline.py``; ``step()`` below only sequences them.)
-
-* Placeholders. Launching a step advances the requests' scheduling state at once: their
-  ``num_computed_tokens``, and for each request that samples, a placeholder id ``-(i + 1)`` (``i``: its
-  row in the step's sampled-token tensor) appended to ``token_ids``. schedule(N+1) thus sees the right
-  lengths and block needs. prepare(N+1) turns placeholders into step N's tokens on the device
-  (``ModelRunner.prepare(prev_tokens=...)``: one gather and ``torch.where``); complete(N) writes the
-  real tokens over them once the asynchronous copy to the host (pinned buffer + event) has landed.
-* Stops are found one step late. A request that stopped at N (eos, stop strings, stop_token_ids) was
-  already launched in N+1: that extra token is discarded, never emitted, and the request's KV blocks
-  are released when it finishes (the in-flight step's writes are ordered before any later reuse on
-  the stream). Stops known on the host (max_tokens, max_model_len) are not scheduled at all: the
-  request is marked ``last_token_pending`` when its last token is launched. Prefix-cache blocks are
-  registered only from real tokens and only up to what the completed step computed, exactly as in
-  synchronous mode, so outputs and cache contents are the same as with ``async_scheduling = false``.
-* Synchronous steps. A request whose next step needs its previous token on the host (penalties count
-  output tokens; the ``request_needs_sync`` hook, e.g. a grammar mask) makes every step run
-  synchronously while it is unfinished, and so does any step for which a feature's ``step_needs_sync``
-  hook says so, and every speculative step whose proposer drafts on the host only
-  (``engine/speculative.py``: the verify decides the next step's input). Such a step first completes
-  the step in flight, so every token is on the host before it is scheduled.
-* Speculative steps with a proposer that drafts on the device (``engine/spec_async.py``) overlap:
-  schedule(N+1) reserves draft slots counting step N's drafts as accepted; launch(N+1) proposes, picks
-  draft lengths and corrects positions and slots on the device from step N's accepted counts; complete(N)
-  drops the rejected drafts' placeholders and rolls back their KV slots, one step late.
+pipelines the loop one step deep: schedule(N+1) -> launch(N+1) -> complete(N). The protocol
+(placeholders, stops found one step late, synchronous steps, speculative steps on the device) is
+described in ``engine/pipeline.py``, which launches and completes steps and decides whether the
+coming step overlaps the one in flight; ``step()`` below only sequences them.
 
 Failures never poison the engine. An exception while sampling a request or scoring its prompt
 logprobs fails that request alone (``StepPipeline._sample``: rows are independent, so a failing batch is retried
@@ -60,7 +34,7 @@ from deepinfer_core.engine.fingerprint import model_fingerprint
 from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.kv_cache_manager import KVCacheManager, allocate_caches, size_pools
 from deepinfer_core.engine.model_runner import ModelRunner
-from deepinfer_core.engine.pipeline import StepPipeline
+from deepinfer_core.engine.pipeline import StepPipeline, StepPlan
 from deepinfer_core.engine.sampler import Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.speculative import SpecDecoder
@@ -187,7 +161,6 @@ class LLMEngine(TokenAccounting):
             from deepinfer_core.engine.handoff import KVHandoff
             from deepinfer_core.kv_transfer import load_transport
 
-
             self.handoff = KVHandoff(self, cfg.kv_role, load_transport(cfg.kv_transfer))
             self.pm.register(self.handoff, name="kv_handoff")
         self.pm.hook.engine_started(engine=self)
@@ -196,9 +169,6 @@ class LLMEngine(TokenAccounting):
         route = self.pm.hook.moe_route_hook(engine=self)
         if route is not None:
             self.runner.set_route_hook(route)
-        if self.async_scheduling and self.spec is not None and self.spec.on_device is None:
-            logger.info("async scheduling: speculative steps (proposer %s, which does not propose on the device) "
-                        "run synchronously; plain steps while it is dormant overlap", self.spec.name)
         # after the features: they may hook the model (moe_route_hook) or allocate device memory
         self.runner.setup_graphs(self.platform, cfg, self.max_model_len, spec_k=self.spec.k if self.spec else 0)
         # The model, caches and plugins live as long as the engine: keep the cyclic GC from rescanning
@@ -493,15 +463,11 @@ class LLMEngine(TokenAccounting):
         t0 = time.perf_counter()
         pipe = self.pipeline
         self._step_seqs = pipe.inflight_seqs()
-        speculate = self.spec is not None and self.spec.active()
-        overlap = self._can_overlap(speculate)
-        if not overlap:
-            pipe.drain()
-        drafts_on_device = overlap and speculate  # draft slots reserved now, filled on the device at launch
-        out = self._schedule(drafts_on_device)
+        plan = pipe.plan(speculate=self.spec is not None and self.spec.active())
+        out = self._schedule(plan)
         if not out and pipe.inflight is not None:  # nothing new to launch: finish the step in flight
             pipe.drain()
-            out = self._schedule(drafts_on_device)
+            out = self._schedule(plan)
         finished = [s for s in self._seqs.values() if s.is_finished]
         if not out:
             return self._idle_step(finished)
@@ -510,12 +476,7 @@ class LLMEngine(TokenAccounting):
             self.stats.prefill_tokens += s.num_new_tokens
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
-        if overlap:
-            pipe.overlap(out)
-        elif speculate:
-            self.spec.run(out)
-        else:
-            pipe.run_sync(out)
+        pipe.run(out, plan)
         finished += [s for s in self._seqs.values() if s.is_finished and s not in finished]
         self._drop(finished)
         self.stats.steps += 1
@@ -534,17 +495,11 @@ class LLMEngine(TokenAccounting):
             self._idle.break_chain()
         return finished
 
-    def _schedule(self, drafts_on_device: bool = False) -> SchedulerOutput:
-        """``scheduler.schedule()``, noting the requests the step now involves (for ``_fail_step``) and
-        its preemptions. ``drafts_on_device``: decodes are offered draft slots to reserve first
-        (``engine/spec_async.py``)."""
+    def _schedule(self, plan: StepPlan) -> SchedulerOutput:
+        """The pipeline's ``schedule``, noting the requests the step now involves (for ``_fail_step``)
+        and its preemptions."""
         involved, self._step_seqs = self._step_seqs, None  # a failure inside: the scheduler's state is unknown
-        offered = self.spec.on_device.offer_slots() if drafts_on_device else []
-        try:
-            out = self.scheduler.schedule()
-        finally:
-            for seq in offered:  # the scheduled ones keep theirs in ``ScheduledSeq.spec_tokens``
-                seq.spec_tokens = []
+        out = self.pipeline.schedule(plan)
         self._step_seqs = involved + [s.seq for s in (*out.prefills, *out.decodes)]
         self.stats.preemptions += len(out.preempted)  # also when nothing could be scheduled after all
         return out
@@ -575,13 +530,6 @@ class LLMEngine(TokenAccounting):
         finished = [s for s in self._seqs.values() if s.is_finished]
         self._drop(finished)
         return finished
-
-    # ---- async scheduling ---------------------------------------------------------------
-    def _can_overlap(self, speculate: bool) -> bool:
-        """Whether the coming step may be launched before the one in flight is post-processed."""
-        if not self.async_scheduling or self._sync_requests or (speculate and self.spec.on_device is None):
-            return False
-        return not any(self.pm.hook.step_needs_sync(engine=self))
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None, error: BaseException | None = None,
                 remove_from_scheduler: bool = True) -> None:

@@ -1,9 +1,10 @@
 """How long the device sits idle between consecutive steps (``measure_device_idle``).
 
 Each step's device work is bracketed by two timed platform events, recorded in stream order: one
-after the step's inputs are queued (just before the forward), one after its results' copy back to
-the host is queued. The device reaches an event when everything queued before it is done, so
-``end(N) -> start(N+1)`` is the time the device had nothing of this engine's to run between the
+before any of the step's device work is queued (its inputs' copy, a proposer's drafting on the
+device, the input correction), one after its results' copy back to the host is queued. The
+device reaches an event when everything queued before it is done, so ``end(N) -> start(N+1)`` is
+the time the device had nothing of this engine's to run between the
 steps: host work that the step loop did not overlap (scheduling, preparing, post-processing), and
 ``start -> end`` is the step's device work. With async scheduling the host queues step N+1 before
 step N finishes, so the gap shrinks to the few microseconds the device needs to pass one event.
@@ -23,6 +24,10 @@ from typing import Any
 class DeviceIdleMeter:
     def __init__(self, platform: Any) -> None:
         self.platform = platform
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every step measured so far (a benchmark's warm-up)."""
         self._queue: list[tuple[Any, Any] | None] = []  # (start, end) per step; None breaks the chain
         self._prev_end: Any = None
         self.busy_ms = 0.0

@@ -17,7 +17,7 @@ import torch
 
 from deepinfer_core.engine.graph_runner import DecodeGraphs, default_batch_sizes
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.engine.transfer import to_device
+from deepinfer_core.engine.transfer import Upload
 from deepinfer_core.kv_cache_spec import CacheLayout
 from deepinfer_core.models.interface import RouteHook
 from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, GroupMeta, PrefillMeta
@@ -53,15 +53,10 @@ class StepBatch:
     forward_s: float = 0.0  # seconds of its forward (set where measured: speculative steps)
 
 
-def _block_table_tensor(seqs: list[Sequence], device, pin: bool = False) -> torch.Tensor:
-    width = max(len(s.block_table) for s in seqs)
-    return to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32, device, pin)
-
-
-def _padded_tables(tables: list[list[int]], device, pin: bool = False) -> torch.Tensor:
-    """[B, max width] int32, padded with -1."""
+def _table_rows(tables: list[list[int]], pad: int) -> list[list[int]]:
+    """Block tables padded to the widest with ``pad`` (a [B, max width] tensor's rows)."""
     width = max(len(t) for t in tables)
-    return to_device([t + [-1] * (width - len(t)) for t in tables], torch.int32, device, pin)
+    return [t + [pad] * (width - len(t)) for t in tables]
 
 
 def _slots(table: list[int], lo: int, hi: int, block_size: int, m: int) -> list[int]:
@@ -82,11 +77,11 @@ def empty_metadata(layout: CacheLayout, device) -> AttentionMetadata:
                                                                                        device=device), seq_lens=empty)
 
 
-def _cumsum(lens: list[int], device, pin: bool = False) -> torch.Tensor:
+def _cumsum(lens: list[int]) -> list[int]:
     out = [0]
     for n in lens:
         out.append(out[-1] + n)
-    return to_device(out, torch.long, device, pin)
+    return out
 
 
 class ModelRunner:
@@ -187,14 +182,16 @@ class ModelRunner:
                         graphs.sizes, {f"{R} rows": ns for R, ns in graphs.verify_sizes.items()}, seconds)
 
     def prepare(self, out: SchedulerOutput, draft_tokens: dict[str, list[int]] | None = None,
-                keep_hidden: bool = False, prev_tokens: torch.Tensor | None = None) -> StepBatch:
+                keep_hidden: bool = False, prev_tokens: torch.Tensor | None = None,
+                upload: Upload | None = None) -> StepBatch:
         """``draft_tokens`` (speculative decoding): tokens appended after a decode request's query
         token, verified in the same forward. Their KV slots must be allocated; the request's logit
         rows are then its query row and every draft row, consecutive from its sample row.
 
         ``prev_tokens`` (async scheduling): the previous step's sampled tokens, still on the device.
         A placeholder id ``-(i + 1)`` in a request's tokens is resolved to ``prev_tokens[i]`` here,
-        on the device. No host copy in here waits for queued device work."""
+        on the device. No host copy in here waits for queued device work: every host-built tensor
+        goes in one :class:`Upload` (``upload``: the caller's, which may hold parts of its own, sent here)."""
         bs, dev, pin = self.block_size, self.device, self.pin_memory
         drafts = draft_tokens or {s.seq.request_id: s.spec_tokens for s in out.decodes if s.spec_tokens}
         ids: list[int] = []
@@ -246,69 +243,82 @@ class ModelRunner:
                 sample_rows.append(len(logit_rows))
                 logit_rows.extend(range(row0 + n - 1, row0 + n + len(extra)))
 
-        prefill = decode = None
         prefills, decodes = out.prefills, out.decodes
         if self.batch_invariant:  # same token layout; every sequence in the decode metadata
             prefills, decodes = [], out.prefills + out.decodes
+        up = upload if upload is not None else Upload(dev, pin)  # the step's host-built tensors, sent at once
+        h_ids, h_pos = up.add(ids), up.add(pos)
+        h_logits = up.add(logit_rows) if logit_rows else None
         if prefills:
-            seqs = [s.seq for s in prefills]
             q_lens = [s.num_new_tokens for s in prefills]
             k_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills]
-            prefill = PrefillMeta(
-                cu_q_lens=_cumsum(q_lens, dev, pin), cu_k_lens=_cumsum(k_lens, dev, pin),
-                seq_lens=to_device(k_lens, torch.long, dev, pin),
-                block_tables=_block_table_tensor(seqs, dev, pin),
-                has_prefix=any(s.seq.num_computed_tokens > 0 for s in prefills),
-            )
+            h_pre = (up.add(_cumsum(q_lens)), up.add(_cumsum(k_lens)), up.add(k_lens),
+                     up.add(_table_rows([s.seq.block_table for s in prefills], 0), torch.int32))
         if decodes:
-            seqs = [s.seq for s in decodes]
-            q_lens = [s.num_new_tokens + len(drafts.get(s.seq.request_id, ())) for s in decodes]
-            lens = [s.seq.num_computed_tokens + q for s, q in zip(decodes, q_lens)]
-            decode = DecodeMeta(
-                cu_q_lens=_cumsum(q_lens, dev, pin), seq_lens=to_device(lens, torch.long, dev, pin),
-                block_tables=_block_table_tensor(seqs, dev, pin), max_q_len=max(q_lens), host_seq_lens=lens,
-            )
-        num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
+            q_dec = [s.num_new_tokens + len(drafts.get(s.seq.request_id, ())) for s in decodes]
+            lens = [s.seq.num_computed_tokens + q for s, q in zip(decodes, q_dec)]
+            h_dec = (up.add(_cumsum(q_dec)), up.add(lens),
+                     up.add(_table_rows([s.seq.block_table for s in decodes], 0), torch.int32))
         scheduled = out.prefills + out.decodes
+        only = (not prefills) != (not decodes)  # a step of only prefills or only decodes
+        h_groups = self._group_parts(up, scheduled, slots, q_all, only) if scheduled else None
+        t = up.send()
+        prefill = decode = None
+        if prefills:
+            cu_q, cu_k, k_t, tables = (t[h] for h in h_pre)
+            prefill = PrefillMeta(cu_q_lens=cu_q, cu_k_lens=cu_k, seq_lens=k_t, block_tables=tables,
+                                  has_prefix=any(s.seq.num_computed_tokens > 0 for s in prefills))
+        if decodes:
+            cu_q, lens_t, tables = (t[h] for h in h_dec)
+            decode = DecodeMeta(cu_q_lens=cu_q, seq_lens=lens_t, block_tables=tables, max_q_len=max(q_dec),
+                                host_seq_lens=lens)
+        num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
         meta = AttentionMetadata(num_prefill_tokens, None, prefill, decode, layer_ready=self.layer_ready)
         if scheduled:
-            self._group_meta(meta, scheduled, slots, q_all)
+            self._group_meta(meta, t, h_groups)
         else:
-            meta.slot_mapping = to_device([], torch.long, dev, pin)
+            meta.slot_mapping = torch.empty(0, dtype=torch.long, device=dev)
         self.layer_ready = None
-        input_ids = to_device(ids, torch.long, dev, pin)
+        input_ids = t[h_ids]
         if placeholders:
             if prev_tokens is None:
                 raise RuntimeError("prepare: a request holds a placeholder token but prev_tokens was not given")
             input_ids = torch.where(input_ids < 0, prev_tokens[(-input_ids - 1).clamp(min=0)], input_ids)
-        return StepBatch(input_ids, to_device(pos, torch.long, dev, pin), meta, out.prefills + out.decodes,
+        return StepBatch(input_ids, t[h_pos], meta, out.prefills + out.decodes,
                          logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden,
-                         logit_index=to_device(logit_rows, torch.long, dev, pin) if logit_rows else None,
+                         logit_index=t[h_logits] if h_logits is not None else None,
                          num_prefills=len(out.prefills), row_starts=row_starts, computed_before=computed_before,
                          started=started)
 
-    def _group_meta(self, meta: AttentionMetadata, scheduled: list[ScheduledSeq],
-                    slots: dict[tuple[str, int], list[int]], q_all: list[int]) -> None:
-        """Fill ``meta``'s per-group slot mappings and block tables and its step-wide lengths. A step of
-        only prefills or only decodes reuses their tensors for the first pool and the lengths."""
-        dev, pin = self.device, self.pin_memory
-        slot_t = {key: to_device(v, torch.long, dev, pin) for key, v in slots.items()}
-        meta.slot_mapping = slot_t[self._first_key]
-        only = meta.decode if meta.prefill is None else meta.prefill if meta.decode is None else None
+    def _group_parts(self, up: Upload, scheduled: list[ScheduledSeq], slots: dict[tuple[str, int], list[int]],
+                     q_all: list[int], only: bool) -> dict:
+        """Queue the per-group slot mappings, the block tables of pools other than the step's own
+        and (for a mixed step) the step-wide lengths; handles for :meth:`_group_meta`."""
         tables = {}
         for pool in dict.fromkeys(p for p, _ in slots):
-            if only is not None and pool == self._first_key[0]:
-                tables[pool] = only.block_tables  # the same rows, padded with 0 instead of -1
-            else:
-                tables[pool] = _padded_tables([s.seq.block_tables[pool] for s in scheduled], dev, pin)
+            if not (only and pool == self._first_key[0]):  # else the prefill's or decode's own table
+                tables[pool] = up.add(_table_rows([s.seq.block_tables[pool] for s in scheduled], -1), torch.int32)
+        lens = None
+        if not only:
+            c_all = [s.seq.num_computed_tokens for s in scheduled]
+            lens = (up.add(_cumsum(q_all)), up.add([c + q for c, q in zip(c_all, q_all)]))
+        return {"slots": {key: up.add(v) for key, v in slots.items()}, "tables": tables, "lens": lens}
+
+    def _group_meta(self, meta: AttentionMetadata, t: list[torch.Tensor], h: dict) -> None:
+        """Fill ``meta``'s per-group slot mappings and block tables and its step-wide lengths. A step of
+        only prefills or only decodes reuses their tensors for the first pool and the lengths."""
+        slot_t = {key: t[i] for key, i in h["slots"].items()}
+        meta.slot_mapping = slot_t[self._first_key]
+        only = meta.decode if meta.prefill is None else meta.prefill if meta.decode is None else None
+        tables = {pool: t[i] for pool, i in h["tables"].items()}
+        if only is not None:
+            tables[self._first_key[0]] = only.block_tables  # the same rows, padded with 0 instead of -1
         meta.groups = {g: GroupMeta(slot_t[key], tables[key[0]]) for key, names in self._slot_keys.items()
                        for g in names}
         if only is not None:
             meta.cu_q_lens, meta.seq_lens = only.cu_q_lens, only.seq_lens
         else:
-            c_all = [s.seq.num_computed_tokens for s in scheduled]
-            meta.cu_q_lens = _cumsum(q_all, dev, pin)
-            meta.seq_lens = to_device([c + q for c, q in zip(c_all, q_all)], torch.long, dev, pin)
+            meta.cu_q_lens, meta.seq_lens = t[h["lens"][0]], t[h["lens"][1]]
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:

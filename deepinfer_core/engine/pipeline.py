@@ -3,20 +3,40 @@
     launch(N):   prepare -> forward -> prompt logprobs, process_logits, sample -> copy to host
     complete(N): wait for the copy -> prompt logprobs, prefix-cache blocks, tokens, stops, hooks
 
-With async scheduling the engine launches step N+1 before it completes step N (``overlap``); else
-each step is launched and completed at once (``run_sync``). See ``engine.py`` for the protocol
-(placeholders, stops found one step late, synchronous steps).
+Async scheduling (``async_scheduling``) pipelines the engine's loop one step deep. While the device
+runs forward(N) and sample(N), the host runs schedule(N+1), launches forward(N+1), and only then
+post-processes N (``overlap``); else each step is launched and completed at once (``run_sync``).
+``plan`` decides before each step which of the two it is:
 
-Launching advances the requests' scheduling state at once: ``num_computed_tokens`` and, for each
-request that samples, a placeholder id ``-(i + 1)`` (``i``: its row in the step's sampled-token
-tensor) appended to ``token_ids``; completing writes the real tokens over the placeholders. Hook
-order on completion: ``tokens_sampled`` for every placed token, then ``request_finished`` for the
-requests that stopped on them.
+    step N+1:  schedule(N+1) -> prepare(N+1) -> launch forward+sample(N+1) -> complete(N)
 
-Speculative steps whose drafts are proposed on the device go through the same two calls
-(``engine/spec_async.py``): launching corrects the inputs from the step in flight's accepted counts
-and verifies on the device; a sampling row with m drafts gets m + 1 placeholders
-``-(i * stride + j + 1)``; completing settles them (kept tokens placed, the rest rolled back).
+* Placeholders. Launching a step advances the requests' scheduling state at once: their
+  ``num_computed_tokens``, and for each request that samples, a placeholder id ``-(i + 1)`` (``i``: its
+  row in the step's sampled-token tensor) appended to ``token_ids``. schedule(N+1) thus sees the right
+  lengths and block needs. prepare(N+1) turns placeholders into step N's tokens on the device
+  (``ModelRunner.prepare(prev_tokens=...)``: one gather and ``torch.where``); complete(N) writes the
+  real tokens over them once the asynchronous copy to the host (pinned buffer + event) has landed.
+  Hook order on completion: ``tokens_sampled`` for every placed token, then ``request_finished``
+  for the requests that stopped on them.
+* Stops are found one step late. A request that stopped at N (eos, stop strings, stop_token_ids) was
+  already launched in N+1: that extra token is discarded, never emitted, and the request's KV blocks
+  are released when it finishes (the in-flight step's writes are ordered before any later reuse on
+  the stream). Stops known on the host (max_tokens, max_model_len) are not scheduled at all: the
+  request is marked ``last_token_pending`` when its last token is launched. Prefix-cache blocks are
+  registered only from real tokens and only up to what the completed step computed, exactly as in
+  synchronous mode, so outputs and cache contents are the same as with ``async_scheduling = false``.
+* Synchronous steps. A request whose next step needs its previous token on the host (penalties count
+  output tokens; the ``request_needs_sync`` hook, e.g. a grammar mask) makes every step run
+  synchronously while it is unfinished, and so does any step for which a feature's ``step_needs_sync``
+  hook says so, and every speculative step whose proposer drafts on the host only
+  (``engine/speculative.py``: the verify decides the next step's input). Such a step first completes
+  the step in flight, so every token is on the host before it is scheduled.
+* Speculative steps with a proposer that drafts on the device (``engine/spec_async.py``) overlap:
+  schedule(N+1) reserves draft slots counting step N's drafts as accepted; launch(N+1) proposes, picks
+  draft lengths and corrects positions and slots on the device from step N's accepted counts (a
+  sampling row with m drafts gets m + 1 placeholders ``-(i * stride + j + 1)``); complete(N) settles
+  them (kept tokens placed, the rejected drafts' placeholders dropped, their KV slots rolled back),
+  one step late.
 """
 
 from __future__ import annotations
@@ -60,6 +80,19 @@ class InflightStep:
         return [s.seq for s in self.batch.scheduled]
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """How the coming step runs (``StepPipeline.plan``)."""
+
+    overlap: bool  # launched before the step in flight is post-processed
+    speculate: bool  # a speculative step (drafts verified)
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """Draft slots are reserved at schedule time and filled on the device at launch."""
+        return self.overlap and self.speculate
+
+
 class StepPipeline:
     """Launches and completes an engine's steps; holds the one step in flight."""
 
@@ -67,7 +100,42 @@ class StepPipeline:
         self.engine = engine
         self.inflight: InflightStep | None = None
 
-    # ---- the two ways to run a step -------------------------------------------------------
+    # ---- the ways to run a step -----------------------------------------------------------
+    def plan(self, speculate: bool) -> StepPlan:
+        """Whether the coming step overlaps the one in flight; when it cannot, the step in flight is
+        completed now (every token on the host before scheduling). It cannot with async scheduling
+        off, while a request needs its tokens on the host (penalties, ``request_needs_sync``), when a
+        feature's ``step_needs_sync`` says so, or for a speculative step whose proposer drafts on the
+        host only (``engine/speculative.py``)."""
+        eng = self.engine
+        overlap = (eng.async_scheduling and not eng._sync_requests
+                   and not (speculate and eng.spec.on_device is None)
+                   and not any(eng.pm.hook.step_needs_sync(engine=eng)))
+        if not overlap:
+            self.drain()
+        return StepPlan(overlap, speculate)
+
+    def schedule(self, plan: StepPlan) -> SchedulerOutput:
+        """``scheduler.schedule()``; with drafts on the device, every decode-ready request is first
+        offered draft slots to reserve (``AsyncSpec.offer_slots``), which the scheduled ones keep in
+        ``ScheduledSeq.spec_tokens``."""
+        eng = self.engine
+        offered = eng.spec.on_device.offer_slots() if plan.drafts_on_device else []
+        try:
+            return eng.scheduler.schedule()
+        finally:
+            for seq in offered:
+                seq.spec_tokens = []
+
+    def run(self, out: SchedulerOutput, plan: StepPlan) -> None:
+        """Run a scheduled step as planned: overlapped, synchronous speculative, or synchronous."""
+        if plan.overlap:
+            self.overlap(out)
+        elif plan.speculate:
+            self.engine.spec.run(out)
+        else:
+            self.run_sync(out)
+
     def run_sync(self, out: SchedulerOutput) -> None:
         """Launch a step and complete it at once (nothing is in flight)."""
         self.complete(self.launch(out))
@@ -99,15 +167,16 @@ class StepPipeline:
         """prepare + forward + sampling of a scheduled step, queued without waiting for the device.
         ``prev``: the step still in flight, whose sampled tokens fill this step's placeholders."""
         eng = self.engine
+        start = eng._idle.start() if eng._idle is not None else None  # before any of this step's device work
         prev_tokens = prev.tokens() if prev is not None else None
-        prev_flight = prev.spec if prev is not None else None
         on_device = eng.spec.on_device if eng.spec is not None else None
         drafts = None
-        if on_device is not None and (prev_flight is not None or any(s.spec_tokens for s in out.decodes)):
-            batch, drafts = on_device.launch(out, prev_flight, prev_tokens)  # drafts proposed on the device
-        else:
-            batch = eng.runner.prepare(out, prev_tokens=prev_tokens)
-        start = eng._idle.start() if eng._idle is not None else None
+        if on_device is not None and ((prev is not None and prev.spec is not None)
+                                      or any(s.spec_tokens for s in out.decodes)):
+            batch, drafts = on_device.launch(out, prev)  # drafts proposed on the device
+        else:  # (with the hidden states a proposer that reads them drafts from at the next launch)
+            batch = eng.runner.prepare(out, prev_tokens=prev_tokens,
+                                       keep_hidden=on_device is not None and eng.spec.proposer.needs_hidden)
         tf = time.perf_counter()
         logits = eng.runner.forward(batch)
         if drafts is not None and drafts.expand is not None:  # decode rows laid out on the device

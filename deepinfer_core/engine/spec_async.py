@@ -23,8 +23,15 @@ request preempted while its drafts are undecided is not readmitted before they a
 (``Sequence.pending_drafts``). The host lays the step out with 1 + slots rows per decode; when the
 verify budget is below the slots (``AsyncSpec.budget``: the proposer's ``verify_budget``, else the
 share of slots recent steps filled), the device re-lays the decode rows to 1 + length each within
-decodes + budget rows (``_compact``); logits are computed for those rows only. Not used with window
+decodes + budget rows (``spec_layout.compact_rows``); logits are computed for those rows only. Not used with window
 cache groups, with batch-invariant kernels the rows are not re-laid (every slot is verified).
+
+Host cost: every host-built tensor of a launch reaches the device in two transfers
+(``transfer.Upload``): ``prepare``'s inputs with what resolving and drafting read, then the step's
+index maps (``_index_maps``: each decode row's request and input source, the block tables, the
+re-layout's entries, the verify's grid, seeds and filters), so the patch and the verify are a few
+gathers each. A proposer with ``needs_hidden`` gets the step in flight's hidden states
+(``StepHidden``: each request's rows and true first positions on the device).
 """
 
 from __future__ import annotations
@@ -41,12 +48,14 @@ from deepinfer_core.engine.model_runner import StepBatch
 from deepinfer_core.engine.rejection import SamplingRows, verify_on_device
 from deepinfer_core.engine.sampler import DeviceSample
 from deepinfer_core.engine.sequence import Sequence, Status
-from deepinfer_core.engine.transfer import to_device
-from deepinfer_core.proposer import DeviceDraft
+from deepinfer_core.engine.spec_layout import compact_rows, patch_rows
+from deepinfer_core.engine.transfer import Upload, to_device
+from deepinfer_core.proposer import DeviceDraft, StepHidden
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:  # pragma: no cover
     from deepinfer_core.engine.engine import LLMEngine
+    from deepinfer_core.engine.pipeline import InflightStep
     from deepinfer_core.engine.speculative import SpecDecoder
 
 logger = logging.getLogger("deepinfer.speculative")
@@ -66,6 +75,9 @@ class LaunchDrafts:
     budget: int = 0  # verify rows for drafts this step (host-fixed): sum(lengths) <= budget <= sum(slots)
     wanted: torch.Tensor | None = None  # [n] int64: drafts each request had before the budget cut
     expand: torch.Tensor | None = None  # compacted steps: logits row of each host-layout logit entry
+    maps: dict = field(default_factory=dict)  # the step's index maps on the device (``AsyncSpec._index_maps``)
+    rows: torch.Tensor | None = None  # compacted steps: each scheduled request's first row, on the device
+    first: torch.Tensor | None = None  # each scheduled request's first position, on the device
 
 
 @dataclass
@@ -80,6 +92,9 @@ class SpecFlight:
     drafted: list[int]  # sampling rows verified against drafts
     extra: list[torch.Tensor | None]  # [lengths, wanted, logprobs [Rd, stride], top ids, top logprobs] of the drafted
     epochs: list[int] = field(default_factory=list)  # per sampling row: its preemptions at launch
+    drafts_t: torch.Tensor | None = None  # ``drafts`` on the device
+    rows: torch.Tensor | None = None  # steps laid out on the device: each scheduled request's first row
+    first: torch.Tensor | None = None  # each scheduled request's first position (shifted back on the device)
 
     NUM_TENSORS = 7
 
@@ -126,34 +141,44 @@ class AsyncSpec:
         return offered
 
     # ---- launch ------------------------------------------------------------------------------
-    def launch(self, out: SchedulerOutput, prev_flight: SpecFlight | None, prev_tokens: torch.Tensor | None,
-               ) -> tuple[StepBatch, LaunchDrafts | None]:
-        """Prepare step N+1 from step N's device results: propose its drafts, then correct its inputs."""
+    def launch(self, out: SchedulerOutput, prev: InflightStep | None) -> tuple[StepBatch, LaunchDrafts | None]:
+        """Prepare step N+1 from step N's device results: propose its drafts, then correct its inputs.
+        Every host-built tensor goes to the device in two transfers: one with ``prepare``'s inputs
+        (plus what resolving and drafting need), one with the step's index maps (``_index_maps``)."""
         eng = self.engine
-        dev, pin = eng.device, eng._pin
         decodes = out.decodes
-        last, rej, pending = self._resolve(decodes, prev_flight, prev_tokens)
-        host_len = to_device([s.seq.num_tokens for s in decodes], torch.long, dev, pin) if decodes else None
-        true_len = host_len - rej if decodes else None
-        drafts = self._draft(decodes, last, true_len, pending)
-        batch = eng.runner.prepare(out, prev_tokens=prev_tokens, keep_hidden=self.spec.proposer.needs_hidden)
+        prev_flight = prev.spec if prev is not None else None
+        prev_tokens = prev.tokens() if prev is not None else None
+        up = Upload(eng.device, eng._pin)
+        h = self._launch_parts(up, decodes, prev_flight, prev_tokens)
+        if self.spec.proposer.needs_hidden:
+            h["hidden"] = self._hidden_parts(up, [decodes[j].seq for j in h["idx"]], prev)
+        batch = eng.runner.prepare(out, prev_tokens=prev_tokens, keep_hidden=self.spec.proposer.needs_hidden,
+                                   upload=up)
+        if not decodes:
+            return batch, None
+        t = up.tensors
+        last, rej, pending = self._resolve(t, h, prev_flight, prev_tokens)
+        true_len = t[h["host_len"]] - rej
+        drafts = self._draft(decodes, t, h, last, true_len, pending)
+        maps = self._index_maps(batch, out, drafts)
+        if drafts is not None:
+            drafts.maps = maps
         for s in decodes:  # the slots live on in ``ScheduledSeq.spec_tokens``
             s.seq.spec_tokens, s.seq.spec_probs = [], None
-        if decodes and (prev_flight is not None or drafts is not None):
-            self._patch(batch, out, last, rej, drafts)
+        if prev_flight is not None or drafts is not None:
+            patch_rows(self.engine, batch, out, maps, last, rej, drafts)
+        if drafts is not None and self.spec.proposer.needs_hidden:  # the positions the next draft reads
+            c, np_ = maps["t"][maps["computed"]], batch.num_prefills
+            drafts.first = torch.cat([c[:np_], c[np_:] - rej])
         if drafts is not None and drafts.budget < sum(drafts.slots):
-            self._compact(batch, out, drafts)
+            compact_rows(self.engine, batch, out, drafts, maps, self.spec.proposer.needs_hidden)
         return batch, drafts
 
-    def _resolve(self, decodes: list[ScheduledSeq], prev: SpecFlight | None, prev_tokens: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Per decode, on the device: its last (query) token, how many of its placeholders the step
-        in flight rejected (0 where its tokens are known or that step was a plain one), and the
-        tokens that step emits for it ([R, stride], -1 padded)."""
-        if not decodes:
-            return None, None, None
-        eng = self.engine
-        dev, pin = eng.device, eng._pin
+    def _launch_parts(self, up: Upload, decodes: list[ScheduledSeq], prev: SpecFlight | None,
+                      prev_tokens: torch.Tensor | None) -> dict:
+        """Queue what resolving and drafting read: per decode the step in flight's row of its
+        placeholders (-1: none), its host-known last token and length; the drafting decodes."""
         stride = prev.stride if prev is not None else 1
         src, host_tok = [], []
         for s in decodes:
@@ -162,39 +187,87 @@ class AsyncSpec:
                 raise RuntimeError(f"request {s.seq.request_id}: a placeholder token without a step in flight")
             src.append((-tok - 1) // stride if tok < 0 else -1)
             host_tok.append(max(tok, 0))
-        src_t = to_device(src, torch.long, dev, pin)
-        host_t = to_device(host_tok, torch.long, dev, pin)
-        none = torch.full((len(decodes), 1), -1, dtype=torch.long, device=dev)
-        if prev_tokens is None:
+        idx = [j for j, s in enumerate(decodes) if s.spec_tokens]
+        return {"src": up.add(src), "host_tok": up.add(host_tok),
+                "host_len": up.add([s.seq.num_tokens for s in decodes]), "idx": idx, "sel": up.add(idx),
+                "cap": up.add([len(decodes[j].spec_tokens) for j in idx]),
+                "any_pending": any(x >= 0 for x in src)}
+
+    @staticmethod
+    def _hidden_parts(up: Upload, seqs: list[Sequence], prev: InflightStep | None) -> dict | None:
+        """Queue where each drafting request's rows lie in the step in flight's hidden states."""
+        if prev is None or prev.batch.hidden is None or not seqs:
+            return None
+        batch = prev.batch
+        at = {id(s.seq): i for i, s in enumerate(batch.scheduled)}
+        where, first, counts = [], [], []
+        for seq in seqs:
+            i = at.get(id(seq))
+            s = batch.scheduled[i] if i is not None else None
+            where.append(i if i is not None else 0)
+            first.append(batch.computed_before[i] if i is not None else 0)
+            counts.append(s.num_new_tokens + len(s.spec_tokens) if s is not None else 0)
+        flight = prev.spec
+        rows = flight.rows if flight is not None and flight.rows is not None else None
+        firsts = flight.first if flight is not None else None  # (else: a plain step, positions as laid out)
+        return {"where": up.add(where), "counts": counts, "first": first, "dev_rows": rows, "dev_first": firsts,
+                "host_rows": None if rows is not None else up.add(batch.row_starts),
+                "host_first": None if firsts is not None else up.add(first), "hidden": batch.hidden}
+
+    @staticmethod
+    def _step_hidden(t: list[torch.Tensor], h: dict | None) -> StepHidden | None:
+        if h is None:
+            return None
+        rows = h["dev_rows"][t[h["where"]]] if h["dev_rows"] is not None else t[h["host_rows"]][t[h["where"]]]
+        first = h["dev_first"][t[h["where"]]] if h["dev_first"] is not None else t[h["host_first"]]
+        return StepHidden(h["hidden"], rows, first, h["counts"], h["first"])
+
+    def _resolve(self, t: list[torch.Tensor], h: dict, prev: SpecFlight | None, prev_tokens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per decode, on the device: its last (query) token, how many of its placeholders the step
+        in flight rejected (0 where its tokens are known or that step was a plain one), and the
+        tokens that step emits for it ([R, stride], -1 padded)."""
+        src, host_t = t[h["src"]], t[h["host_tok"]]
+        R = host_t.shape[0]
+        if prev_tokens is None or not h["any_pending"]:
+            none = torch.full((R, 1), -1, dtype=torch.long, device=host_t.device)
             return host_t, torch.zeros_like(host_t), none
-        row = src_t.clamp(min=0)
-        pending = src_t >= 0
+        row = src.clamp(min=0)
+        pending = src >= 0
         if prev is None:  # a plain step in flight: its one token per row
             last = torch.where(pending, prev_tokens[row], host_t)
-            return last, torch.zeros_like(host_t), torch.where(pending[:, None], last[:, None], none)
+            return last, torch.zeros_like(host_t), torch.where(pending[:, None], last[:, None], -1)
         acc = prev.accepted[row]
-        drafts = to_device(prev.drafts, torch.long, dev, pin)[row]
-        last = torch.where(pending, prev.emitted[row, acc], host_t)
-        rej = torch.where(pending, drafts - acc, torch.zeros_like(acc))
-        j = torch.arange(prev.stride, device=dev)
-        tail = torch.where(pending[:, None] & (j[None, :] <= acc[:, None]), prev.emitted[row], -1)
+        emitted = prev.emitted[row]  # [R, stride]
+        last = torch.where(pending, emitted.gather(1, acc[:, None])[:, 0], host_t)
+        rej = torch.where(pending, prev.drafts_t[row] - acc, 0)
+        j = torch.arange(prev.stride, device=host_t.device)
+        tail = torch.where(pending[:, None] & (j[None, :] <= acc[:, None]), emitted, -1)
         return last, rej, tail
 
-    def _draft(self, decodes: list[ScheduledSeq], last: torch.Tensor | None, true_len: torch.Tensor | None,
-               pending: torch.Tensor | None) -> LaunchDrafts | None:
+    def _draft(self, decodes: list[ScheduledSeq], t: list[torch.Tensor], h: dict, last: torch.Tensor,
+               true_len: torch.Tensor, pending: torch.Tensor) -> LaunchDrafts | None:
         """Device drafts for the decodes given slots; a proposer that raises or returns a malformed
-        result loses its drafts for this step (their slots go unused)."""
-        idx = [j for j, s in enumerate(decodes) if s.spec_tokens]
+        result loses its drafts for this step (every length 0: their slots go unused)."""
+        idx = h["idx"]
         if not idx:
             return None
         eng, spec = self.engine, self.spec
-        dev, pin = eng.device, eng._pin
+        dev = eng.device
         seqs = [decodes[j].seq for j in idx]
         slots = [len(decodes[j].spec_tokens) for j in idx]
-        sel = to_device(idx, torch.long, dev, pin)
+        sel, cap = t[h["sel"]], t[h["cap"]]
         K = max(slots)
+        budget = sum(slots) if eng.runner.batch_invariant else self.budget(len(decodes), sum(slots))
+        self.n["spec_verify_budget"] += budget
+        self.n["spec_draft_slots"] += sum(slots)
+        first_pos = true_len[sel]
         try:
-            got = spec.proposer.propose_on_device(eng, seqs, slots, last[sel], true_len[sel], pending[sel])
+            args = (eng, seqs, slots, last[sel], first_pos, pending[sel])
+            if spec.proposer.needs_hidden:
+                got = spec.proposer.propose_on_device(*args, hidden=self._step_hidden(t, h.get("hidden")))
+            else:
+                got = spec.proposer.propose_on_device(*args)
             if (not isinstance(got, DeviceDraft) or not isinstance(got.tokens, torch.Tensor)
                     or got.tokens.dim() != 2 or got.tokens.shape[0] != len(seqs) or got.tokens.shape[1] < K):
                 raise TypeError(f"propose_on_device() must return a DeviceDraft with tokens of shape "
@@ -204,143 +277,86 @@ class AsyncSpec:
                                 f"{tuple(got.confidences.shape)}")
         except Exception as exc:  # noqa: BLE001  (a proposer's bug costs its drafts, not the requests)
             spec.broken(f"propose_on_device() raised {type(exc).__name__}: {exc}", exc)
-            for j in idx:
-                decodes[j].spec_tokens = []
-            return None
+            none = torch.zeros(len(seqs), K, dtype=torch.long, device=dev)
+            zero = torch.zeros(len(seqs), dtype=torch.long, device=dev)
+            return LaunchDrafts(seqs, slots, none, zero, first_pos, sel, budget, zero)
         tokens = got.tokens[:, :K].to(dev, torch.long)
-        cap = to_device(slots, torch.long, dev, pin)
         V = eng.model_config.vocab_size
         inside = ((tokens >= 0) & (tokens < V)).long().cumprod(1).sum(1)  # an id outside ends the drafts
         lengths = wanted = torch.minimum(cap, inside)
-        budget = sum(slots) if eng.runner.batch_invariant else self.budget(len(decodes), sum(slots))
         if got.confidences is not None or budget < sum(slots):  # lengths under the step's verify budget
             conf = (got.confidences[:, :K].to(dev, torch.float32).contiguous() if got.confidences is not None
                     else torch.ones(tokens.shape, dtype=torch.float32, device=dev))  # no confidences: fair shares
             lengths = eng.kernels.draft_lengths(conf, lengths, budget, float(got.min_confidence))
         spec.n["spec_proposed"] += sum(slots)
-        self.n["spec_verify_budget"] += budget
-        self.n["spec_draft_slots"] += sum(slots)
-        return LaunchDrafts(seqs, slots, tokens.clamp(0, V - 1), lengths, true_len[sel], sel, budget, wanted)
+        return LaunchDrafts(seqs, slots, tokens.clamp(0, V - 1), lengths, first_pos, sel, budget, wanted)
 
-    def _patch(self, batch: StepBatch, out: SchedulerOutput, last: torch.Tensor, rej: torch.Tensor,
-               drafts: LaunchDrafts | None) -> None:
-        """Correct the prepared (optimistic) decode rows on the device: positions and context lengths
-        shifted back by the rejected drafts, the query token and draft tokens placed, slots recomputed."""
+    def _index_maps(self, batch: StepBatch, out: SchedulerOutput, drafts: LaunchDrafts | None) -> dict:
+        """The step's host-known index maps, sent in one transfer: for the patch (each decode row's
+        request, where each input token comes from, the block tables), the re-layout (``compact_rows``)
+        and the verify (``sample``: which sampling rows are drafted, their logit grid, seeds, filters)."""
         eng = self.engine
-        dev, pin, bs = eng.device, eng._pin, eng.block_size
-        meta = batch.meta
+        up = Upload(eng.device, eng._pin)
         nd = len(out.decodes)
-        rows, req, first = [], [], []
-        draft_rows, draft_src = [], []
+        D0 = batch.row_starts[batch.num_prefills]
+        K = drafts.tokens.shape[1] if drafts is not None else 0
         slot_of = {id(s): j for j, s in enumerate(drafts.seqs)} if drafts is not None else {}
+        req, src, ms = [], [], []
         for j, s in enumerate(out.decodes):
-            r0 = batch.row_starts[batch.num_prefills + j]
             m = len(s.spec_tokens)
-            rows.extend(range(r0, r0 + 1 + m))
+            ms.append(m)
             req.extend([j] * (1 + m))
-            first.append(r0)
+            src.append(j)  # the query row reads ``last``, draft rows the drafts (after ``last`` in one tensor)
             if m:
                 d = slot_of[id(s.seq)]
-                draft_rows.extend(range(r0 + 1, r0 + 1 + m))
-                draft_src.extend(d * drafts.tokens.shape[1] + t for t in range(m))
-        rows_t = to_device(rows, torch.long, dev, pin)
-        req_t = to_device(req, torch.long, dev, pin)
-        pos = batch.positions[rows_t] - rej[req_t]
-        batch.positions[rows_t] = pos
-        batch.input_ids[to_device(first, torch.long, dev, pin)] = last
-        if draft_rows:
-            batch.input_ids[to_device(draft_rows, torch.long, dev, pin)] = \
-                drafts.tokens.reshape(-1)[to_device(draft_src, torch.long, dev, pin)]
+                src.extend(nd + d * K + t for t in range(m))
+        h = {"D0": D0, "req": up.add(req), "src": up.add(src), "tables": {}, "computed": up.add(batch.computed_before)}
         seqs = [s.seq for s in out.decodes]
-        done = set()
-        for (pool, m), names in eng.runner._slot_keys.items():
-            slot = meta.groups[names[0]].slot_mapping if meta.groups else meta.slot_mapping
-            if id(slot) in done:
-                continue
-            done.add(id(slot))
-            width = max(len(s.block_tables[pool]) for s in seqs)
-            tables = to_device([s.block_tables[pool] + [0] * (width - len(s.block_tables[pool])) for s in seqs],
-                               torch.long, dev, pin)
-            block = tables[req_t, (pos // bs).clamp(max=width - 1)]
-            if m == 1:
-                new = block * bs + pos % bs
-            else:
-                new = torch.where((pos + 1) % m == 0, block * (bs // m) + (pos % bs) // m, torch.full_like(pos, -1))
-            slot[rows_t] = new
-        d = meta.decode
-        d.seq_lens[d.seq_lens.shape[0] - nd :] -= rej  # (batch-invariant mode: the prefills come first)
-        d.host_seq_lens = None  # not known on the host until the step in flight completes
-        if meta.seq_lens is not None and meta.seq_lens is not d.seq_lens:
-            meta.seq_lens[batch.num_prefills : batch.num_prefills + nd] -= rej
+        for (pool, _), _names in eng.runner._slot_keys.items():
+            if pool not in h["tables"]:
+                width = max(len(s.block_tables[pool]) for s in seqs)
+                h["tables"][pool] = up.add([s.block_tables[pool] + [0] * (width - len(s.block_tables[pool]))
+                                            for s in seqs])
+        if drafts is not None:
+            if drafts.budget < sum(drafts.slots):  # the re-layout's entry map
+                ent_j, ent_t = [], []
+                for jj, m in enumerate(ms):
+                    ent_j.extend([jj] * (m + 1))
+                    ent_t.extend(range(m + 1))
+                h.update(starts=up.add([r - D0 for r in batch.row_starts[batch.num_prefills:]]), slots=up.add(ms),
+                         ent_j=up.add(ent_j), ent_t=up.add(ent_t),
+                         prefill_rows=up.add(batch.row_starts[: batch.num_prefills]))
+            h["verify"] = self._verify_parts(up, batch, drafts, slot_of, K)
+        up.send()
+        h["t"] = up.tensors
+        return h
 
-    def _compact(self, batch: StepBatch, out: SchedulerOutput, drafts: LaunchDrafts) -> None:
-        """Lay the decode rows out anew on the device: request j keeps its first 1 + length_j rows, at
-        row ``cu[j]`` (cumulative on the device), within decodes + budget rows fixed by the host; the
-        rows left over form one padding sequence that writes no KV. Logit rows past a request's length
-        repeat its last one (the verify ignores them)."""
-        eng = self.engine
-        dev, pin, bs = eng.device, eng._pin, eng.block_size
-        meta, d = batch.meta, batch.meta.decode
-        P, np_, R = meta.num_prefill_tokens, batch.num_prefills, len(out.decodes)
-        T = R + drafts.budget
-        starts = to_device(batch.row_starts[np_ : np_ + R], torch.long, dev, pin)
-        ell = torch.zeros(R, dtype=torch.long, device=dev)
-        ell[drafts.where] = drafts.lengths
-        cu = torch.zeros(R + 1, dtype=torch.long, device=dev)
-        cu[1:] = torch.cumsum(1 + ell, 0)
-        r = torch.arange(T, device=dev)
-        j = torch.searchsorted(cu[1:], r, right=True)  # R: a padding row
-        pad = j >= R
-        jc = j.clamp(max=R - 1)
-        old = torch.where(pad, starts[0], starts[jc] + r - cu[jc])
-        batch.input_ids = torch.cat([batch.input_ids[:P], torch.where(pad, 0, batch.input_ids[old])])
-        batch.positions = torch.cat([batch.positions[:P], torch.where(pad, 0, batch.positions[old])])
-        new_slots = {}
-        for g in meta.groups.values():
-            key = id(g.slot_mapping)
-            if key not in new_slots:
-                s = g.slot_mapping
-                new_slots[key] = torch.cat([s[:P], torch.where(pad, -1, s[old])])
-            g.slot_mapping = new_slots[key]
-        meta.slot_mapping = new_slots.get(id(meta.slot_mapping), meta.slot_mapping)
-        pad_len = (T - cu[R]).reshape(1)
-        slots = to_device([len(s.spec_tokens) for s in out.decodes], torch.long, dev, pin)
-        seq_lens = torch.cat([d.seq_lens - (slots - ell), pad_len])
-        cu_q = torch.cat([cu, torch.full((1,), T, dtype=torch.long, device=dev)])
-        width = -(-drafts.budget // bs)
-
-        def with_pad_row(t: torch.Tensor) -> torch.Tensor:  # a table row for the padding sequence (reads only)
-            if t.shape[1] < width:
-                t = torch.cat([t, torch.zeros(t.shape[0], width - t.shape[1], dtype=t.dtype, device=dev)], 1)
-            return torch.cat([t, torch.zeros(1, t.shape[1], dtype=t.dtype, device=dev)])
-
-        tables = {}
-        for g in meta.groups.values():
-            key = id(g.block_tables)
-            if key not in tables:
-                tables[key] = with_pad_row(g.block_tables)
-            g.block_tables = tables[key]
-        only = meta.cu_q_lens is d.cu_q_lens
-        d.block_tables = tables[id(d.block_tables)] if id(d.block_tables) in tables else with_pad_row(d.block_tables)
-        if only:
-            meta.cu_q_lens, meta.seq_lens = cu_q, seq_lens
-        else:
-            meta.cu_q_lens = torch.cat([meta.cu_q_lens[: np_ + 1], P + cu_q[1:]])
-            meta.seq_lens = torch.cat([meta.seq_lens[:np_], seq_lens])
-        d.cu_q_lens, d.seq_lens, d.max_q_len = cu_q, seq_lens, max(d.max_q_len, drafts.budget)
-        # logits of every decode row (decodes + budget of them), then the host layout's entries
-        # gathered from them: request j's entries t = 0..slots_j read its row cu[j] + min(t, length_j)
-        pos_of = {id(s): i for i, s in enumerate(batch.sample_seqs)}
-        e_p = batch.sample_rows[pos_of[id(out.decodes[0].seq)]]  # the decodes' entries come last
-        ent_j, ent_t = [], []
-        for jj, s in enumerate(out.decodes):
-            ent_j.extend([jj] * (len(s.spec_tokens) + 1))
-            ent_t.extend(range(len(s.spec_tokens) + 1))
-        ej = to_device(ent_j, torch.long, dev, pin)
-        batch.logit_index = torch.cat([batch.logit_index[:e_p], P + r])
-        batch.logit_rows = batch.logit_rows[:e_p] + list(range(P, P + T))
-        drafts.expand = torch.cat([torch.arange(e_p, device=dev),
-                                   e_p + cu[ej] + torch.minimum(to_device(ent_t, torch.long, dev, pin), ell[ej])])
+    def _verify_parts(self, up: Upload, batch: StepBatch, drafts: LaunchDrafts, slot_of: dict, K: int) -> dict:
+        seqs = batch.sample_seqs
+        plain = [i for i, s in enumerate(seqs) if id(s) not in slot_of]
+        drafted = [i for i, s in enumerate(seqs) if id(s) in slot_of]
+        grid, flat, local, start = [], [], [], 0
+        for i in drafted:
+            r0, m = batch.sample_rows[i], drafts.slots[slot_of[id(seqs[i])]]
+            grid.append([r0 + min(t, m) for t in range(K + 1)])
+            local.append([start + min(t, m) for t in range(K + 1)])
+            flat.extend(range(r0, r0 + m + 1))
+            start += m + 1
+        params = [seqs[i].params for i in drafted]
+        row_drafts = [0] * len(seqs)
+        for i in drafted:
+            row_drafts[i] = drafts.slots[slot_of[id(seqs[i])]]
+        h = {"plain": plain, "drafted": drafted, "row_drafts": row_drafts, "plain_t": up.add(plain),
+             "drafted_t": up.add(drafted), "grid": up.add(grid), "flat": up.add(flat), "local": up.add(local),
+             "sel": up.add([slot_of[id(seqs[i])] for i in drafted]), "seeds": up.add([seqs[i].seed for i in drafted]),
+             "in_order": [slot_of[id(seqs[i])] for i in drafted] == list(range(len(drafted))),
+             "row_drafts_t": up.add(row_drafts), "greedy": all(p.temperature <= 0 for p in params)}
+        if not h["greedy"]:
+            h["rows"] = (up.add([p.temperature for p in params], torch.float32),
+                         up.add([max(p.top_k, 0) for p in params]),
+                         up.add([p.top_p for p in params], torch.float32), up.add([p.min_p for p in params],
+                                                                                  torch.float32))
+        return h
 
     # ---- sample and verify -------------------------------------------------------------------
     def sample(self, batch: StepBatch, logits: torch.Tensor, drafts: LaunchDrafts
@@ -348,63 +364,66 @@ class AsyncSpec:
         """The plain rows through the pipeline's sampler, the drafted rows verified on the device."""
         eng = self.engine
         dev, pin = eng.device, eng._pin
-        slot_of = {id(s): j for j, s in enumerate(drafts.seqs)}
-        plain = [i for i, s in enumerate(batch.sample_seqs) if id(s) not in slot_of]
-        drafted = [i for i, s in enumerate(batch.sample_seqs) if id(s) in slot_of]
+        h = drafts.maps["verify"]
+        t = drafts.maps["t"]
+        plain, drafted = h["plain"], h["drafted"]
         R = len(batch.sample_seqs)
         K = drafts.tokens.shape[1]
         stride = K + 1
         sample = None
+        plain_t = t[h["plain_t"]]
         if plain:
             sub = replace(batch, sample_seqs=[batch.sample_seqs[i] for i in plain],
                           sample_rows=[batch.sample_rows[i] for i in plain])
             kept, sample = eng.pipeline._sample(sub, logits)
             alive = {id(s) for s in kept.sample_seqs}
-            plain = [i for i in plain if id(batch.sample_seqs[i]) in alive]
-        emitted = torch.zeros(R, stride, dtype=torch.long, device=dev)
-        accepted = torch.zeros(R, dtype=torch.long, device=dev)
+            if len(alive) < len(plain):  # a row's sampling failed: the others' places
+                plain = [i for i in plain if id(batch.sample_seqs[i]) in alive]
+                plain_t = to_device(plain, torch.long, dev, pin)
+        if plain or drafted != list(range(R)):
+            emitted = torch.zeros(R, stride, dtype=torch.long, device=dev)
+            accepted = torch.zeros(R, dtype=torch.long, device=dev)
+        else:  # every sampling row verified, in order: the verify's own tensors
+            emitted = accepted = None
         if sample is not None:
-            emitted[to_device(plain, torch.long, dev, pin), 0] = sample.tokens
+            emitted[plain_t, 0] = sample.tokens
         with torch.inference_mode():
-            extra = self._verify(batch, logits, drafts, [batch.sample_seqs[i] for i in drafted], emitted, accepted,
-                                 to_device(drafted, torch.long, dev, pin))
-        slots = [0] * R
-        for i in drafted:
-            slots[i] = drafts.slots[slot_of[id(batch.sample_seqs[i])]]
+            extra, emitted, accepted = self._verify(batch, logits, drafts, h, t, emitted, accepted)
         epochs = [s.metrics.num_preemptions for s in batch.sample_seqs]
-        return sample, SpecFlight(stride, slots, emitted, accepted, plain, drafted, extra, epochs)
+        return sample, SpecFlight(stride, h["row_drafts"], emitted, accepted, plain, drafted, extra, epochs,
+                                  t[h["row_drafts_t"]], drafts.rows, drafts.first)
 
-    def _verify(self, batch: StepBatch, logits: torch.Tensor, drafts: LaunchDrafts, seqs: list[Sequence],
-                emitted: torch.Tensor, accepted: torch.Tensor, where: torch.Tensor) -> list:
+    def _verify(self, batch: StepBatch, logits: torch.Tensor, drafts: LaunchDrafts, h: dict,
+                t: list[torch.Tensor], emitted: torch.Tensor | None, accepted: torch.Tensor | None
+                ) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Verify the drafted rows on the device into ``emitted``/``accepted`` (None: every sampling
+        row is drafted, in order; the verify's own tensors are returned as them)."""
         eng = self.engine
-        dev, pin = eng.device, eng._pin
         K = drafts.tokens.shape[1]
-        pos_of = {id(s): i for i, s in enumerate(batch.sample_seqs)}
-        slot_of = {id(s): j for j, s in enumerate(drafts.seqs)}
-        grid, row_seqs, flat = [], [], []
-        for seq in seqs:
-            r0, m = batch.sample_rows[pos_of[id(seq)]], drafts.slots[slot_of[id(seq)]]
-            grid.append([r0 + min(t, m) for t in range(K + 1)])
-            flat.extend(range(r0, r0 + m + 1))
-            row_seqs.extend([seq] * (m + 1))
-        spec = logits[to_device(flat, torch.long, dev, pin)]
-        view = replace(batch, scheduled=[], sample_seqs=row_seqs, sample_rows=list(range(len(flat))))
-        eng.pm.hook.process_logits(engine=eng, batch=view, logits=spec)
-        # the grid [Rd, K + 1] over the processed rows (rows past a request's slots repeat its last)
-        local, start = [], 0
-        for g in grid:
-            local.append([start + (r - g[0]) for r in g])
-            start += g[-1] - g[0] + 1
-        target = spec[to_device(local, torch.long, dev, pin)]  # [Rd, K + 1, V]
-        sel = to_device([slot_of[id(s)] for s in seqs], torch.long, dev, pin)
+        seqs = [batch.sample_seqs[i] for i in h["drafted"]]
+        if eng.pm.hook.process_logits.get_hookimpls():  # the verified rows, for the hooks to edit
+            spec = logits[t[h["flat"]]]
+            row_seqs = [seq for seq, i in zip(seqs, h["drafted"]) for _ in range(h["row_drafts"][i] + 1)]
+            view = replace(batch, scheduled=[], sample_seqs=row_seqs, sample_rows=list(range(len(row_seqs))))
+            eng.pm.hook.process_logits(engine=eng, batch=view, logits=spec)
+            target = spec[t[h["local"]]]  # [Rd, K + 1, V]: rows past a request's slots repeat its last
+        else:
+            target = logits[t[h["grid"]]]
         params = [s.params for s in seqs]
-        rows = None if all(p.temperature <= 0 for p in params) else SamplingRows.from_params(params, dev)
-        seeds = to_device([s.seed for s in seqs], torch.long, dev, pin)
-        lengths = drafts.lengths[sel]
-        tokens, acc = verify_on_device(target, drafts.tokens[sel], lengths, rows, seeds, drafts.first_pos[sel],
-                                       params)
-        emitted[where, : K + 1] = tokens
-        accepted[where] = acc
+        rows = None if h["greedy"] else SamplingRows(*(t[i] for i in h["rows"]))
+        if h["in_order"]:  # the sampling rows list the drafting requests in their order
+            lengths, dtok, first, wanted = drafts.lengths, drafts.tokens, drafts.first_pos, drafts.wanted
+        else:
+            sel = t[h["sel"]]
+            lengths, dtok, first, wanted = (drafts.lengths[sel], drafts.tokens[sel], drafts.first_pos[sel],
+                                            drafts.wanted[sel])
+        tokens, acc = verify_on_device(target, dtok, lengths, rows, t[h["seeds"]], first, params)
+        if emitted is None:
+            emitted, accepted = tokens, acc
+        else:
+            where = t[h["drafted_t"]]
+            emitted[where, : K + 1] = tokens
+            accepted[where] = acc
         lse = torch.logsumexp(target, dim=-1)  # [Rd, K + 1]
         lps = target.gather(2, tokens[..., None])[..., 0] - lse
         n = min(max((p.logprobs or 0) for p in params), target.shape[-1])
@@ -412,7 +431,7 @@ class AsyncSpec:
         if n:
             top_lps, top_ids = target.topk(n, dim=-1)
             top_lps = top_lps - lse[..., None]
-        return [lengths, drafts.wanted[sel], lps, top_ids, top_lps]
+        return [lengths, wanted, lps, top_ids, top_lps], emitted, accepted
 
     # ---- complete ----------------------------------------------------------------------------
     def settle(self, step, host: list[torch.Tensor | None]) -> None:

@@ -77,6 +77,10 @@ class SpecDecoder:
         windows = any(g.window is not None for g in engine.cache_layout.groups)
         self.on_device = (AsyncSpec(engine, self) if proposer.proposes_on_device and engine.async_scheduling
                           and not windows else None)
+        if engine.async_scheduling and self.on_device is None:
+            logger.info("async scheduling: speculative steps (proposer %s, %s) run synchronously; plain steps "
+                        "while it is dormant overlap", self.name, "with window cache groups" if windows
+                        else "which does not propose on the device")
 
     def active(self) -> bool:
         """Whether the coming step is speculative (synchronous, verified, proposals after it). With
@@ -124,8 +128,8 @@ class SpecDecoder:
         """prepare + forward + post-processing of a scheduled step, drafts verified; then the
         proposals for the next step."""
         eng = self.engine
+        idle = eng._idle.start() if eng._idle is not None else None  # measure_device_idle (before the inputs)
         batch = eng.runner.prepare(out, keep_hidden=self.proposer.needs_hidden)
-        idle = eng._idle.start() if eng._idle is not None else None  # measure_device_idle
         tf = time.perf_counter()
         logits = eng.runner.forward(batch)
         eng.platform.synchronize()  # the verify reads the results at once: time the forward alone

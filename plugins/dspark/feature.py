@@ -39,7 +39,8 @@ After each step (``propose``) the draft catches up on the tokens the target comp
 chunks, accepted tokens) and proposes up to k drafts per request, with a confidence per draft;
 under the throughput policy it stops drafting when one more draft step no longer pays for itself,
 and cuts each request's drafts to the lengths the policy chooses (``plugins.dspark.policy``) from
-their confidences and this platform's measured step-time curve. A draft model's decode steps run
+their confidences and this platform's measured step-time curve (with async scheduling it proposes
+on the device instead: ``plugins.dspark.device``). A draft model's decode steps run
 on a lean path (``plugins.dspark.lean``); the curve is corrected by every step's measured times
 (``policy.LiveCost``); ``verified`` takes the engine's accept counts back.
 
@@ -76,6 +77,7 @@ from plugins.dspark import calibration as calib_mod
 from plugins.dspark import confidence as conf_mod
 from plugins.dspark.calibrate import load_or_measure_cost
 from plugins.dspark.calibration import Calibration
+from plugins.dspark.device import DeviceDrafter
 from plugins.dspark.draft import CACHE_GROUP, DraftModel, MTPDraft, has_mtp, is_mtp_dir
 from plugins.dspark.drafter import Drafter
 from plugins.dspark.policy import (
@@ -103,7 +105,7 @@ def varlen_enabled() -> bool:
     return os.environ.get("DEEPINFER_ENABLE_MTP_VARLEN", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class DSpark(Drafter, Feature, Proposer):
+class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
     name = "dspark"
     core_api_version = "1.0"
     writes_draft_kv = True  # the draft's cache group is written at the drafts' positions
@@ -158,6 +160,7 @@ class DSpark(Drafter, Feature, Proposer):
         self._regime: bool | None = None  # whether the step now running is a speculative one (from active())
         self._prev_regime: bool | None = None  # the same of the last step
         self._last_stats: tuple[float, int] | None = None  # the engine's (step_time, decode_tokens) at the last step
+        self.launched_steps = 0  # the engine's launched steps, as of the last step_finished
         self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0,
                       plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0)
         self.t = dict(draft=0.0, verify=0.0, schedule=0.0)
@@ -289,6 +292,7 @@ class DSpark(Drafter, Feature, Proposer):
         steps, e.g. another engine in the process, is not counted) feed the measured rate of its
         regime, drafting or not (tokens verified in a step may be counted one step late, which a
         run of steps of one regime evens out; the first step of a run is left out)."""
+        self.launched_steps = step_stats.launched_steps  # (the device drafts' catch-up bounds)
         now = (step_stats.step_time, step_stats.decode_tokens)
         drafting = self._regime if self._regime is not None else self.skipped == 0  # no async: no active()
         if self._last_stats is not None and drafting == self._prev_regime:
@@ -400,8 +404,11 @@ class DSpark(Drafter, Feature, Proposer):
 
     def verify_budget(self, engine, num_requests: int, num_slots: int) -> int | None:
         """Async steps (``Proposer.verify_budget``): the "budget" policy fixes the step's verify
-        rows on the host; the other policies leave it to the engine."""
-        return self.share_budget(num_slots) if self.varlen and self.budgeted else None
+        rows on the host as its share of the offered slots; the other policies as their device drafts
+        need (``DeviceDrafter.device_budget``)."""
+        if self.varlen and self.budgeted:
+            return self.share_budget(num_slots)
+        return self.device_budget(engine, num_requests, num_slots)
 
     def _threshold_lengths(self, engine, conf: list[list[float]], budget: int,
                            min_conf: float | None = None) -> list[int]:
@@ -426,6 +433,7 @@ class DSpark(Drafter, Feature, Proposer):
             return None
         elif st.epoch != seq.metrics.num_preemptions:  # preempted: its blocks (and draft KV) are gone
             st.epoch, st.done, st.drafts, st.q = seq.metrics.num_preemptions, 0, [], None
+            st.dev_launch, st.dev_pending = -2, False
             st.kept_hidden, st.kept_rows = [], 0
         return st
 
@@ -434,7 +442,9 @@ class DSpark(Drafter, Feature, Proposer):
             st = seq.feature_state.get(KEY)
             if not st:
                 continue
-            if self.source.needs_hidden:
+            if st.dev_pending:  # drafted on the device (async): the catch-up keeps its own bounds
+                self.device_verified(st, m, a)
+            elif self.source.needs_hidden:
                 st.done = min(st.done, seq.num_computed_tokens)
             else:  # draft KV is valid up to the last token, plus the accepted drafts it wrote
                 st.done = seq.num_computed_tokens - a + min(a, st.fed)

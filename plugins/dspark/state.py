@@ -15,7 +15,8 @@ class _State:
     """Per-request draft state (``seq.feature_state['dspark']``)."""
 
     __slots__ = ("epoch", "done", "drafts", "cum", "conf", "q", "base_len", "fed", "feats",
-                 "verified", "accepted", "decode_steps", "recent_conf", "kept_hidden", "kept_rows", "prev_frac")
+                 "verified", "accepted", "decode_steps", "recent_conf", "kept_hidden", "kept_rows", "prev_frac",
+                 "dev_launch", "dev_pending")
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
@@ -34,6 +35,8 @@ class _State:
         self.kept_hidden: list[torch.Tensor] = []
         self.kept_rows = 0
         self.prev_frac = float("nan")  # fraction of its drafts accepted at its last verification (NaN: none yet)
+        self.dev_launch = -2  # the engine's launched-step count at its last draft on the device (plugins.dspark.device)
+        self.dev_pending = False  # drafted on the device, not yet verified
 
 
 class _Rows:
@@ -59,6 +62,23 @@ class _Rows:
         self.base_max = max(s.num_tokens for s in seqs)
         self.head_rows: tuple | None = None  # the confidence head's per-row coefficients, once computed
         self._ctx: torch.Tensor | None = None
+
+    @classmethod
+    def from_tensors(cls, seqs: list[Sequence], caps: list[int], block_size: int, block_tables: torch.Tensor,
+                     base: torch.Tensor, cap_t: torch.Tensor, greedy: torch.Tensor) -> _Rows:
+        """The same from device tensors already made (one upload; ``base``: the true lengths), for
+        greedy drafting only (no sampling parameters)."""
+        rows = cls.__new__(cls)
+        rows.seqs, rows.caps, rows.block_size = seqs, caps, block_size
+        rows.block_tables, rows.bt_long = block_tables, block_tables.long()
+        rows.base, rows.cap_t, rows.greedy = base, cap_t, greedy
+        rows.cu = rows.row_idx = torch.arange(len(seqs) + 1, device=base.device)
+        rows.row_idx = rows.cu[:-1]
+        rows.greedy_list = [s.params.temperature <= 0 for s in seqs]
+        rows.all_greedy, rows.seeds, rows.params = True, None, None
+        rows.base_max = max(s.num_tokens for s in seqs)  # the host's lengths: upper bounds
+        rows.head_rows, rows._ctx = None, None
+        return rows
 
     @property
     def ctx(self) -> torch.Tensor:

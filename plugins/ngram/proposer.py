@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.engine.transfer import to_device
+from deepinfer_core.engine.transfer import Upload
 from deepinfer_core.proposer import DeviceDraft, Draft, Proposer
 
 
@@ -35,9 +35,9 @@ class NgramProposer(Proposer):
         K, P = max(max_drafts), pending.shape[1]
         known = [r.token_ids[: r.num_known_tokens] for r in requests]
         L = max(len(h) for h in known) + P + K
-        pin = engine.platform.supports_pinned_memory()
-        hist = to_device([h + [-1] * (L - len(h)) for h in known], torch.long, dev, pin)
-        n_known = to_device([len(h) for h in known], torch.long, dev, pin)
+        up = Upload(dev, engine.platform.supports_pinned_memory())  # one copy
+        h_hist, h_known = up.add([h + [-1] * (L - len(h)) for h in known]), up.add([len(h) for h in known])
+        hist, n_known = (up.send()[i] for i in (h_hist, h_known))
         hist.scatter_(1, n_known[:, None] + torch.arange(P, device=dev)[None, :], pending)  # the tokens in flight
         pos = torch.arange(L, device=dev)
         hit = (hist == last_tokens[:, None]) & (pos[None, :] < num_tokens[:, None] - 1)

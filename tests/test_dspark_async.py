@@ -1,0 +1,267 @@
+# ruff: noqa: F811  (pytest fixtures imported from test_dspark are redefined as arguments)
+"""DSpark under async scheduling: drafts proposed on the device (``plugins/dspark/device.py``) and
+taken by the engine's async speculative path (``engine/spec_async.py``). Greedy outputs equal plain
+decoding and synchronous DSpark, with a draft model and with an MTP layer, under preemption and beside
+requests that force synchronous steps; a target drafting for itself is accepted as often as on the host
+path (the catch-up reads the right tokens and hidden states); sampled requests are reproducible; no KV
+block leaks. The device verify's distribution is checked in ``test_spec_async.py`` (chi-square)."""
+
+from __future__ import annotations
+
+import pytest
+from test_dspark import (  # noqa: F401
+    PROMPTS,
+    _cache_dir,
+    cheap_drafts,
+    greedy,
+    make,
+    reference,
+    run,
+    tiny_draft,
+    tiny_mtp,
+)
+from tiny_models import kv_bytes_per_block
+
+from deepinfer_core import SamplingParams
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _async(path, **dspark):
+    llm = make(path, dspark=dspark, async_scheduling=True)
+    assert llm.engine.spec.on_device is not None, "DSpark should propose on the device with async scheduling"
+    cheap_drafts(llm)
+    return llm
+
+
+@pytest.mark.parametrize("draft", ["self", "tiny_draft", "mtp"])
+def test_async_dspark_greedy_identical_and_overlapped(tiny_v3_path, tiny_draft, tiny_mtp, reference, draft):
+    if draft == "mtp":
+        llm = _async(tiny_mtp, k=4)
+    else:
+        llm = _async(tiny_v3_path, draft=tiny_v3_path if draft == "self" else tiny_draft, k=4)
+    outs = run(llm, PROMPTS, greedy(20, logprobs=0))
+    assert _tokens(outs) == reference
+    m = llm.metrics()
+    assert m["spec_proposer_errors"] == 0 and m["spec_steps"] > 0 and m["dspark_verified"] > 0
+    assert m["overlapped_steps"] >= m["spec_steps"] - 2  # speculative steps overlap the step in flight
+    if draft == "self":  # the draft is the target: its catch-up must see exactly the target's tokens
+        assert m["dspark_accept_rate"] > 0.95 and m["spec_accepted_per_step"] > 2
+    for o in outs:
+        assert all(o.outputs[0].logprobs[j][t].logprob <= 0 for j, t in enumerate(o.outputs[0].token_ids))
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_async_dspark_accepts_as_often_as_sync(tiny_mtp, reference):
+    """The same MTP drafts on the device as on the host: close accept counts (the device drafts
+    greedily and cuts lengths on the device, so they need not be equal)."""
+    rates = []
+    for async_scheduling in (False, True):
+        llm = make(tiny_mtp, dspark={"k": 4, "budget_policy": "fixed"}, async_scheduling=async_scheduling)
+        assert _tokens(run(llm, PROMPTS, greedy(20))) == reference
+        m = llm.metrics()
+        rates.append(m["dspark_accepted"] / max(m["dspark_decode_steps"], 1))
+    assert rates[1] == pytest.approx(rates[0], rel=0.35, abs=0.05), rates
+
+
+def test_async_dspark_under_preemption(tiny_v3_path, reference):
+    llm = make(tiny_v3_path, dspark={"draft": tiny_v3_path, "k": 4, "budget_policy": "fixed"}, async_scheduling=True,
+               kv_cache_memory=24 * 2 * kv_bytes_per_block(tiny_v3_path, 4))
+    outs = run(llm, PROMPTS, greedy(20))
+    m = llm.metrics()
+    assert m["preemptions"] > 0 and m["dspark_accepted"] > 0 and m["overlapped_steps"] > 0
+    assert _tokens(outs) == reference
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_async_dspark_beside_synchronous_requests(tiny_v3_path):
+    """A request with penalties makes the steps synchronous while it runs (host-drafted DSpark), then
+    they overlap (device-drafted): both paths share each request's draft state, outputs equal plain
+    decoding."""
+    params = [greedy(16) for _ in PROMPTS]
+    params[3] = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3)
+    plain = make(tiny_v3_path, features=False)
+    ref = _tokens(run(plain, PROMPTS, params))
+    llm = _async(tiny_v3_path, draft=tiny_v3_path, k=3)
+    llm.generate([{"prompt_token_ids": PROMPTS[3]}], params[3], use_tqdm=False)  # synchronous steps first
+    outs = run(llm, PROMPTS, params)
+    assert _tokens(outs) == ref
+    m = llm.metrics()
+    assert m["overlapped_steps"] > 0 and m["dspark_accept_rate"] > 0.9
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_async_dspark_sampled_reproducible(tiny_v3_path, tiny_draft):
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seq_seed=10 + i, ignore_eos=True,
+                             logprobs=1) for i in range(len(PROMPTS))]
+    runs = []
+    for _ in range(2):
+        llm = _async(tiny_v3_path, draft=tiny_draft, k=3, budget_policy="fixed")
+        runs.append(_tokens(run(llm, PROMPTS, params)))
+        assert llm.metrics()["dspark_verified"] > 0
+        llm.engine.blocks.check_no_leaks()
+    assert runs[0] == runs[1]
+    assert all(len(t) == 16 for t in runs[0])
+
+
+@pytest.mark.parametrize("draft", ["tiny_draft", "mtp"])
+def test_device_drafting_reads_nothing_back_from_the_device(tiny_v3_path, tiny_draft, tiny_mtp, monkeypatch, draft):
+    """DSpark's device proposal (catch-up, draft steps, confidences) never reads a tensor's values on
+    the host: every ``tolist``/``item``/``bool``/``int``/``float`` of a tensor raises inside it (but
+    in the CPU reference kernels, which stand in for the device's)."""
+    import sys
+
+    import torch
+
+    from plugins.dspark.device import DeviceDrafter
+
+    inside = [0]
+
+    def guarded(name):
+        orig = getattr(torch.Tensor, name)
+
+        def read(self, *a, **kw):  # (the CPU reference kernels may: the device kernels do not)
+            if inside[0] and "/kernels_cpu/" not in sys._getframe(1).f_code.co_filename:
+                raise AssertionError(f"Tensor.{name} read a device value while DSpark drafted on the device")
+            return orig(self, *a, **kw)
+        return read
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    orig = DeviceDrafter.propose_on_device
+
+    def wrapped(self, *a, **kw):
+        inside[0] += 1
+        try:
+            return orig(self, *a, **kw)
+        finally:
+            inside[0] -= 1
+    monkeypatch.setattr(DeviceDrafter, "propose_on_device", wrapped)
+    llm = _async(tiny_mtp, k=3) if draft == "mtp" else _async(tiny_v3_path, draft=tiny_draft, k=3)
+    run(llm, PROMPTS, greedy(12))
+    m = llm.metrics()
+    assert m["spec_proposer_errors"] == 0 and m["dspark_proposals"] > 0 and m["overlapped_steps"] > 0
+
+
+def test_dp_ep_2_with_async_dspark_equals_one_rank_without(tmp_path_factory, tmp_path):
+    """dp = ep = 2, async scheduling on: every rank drafts on its device with its own (rank-local)
+    draft, the target's verify forwards meet in the MoE all-to-alls (real gloo processes); greedy
+    outputs and logprobs equal dp = ep = 1 without DSpark; both ranks overlapped verified steps."""
+    import json
+    from pathlib import Path
+
+    from parallel_helpers import assert_same, ep_checkpoint, make_llm, workload
+    from safetensors.torch import load_file, save_file
+    from test_dspark import _copy_files
+
+    ckpt = Path(ep_checkpoint(tmp_path_factory.getbasetemp()))
+    draft = tmp_path / "ep_draft"
+    _copy_files(ckpt, draft)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1  # layer 0 is dense
+    (draft / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(ckpt / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if k.startswith("model.layers.0.") or not k.startswith("model.layers.")},
+              str(draft / "model.safetensors"))
+    ps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0) for _ in range(6)]
+    prompts = workload(6)
+    ref_llm = make_llm(ckpt)
+    ref = ref_llm.generate(prompts, ps, use_tqdm=False)
+    ref_llm.shutdown()
+    llm = make_llm(ckpt, dp=2, ep=2, features=["dspark"], async_scheduling=True,
+                   dspark={"draft": str(draft), "k": 3, "budget_policy": "fixed"})
+    try:
+        outs = llm.generate(prompts, ps, use_tqdm=False)
+        assert_same(outs, ref)
+        m = llm.metrics()
+        assert all(r["spec_verified"] > 0 and r["overlapped_steps"] > 0 for r in m["ranks"]), m["ranks"]
+    finally:
+        llm.shutdown()
+
+
+def test_shipped_mtp_on_the_device_accepts_like_the_host_path_under_a_verify_budget():
+    """The embedded model's shipped MTP layer (a trained draft) with a verify budget below the draft
+    slots, so the engine lays the rows out anew on the device and the next catch-up reads the hidden
+    states at their new rows (``StepHidden``): greedy output equals plain decoding and the accepted
+    drafts per step come close to the host path's under the same budget."""
+    from test_dspark import _heldout_prompts
+
+    from deepinfer_core import LLM
+
+    kw = dict(max_num_seqs=4, enable_prefix_caching=False)
+    plain = LLM(async_scheduling=True, **kw)
+    prompts = _heldout_prompts(plain.tokenizer, 4)
+    ref = _tokens(run(plain, prompts, greedy(24)))
+    per_step = []
+    for async_scheduling in (False, True):
+        llm = LLM(features=["dspark"], dspark={"k": 4, "budget_policy": "fixed", "verify_budget": 6},
+                  async_scheduling=async_scheduling, **kw)
+        assert _tokens(run(llm, prompts, greedy(24))) == ref
+        m = llm.metrics()
+        if async_scheduling:
+            assert m["spec_verify_budget"] < m["spec_draft_slots"] and m["overlapped_steps"] > 0
+        per_step.append(m["dspark_accepted"] / max(m["dspark_decode_steps"], 1))
+        llm.engine.blocks.check_no_leaks()
+    assert per_step[0] > 0.3 and per_step[1] == pytest.approx(per_step[0], rel=0.3), per_step
+
+
+def test_mtp_cache_on_the_device_matches_teacher_forced(tiny_mtp):
+    """MTP drafting on the device with a verify budget below the slots (rows laid out anew on the
+    device, so each catch-up must find the hidden states at their new rows and the positions the
+    device shifted back): the MTP layer's KV of every position caught up on equals the entry computed
+    from the target's teacher-forced hidden states."""
+    import torch
+
+    from deepinfer_core.models.metadata import AttentionMetadata, PrefillMeta
+
+    k, bs = 3, 4
+    llm = make(tiny_mtp, dspark={"k": k, "budget_policy": "fixed", "verify_budget": 5}, async_scheduling=True,
+               max_num_seqs=4)
+    eng = llm.engine
+    feat = next(f for f in eng.features if f.name == "dspark")
+    seqs = [eng.add_request({"prompt_token_ids": PROMPTS[i]}, greedy(40)) for i in (3, 4, 5, 6)]
+    while min(s.num_output_tokens for s in seqs) < 20:
+        eng.step()
+    eng.pipeline.drain()  # every token on the host
+    m = llm.metrics()
+    assert m["spec_verify_budget"] < m["spec_draft_slots"] and m["overlapped_steps"] > 10
+    for seq in seqs:
+        ids = torch.tensor(seq.token_ids)
+        L = len(ids)
+        n = L - k - 2  # positions surely caught up on (the last catch-up reached its true length - 2)
+        cache = [torch.zeros(-(-L // bs), bs, c.shape[-1]) for c in eng.kv_caches["latent"]]
+        cu = torch.tensor([0, L])
+        meta = AttentionMetadata(L, torch.arange(L), PrefillMeta(cu, cu, torch.tensor([L]),
+                                                                 torch.arange(-(-L // bs))[None].int(), False), None)
+        pos = torch.arange(L)
+        with torch.inference_mode():
+            hidden = eng.model(ids, pos, meta, {"latent": cache})
+            src, kr = feat.source, eng.kernels
+            e = kr.rms_norm(eng.model.embed_tokens[ids[1 : n + 1]], src.enorm, src.eps)
+            x = kr.linear(torch.cat((e, kr.rms_norm(hidden[:n], src.hnorm, src.eps)), -1), src.eh_proj)
+            x = kr.rms_norm(x, src.layer.input_layernorm, src.eps)
+            attn = src.layer.self_attn
+            latent, k_pe = kr.linear(x, attn.kv_a_proj_with_mqa).split([attn.L, attn.R], dim=-1)
+            ref = torch.cat((attn.kv_a_layernorm(latent), kr.rope(k_pe[:, None], pos[:n], eng.model.cos_sin)[:, 0]),
+                            -1)
+            slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(n)])
+            got = src.caches[0].view(-1, ref.shape[-1])[slots]
+        assert (got - ref).abs().max().item() < 1e-4, seq.request_id
+    while eng.has_unfinished():
+        eng.step()
+    eng.blocks.check_no_leaks()
+
+
+def test_async_dspark_budget_policy_verifies_its_share(tiny_v3_path, reference):
+    """The "budget" policy on the device: every step drafts, the host fixes the verify budget at
+    ``verify_share`` of the offered slots and the draft_lengths op picks the batch's best drafts
+    within it; greedy output equals plain decoding."""
+    llm = _async(tiny_v3_path, draft=tiny_v3_path, k=4, budget_policy="budget", verify_share=0.5)
+    assert _tokens(run(llm, PROMPTS, greedy(20))) == reference
+    m = llm.metrics()
+    assert m["spec_proposer_errors"] == 0 and m["overlapped_steps"] > 0 and m["dspark_accept_rate"] > 0.9
+    assert m["spec_verify_budget"] <= 0.5 * m["spec_draft_slots"] + m["spec_steps"]  # rounding per step
+    assert m["dspark_verified"] <= m["spec_verify_budget"]
+    llm.engine.blocks.check_no_leaks()
