@@ -345,7 +345,7 @@ def test_host_store_pinned_memory_falls_back_with_a_warning(caplog):
     caplog.set_level(logging.WARNING, logger="deepinfer.kv_store.host")
     s = HostMemoryStore(pin_memory=True)
     assert s.pinned is False
-    assert caplog.records[0].getMessage().startswith("HostMemoryStore: pinned memory is not available here (")
+    assert caplog.records[0].getMessage().startswith("HostMemoryStore: pinned memory is not available here")
     assert s.put(1, block(1)) and torch.equal(s.get(1), block(1))
 
 
