@@ -131,7 +131,9 @@ OTHER_ENV = {"DEEPINFER_CONFIG", "DEEPINFER_HF_MODEL_DIR", "DEEPINFER_ENABLE_MTP
              # batch-invariant kernels (kernels_cpu/batch_invariant.py)
              "DEEPINFER_BI_ROW_TILE", "DEEPINFER_BI_KV_SPLIT",
              # TileLang kernels (kernels_cuda/_tl.py)
-             "DEEPINFER_CUDA_ARCH", "DEEPINFER_TL_DRYRUN",
+             "DEEPINFER_CUDA_ARCH", "DEEPINFER_TL_DRYRUN", "DEEPINFER_PDL",
+             # decode-fusion kernels off for a benchmark's before (kernels_cuda/norm_gemv.py, gemv_rows.py)
+             "DEEPINFER_NORM_GEMV", "DEEPINFER_KV_FUSION",
              # dp/ep under torchrun (deepinfer_core/parallel/README.md)
              "DEEPINFER_DRIVER_ADDR", "DEEPINFER_DRIVER_BIND", "DEEPINFER_DRIVER_PORT"}
 

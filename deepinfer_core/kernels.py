@@ -92,6 +92,12 @@ OP_SPECS: tuple[OpSpec, ...] = (
     OpSpec("linear_f32", "(x[..., K], w[N, K]) -> [..., N] f32",
            "x.float() @ w.float().T (the router's logits, without a float32 copy of the weight)"),
     OpSpec(
+        "add_rms_norm_linear",
+        "(x[T, C], residual[T, C] | None, norm_w[C], eps, w[N, C]) -> (y[T, N], new_residual[T, C])",
+        "new_residual = x + residual (x when residual is None); y = linear(rms_norm(new_residual, norm_w, eps), "
+        "w): a layer's input norm in the prologue of the projection after it",
+    ),
+    OpSpec(
         "mla_kv_write",
         "(kv_a[T, L+R], norm_w[L], eps, positions[T], cos_sin[P, R], cache[NB, BS, L+R], slot_mapping[T])"
         " -> entry[T, L+R]",
@@ -105,11 +111,25 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "query (W_UK folded into the no-rope part, rope on the rest) in one launch",
     ),
     OpSpec(
+        "mla_q_absorb_kv_write",
+        "(q[T, H, N+R], w_uk[H, L, N], positions[T], cos_sin[P, R], kv_a[T, L'+R], norm_w[L'], eps, "
+        "cache[NB, BS, L'+R], slot_mapping[T]) -> [T, H, L+R]",
+        "mla_kv_write(kv_a, norm_w, eps, positions, cos_sin, cache, slot_mapping); returns mla_q_absorb(q, w_uk, "
+        "positions, cos_sin): a decode step's query and its cache write in one launch",
+    ),
+    OpSpec(
         "moe_gate",
         "(x[T, C], gate[E, C], bias[E] | None, top_k, scoring, n_group, topk_group, group_score, renormalize, "
         "scale, n_shared, dtype) -> (weights[T, k + n_shared] dtype, ids[T, k + n_shared] i64)",
         "moe_route(linear_f32(x, gate), ...) with n_shared always-selected experts E..E+n_shared-1 of weight 1 "
         "appended, weights cast to dtype: the router and the shared experts' slots of fused_moe",
+    ),
+    OpSpec(
+        "add_rms_norm_moe_gate",
+        "(x[T, C], residual[T, C], norm_w[C], eps, gate[E, C], bias[E] | None, top_k, scoring, n_group, topk_group, "
+        "group_score, renormalize, scale, n_shared, dtype) -> (normed[T, C], new_residual[T, C], weights, ids)",
+        "normed, new_residual = add_rms_norm(x, residual, norm_w, eps); weights, ids = moe_gate(normed, gate, ...): "
+        "the post-attention norm in the prologue of the router",
     ),
     # ---- block-scaled FP8 weights (reference and exact rules: kernels_cpu/fp8_ops.py) ----
     OpSpec(

@@ -30,19 +30,22 @@ from deepinfer_core.models.deepseek import MoE  # noqa: E402
 TOKENS = (1, 64, 256, 2048, 8192)  # MoE and norm token counts
 DECODE = (1, 256)  # decode batches: with and without split-KV
 MOE_DECODE = (1, 2, 4, 8)  # the weight-streaming MoE's row buckets (kernels_cuda.moe_gemv)
+MOE_STREAM = (512,)  # with 64 and 256: kernels_cuda.moe_stream's block rows (16 / 32 / 64 at V2-Lite)
 
 
 def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Call every kernel op of the engine's forward for ``cfg`` once per configuration; returns their names."""
     from kernels_cuda.gemv import MAX_M, linear, linear_f32
-    from kernels_cuda.gemv_rows import head_linear, mla_q_absorb
+    from kernels_cuda.gemv_rows import head_linear, mla_q_absorb, mla_q_absorb_kv_write
     from kernels_cuda.kv_cache import paged_kv_write
     from kernels_cuda.mla_decode import mla_decode
     from kernels_cuda.mla_kv_write import mla_kv_write
     from kernels_cuda.mla_prefill import mla_prefill
     from kernels_cuda.moe import fused_moe
+    from kernels_cuda.moe_gate import add_rms_norm_moe_gate
     from kernels_cuda.moe_route import moe_gate, moe_route
     from kernels_cuda.norm import add_rms_norm, rms_norm
+    from kernels_cuda.norm_gemv import add_rms_norm_linear
     from kernels_cuda.sampling import sample
 
     e = torch.empty
@@ -62,6 +65,12 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     mla_kv_write(xa[:, q_cols:], e(L, dtype=dtype), 1e-6, torch.zeros(4, dtype=torch.long), e(16, R), cache,
                  torch.zeros(4, dtype=torch.long))
     done.append(f"mla_kv_write stride={q_cols + L + R}")
+    for res in (None, e(1, C, dtype=dtype)):  # the first layer's input norm has no residual
+        add_rms_norm_linear(e(1, C, dtype=dtype), res, e(C, dtype=dtype), 1e-6, e(q_cols + L + R, C, dtype=dtype))
+    if cfg.first_k_dense_replace:  # a dense layer's post-attention norm + w13
+        add_rms_norm_linear(e(1, C, dtype=dtype), e(1, C, dtype=dtype), e(C, dtype=dtype), 1e-6,
+                            e(2 * cfg.intermediate_size, C, dtype=dtype))
+    done.append("add_rms_norm_linear (input norm + q + kv_a, dense norm + w13, at one row)")
     # small-M projections (decode batches up to MAX_M): every GEMM weight of the forward, and the router
     E_r = cfg.n_routed_experts
     weights = {(q_cols + L + R, C), (C, H * V), (2 * cfg.intermediate_size, C), (C, cfg.intermediate_size),
@@ -77,6 +86,8 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
         # MLA's decode query (from the projection's output columns) and W_UV
         q = e(M, q_cols + L + R, dtype=dtype)[:, : H * (N + R)].view(M, H, N + R)
         mla_q_absorb(q, w_uk, torch.zeros(M, dtype=torch.long), e(16, R))
+        mla_q_absorb_kv_write(q, w_uk, torch.zeros(M, dtype=torch.long), e(16, R), e(M, q_cols + L + R, dtype=dtype)[
+            :, q_cols:], e(L, dtype=dtype), 1e-6, cache, torch.zeros(M, dtype=torch.long))
         head_linear(q[..., :N], w_uk)
         head_linear(e(M, H, L, dtype=dtype), w_uv)
         done.append(f"gemv M={M} x {len(weights) + bool(E_r)} weights, mla_q_absorb, W_UV")
@@ -97,11 +108,14 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
         w13, w2 = e(E + S, 2 * I, C, dtype=dtype), e(E + S, C, I, dtype=dtype)
         bias = e(E) if moe.e_score_correction_bias is not None else None
         gate = e(E, C)
-        for T in sorted(set(TOKENS) | set(MOE_DECODE)):
+        for T in sorted(set(TOKENS) | set(MOE_DECODE) | set(MOE_STREAM)):
             moe_route(e(T, E), bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score,
                       moe.renormalize, moe.scale)
             moe_gate(e(T, C, dtype=dtype), gate, bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group,
                      moe.group_score, moe.renormalize, moe.scale, S, dtype)
+            add_rms_norm_moe_gate(e(T, C, dtype=dtype), e(T, C, dtype=dtype), e(C, dtype=dtype), 1e-6, gate, bias, k,
+                                  cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score, moe.renormalize,
+                                  moe.scale, S, dtype)
             fused_moe(e(T, C, dtype=dtype), w13, w2, e(T, k + S, dtype=dtype),
                       torch.zeros(T, k + S, dtype=torch.long))
             done.append(f"moe E={E}+{S} shared T={T}")

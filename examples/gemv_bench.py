@@ -266,6 +266,81 @@ def bench_kv_write(dry: bool) -> dict:
     return out
 
 
+def bench_bn_sweep(name: str, N: int, K: int, dry: bool, read_GBps: float) -> dict:
+    """The one-row GEMV (``gemv.build_gemv``) with BN = 8, 4, 2 weight rows per CTA (a warp each): how the CTA
+    count per SM (a last partial wave) moves it; the default pick (``tile_config``) is marked."""
+    from gpu_timing import graphed, timed
+
+    from kernels_cuda import _tl
+    from kernels_cuda.gemv import _kernel, tile_config
+
+    dev = "cpu" if dry else "cuda"
+    nbytes = N * K * 2
+    copies = _copies(nbytes, dry)
+    ws = [torch.empty(N, K, dtype=torch.bfloat16, device=dev).normal_(0, K**-0.5) for _ in range(copies)]
+    x = torch.randn(1, K, device=dev).to(torch.bfloat16)
+    default = tile_config(N, K, _tl.num_sms())
+    row = {}
+    for bn in (8, 4, 2):
+        if default[1] != 32:
+            break  # one row per CTA with split K: not this sweep's subject
+        kernel = _kernel(N, K, 1, bn, 32, "bfloat16", "bfloat16", "bfloat16")
+
+        def run(w, _k=kernel):
+            y = torch.empty(1, N, dtype=torch.bfloat16, device=dev)
+            _k(x, w, y)
+            return y
+
+        if dry:
+            run(ws[0])
+            continue
+        ms = timed(graphed(_cycle(run, [(w,) for w in ws])), warmup=1, reps=5) / copies
+        row[f"BN{bn}"] = {"us": round(ms * 1e3, 2), "fraction": round(nbytes / ms / 1e6 / read_GBps, 3),
+                          "ctas_per_sm": round(-(-N // bn) / _tl.num_sms(), 2), "default": bn == default[0]}
+    if row:
+        cells = [f"{k}{'*' if v['default'] else ''} {v['us']:.2f} us {v['fraction'] * 100:.1f}% "
+                 f"({v['ctas_per_sm']}/SM)" for k, v in row.items()]
+        print(f"{name:>12} N={N} K={K} M=1 BN sweep: " + ", ".join(cells), flush=True)
+    return row
+
+
+def bench_norm_gemv(name: str, N: int, K: int, dry: bool, read_GBps: float) -> dict:
+    """The layer's input norm + its projection at one row: ``add_rms_norm_linear`` (one launch, the norm in the
+    GEMV's prologue) against ``add_rms_norm`` + ``linear`` (two launches), each call on another weight copy."""
+    from gpu_timing import graphed, timed
+
+    from kernels_cuda.gemv import linear
+    from kernels_cuda.norm import add_rms_norm
+    from kernels_cuda.norm_gemv import add_rms_norm_linear
+
+    dev = "cpu" if dry else "cuda"
+    nbytes = N * K * 2
+    copies = _copies(nbytes, dry)
+    ws = [torch.empty(N, K, dtype=torch.bfloat16, device=dev).normal_(0, K**-0.5) for _ in range(copies)]
+    x, r = (torch.randn(1, K, device=dev).to(torch.bfloat16) for _ in range(2))
+    nw = torch.ones(K, dtype=torch.bfloat16, device=dev)
+
+    def fused(w):
+        return add_rms_norm_linear(x, r, nw, 1e-6, w)
+
+    def unfused(w):
+        normed, res = add_rms_norm(x, r, nw, 1e-6)
+        return linear(normed, w), res
+
+    if dry:
+        fused(ws[0])
+        unfused(ws[0])
+        return {}
+    ms_f = timed(graphed(_cycle(fused, [(w,) for w in ws])), warmup=1, reps=5) / copies
+    ms_u = timed(graphed(_cycle(unfused, [(w,) for w in ws])), warmup=1, reps=5) / copies
+    err = (fused(ws[0])[0].float() - unfused(ws[0])[0].float()).abs().max().item()
+    row = {"fused_us": round(ms_f * 1e3, 2), "unfused_us": round(ms_u * 1e3, 2),
+           "fused_fraction": round(nbytes / ms_f / 1e6 / read_GBps, 3), "max_abs_diff": err}
+    print(f"{name:>12} norm+GEMV N={N} K={K} M=1: fused {row['fused_us']:.2f} us ({row['fused_fraction'] * 100:.1f}% "
+          f"of read) | add_rms_norm + GEMV {row['unfused_us']:.2f} us | max abs diff {err:.1e}", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="")
@@ -273,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", default="1,2,4,8", help="activation rows")
     ap.add_argument("--sweep", action="store_true", help="gemv_rows tile configurations at 2 and 8 rows")
     ap.add_argument("--no-kv-write", action="store_true")
+    ap.add_argument("--bn-sweep", action="store_true", help="the one-row GEMV at 8, 4, 2 weight rows per CTA")
     ap.add_argument("--dry", action="store_true", help="compile only (DEEPINFER_TL_DRYRUN=1, no GPU)")
     args = ap.parse_args(argv)
     if args.dry:
@@ -291,6 +367,11 @@ def main(argv: list[str] | None = None) -> None:
         res[shape] = {name: bench_projection(name, N, K, wdt, Ms, args.dry, read) for name, N, K, wdt in SHAPES[shape]}
         res[shape].update({f"head {name}": bench_heads(name, H, N, K, Ms, args.dry, read)
                            for name, H, N, K in HEAD_SHAPES[shape]})
+        name, N, K, _ = SHAPES[shape][0]  # the input projection (q(_a) + kv_a) after the layer's input norm
+        res[shape]["norm " + name] = bench_norm_gemv(name, N, K, args.dry, read)
+        if args.bn_sweep:
+            res[shape]["bn_sweep"] = {name: bench_bn_sweep(name, N, K, args.dry, read)
+                                      for name, N, K, wdt in SHAPES[shape] if wdt == "bf16" and name != "lm_head"}
         if args.sweep:
             res[shape]["sweep"] = {name: bench_sweep(name, N, K, [2, 8], args.dry, read)
                                    for name, N, K, wdt in SHAPES[shape] if name in SWEEP_SHAPES}

@@ -2,7 +2,7 @@
 weight-streaming path (``kernels_cuda.moe_gemv``: two launches), per MoE layer.
 
     python examples/moe_small_bench.py --out moe_small.json [--shapes v2-lite,v3] [--batches 1,2,4,8,16,64,256]
-                                       [--sweep]
+                                       [--sweep] [--stream-variants 64,256]
     DEEPINFER_TL_DRYRUN=1 TILELANG_CACHE_DIR=... python examples/moe_small_bench.py --dry   # compile only
 
 Shapes as the engine calls ``fused_moe`` with the shared experts folded in: V2-Lite 64 routed experts top-6 +
@@ -14,6 +14,11 @@ replays, from one CUDA graph, calls over ``LAYERS`` weight copies with fresh ids
 does not find the previous call's experts in the 50 MB L2 (as consecutive layers of the model). The
 weight-streaming path runs only up to ``moe_gemv.MAX_TOKENS`` tokens in the engine; here it is timed up to
 ``--max-small`` so the crossover is visible. ``--sweep`` times other CTA sizes of the two kernels at 1 token.
+
+Above 8 tokens the engine takes ``kernels_cuda.moe_stream`` (tokens as the mma's N): each batch times it beside
+the pipeline, whole and stage by stage (align, gather, gemm1, gemm2, combine; the GEMMs in TB/s of the weights
+they read), and ``--stream-variants T`` times its tile variants (and the pipeline's GEMMs with two CTAs an SM) at
+T tokens.
 """
 
 from __future__ import annotations
@@ -62,11 +67,92 @@ def figure(ms: float, nbytes: float, read_GBps: float) -> dict:
     return {"us": round(ms * 1e3, 2), "TBps": round(tbps, 3), "pct_read": round(100 * tbps * 1e3 / read_GBps, 1)}
 
 
-def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float, dry: bool, sweep: bool) -> dict:
+def stage_us(step_lists: list, nbytes: dict, read_GBps: float) -> dict:
+    """Each launch alone, graphed over the calls: us (and TB/s where ``nbytes`` names its bytes)."""
+    from gpu_timing import graphed, timed
+
+    res = {}
+    for i, (name, _) in enumerate(step_lists[0]):
+        only = graphed(cycle([s[i][1] for s in step_lists]))
+        ms = timed(only, warmup=1, reps=10) / len(step_lists)
+        res[name] = figure(ms, nbytes[name], read_GBps) if name in nbytes else {"us": round(ms * 1e3, 2)}
+    return res
+
+
+def gemm_bytes(calls, E_all: int, C: int, I: int) -> dict:
+    hit = sum(int(torch.unique(a[4][(a[4] >= 0) & (a[4] < E_all)]).numel()) for a in calls) / len(calls)
+    return {"gemm1": hit * 2 * I * C * 2, "gemm2": hit * C * I * 2}
+
+
+def stream_row(row: dict, calls, read_GBps: float, E_all: int, C: int, I: int) -> str:
+    """``moe_stream`` beside the pipeline: whole call, error against float32, both paths stage by stage."""
     from gpu_timing import graphed, timed
 
     from kernels_cpu import ops as ref
-    from kernels_cuda import moe, moe_gemv
+    from kernels_cuda import moe, moe_stream
+
+    nbytes = sum(call_bytes(a[4], E_all, C, I, a[0].shape[0]) for a in calls) / len(calls)
+    new = graphed(cycle([functools.partial(moe_stream.fused_moe_stream, *a) for a in calls]))
+    row["stream"] = figure(timed(new, warmup=1, reps=10) / len(calls), nbytes, read_GBps)
+    x, w13, w2, w, ids = calls[0]
+    want = ref.fused_moe(x.float(), w13.float(), w2.float(), w.float(), ids)
+    got = moe_stream.fused_moe_stream(x, w13, w2, w, ids).float()
+    row["err_stream"] = float(f"{((got - want).abs().max() / want.abs().max()).item():.2e}")
+    gb = gemm_bytes(calls, E_all, C, I)
+    row["pipeline_stages"] = stage_us([moe.moe_steps(*a)[0] for a in calls], gb, read_GBps)
+    row["stream_stages"] = stage_us([moe_stream.stream_steps(*a)[0] for a in calls], gb, read_GBps)
+    row["speedup_stream"] = round(row["pipeline"]["us"] / row["stream"]["us"], 2)
+    p, q = row["pipeline_stages"], row["stream_stages"]
+    return (f" | stream {row['stream']['us']:8.2f} us {row['stream']['pct_read']:5.1f}% x{row['speedup_stream']:.2f}"
+            f" err {row['err_stream']:.1e}\n        gemm1 {p['gemm1']['us']:.1f} -> {q['gemm1']['us']:.1f} us "
+            f"({p['gemm1']['TBps']:.2f} -> {q['gemm1']['TBps']:.2f} TB/s), gemm2 {p['gemm2']['us']:.1f} -> "
+            f"{q['gemm2']['us']:.1f} us ({p['gemm2']['TBps']:.2f} -> {q['gemm2']['TBps']:.2f} TB/s), align "
+            f"{p['align']['us']:.1f}/{q['align']['us']:.1f} gather {p['gather']['us']:.1f}/"
+            f"{q.get('gather', {'us': 0.0})['us']:.1f} "
+            f"combine {p['combine']['us']:.1f}/{q['combine']['us']:.1f}")
+
+
+#: ``moe_stream`` tile variants (overrides of ``CONFIG``) and the pipeline's GEMMs with 2 CTAs an SM
+STREAM_VARIANTS = {
+    "default (g1 BK128 s3 x2, g2 BK128 s3 x3)": {},
+    "g1 BK64 s4 x2 | g2 BK64 s4 x3": {"BK1": 64, "stages1": 4, "BK2": 64, "stages2": 4},
+    "16-row blocks": {"BT": 16},
+    "32-row blocks": {"BT": 32},
+}
+
+
+def variants(calls, read_GBps: float, E_all: int, C: int, I: int, dry: bool = False) -> dict:
+    from kernels_cuda import moe, moe_stream
+
+    gb = gemm_bytes(calls, E_all, C, I) if not dry else {}
+    res = {}
+    for tag, over in STREAM_VARIANTS.items():
+        if dry:
+            moe_stream.fused_moe_stream(*calls[0], **over)
+            continue
+        st = stage_us([moe_stream.stream_steps(*a, **over)[0] for a in calls], gb, read_GBps)
+        res[tag] = {**{k: st[k] for k in ("gemm1", "gemm2")}, "stages_us": round(sum(v["us"] for v in st.values()), 2)}
+        print(f"    variant {tag:>44}: gemm1 {st['gemm1']['us']:7.2f} us {st['gemm1']['TBps']:.2f} TB/s, "
+              f"gemm2 {st['gemm2']['us']:7.2f} us {st['gemm2']['TBps']:.2f} TB/s, all stages "
+              f"{res[tag]['stages_us']:.1f} us", flush=True)
+    occ = {**moe.SMALL, "blocks": 2}
+    if dry:
+        moe._fused(*calls[0], occ, None)
+        return res
+    st = stage_us([moe.moe_steps(*a, cfg=occ)[0] for a in calls], gb, read_GBps)
+    res["pipeline x2"] = {k: st[k] for k in ("gemm1", "gemm2")}
+    print(f"    variant {'pipeline SMALL, 2 CTAs an SM':>44}: gemm1 {st['gemm1']['us']:7.2f} us "
+          f"{st['gemm1']['TBps']:.2f} TB/s, gemm2 {st['gemm2']['us']:7.2f} us {st['gemm2']['TBps']:.2f} TB/s",
+          flush=True)
+    return res
+
+
+def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float, dry: bool, sweep: bool,
+                stream_variants: tuple[int, ...] = ()) -> dict:
+    from gpu_timing import graphed, timed
+
+    from kernels_cpu import ops as ref
+    from kernels_cuda import moe, moe_gemv, moe_stream
 
     E, S, C, I, k = SHAPES[name]
     dev = "cpu" if dry else "cuda"
@@ -88,6 +174,9 @@ def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float,
         ups = ("fma", "mma") if moe_gemv.mma_fits(C) else ("fma",)
         if dry:
             moe._fused(*calls[0], None, None)
+            moe_stream.fused_moe_stream(*calls[0])
+            if T in stream_variants:
+                variants(calls, read_GBps, E + S, C, I, dry=True)
             for up in ups if small_ok else ():
                 for down_tokens in (1, 0):
                     for _, st in moe_gemv.small_steps(*calls[0], up=up, down_tokens=down_tokens)[0]:
@@ -118,9 +207,13 @@ def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float,
             best = min(row[f"streaming_{up}"]["us"] for up in ups)
             row["speedup_best"] = round(row["pipeline"]["us"] / best, 2)
             line += f" | x{row['speedup_best']:.2f}"
+        if T > max_small or not small_ok:
+            line += stream_row(row, calls, read_GBps, E + S, C, I)
         out[f"T={T}"] = row
         print(f"{name:>7} T={T:>3} {row['MB_per_call']:7.1f} MB | pipeline {row['pipeline']['us']:8.2f} us "
               f"{row['pipeline']['TBps']:5.2f} TB/s {row['pipeline']['pct_read']:5.1f}%" + line, flush=True)
+        if T in stream_variants:
+            out[f"variants_T={T}"] = variants(calls, read_GBps, E + S, C, I)
     if sweep:
         out["sweep_T1"] = sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry)
     return out
@@ -163,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,64,256")
     ap.add_argument("--max-small", type=int, default=16, help="largest batch timed on the streaming path")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--stream-variants", default="", help="batches at which to time moe_stream's variants (64,256)")
     ap.add_argument("--dry", action="store_true", help="compile only (DEEPINFER_TL_DRYRUN=1, no GPU)")
     args = ap.parse_args(argv)
     if args.dry:
@@ -178,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     read = res.get("ceilings", {}).get("read_GBps", 1.0)
     for shape in args.shapes.split(","):
-        res[shape] = bench_shape(shape, batches, args.max_small, read, args.dry, args.sweep and shape == "v2-lite")
+        res[shape] = bench_shape(shape, batches, args.max_small, read, args.dry, args.sweep and shape == "v2-lite",
+                                 tuple(int(b) for b in args.stream_variants.split(",") if b) if shape == "v2-lite"
+                                 else ())
         torch.cuda.empty_cache() if not args.dry else None
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -299,6 +299,24 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return linear(x.float(), w.float())
 
 
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                        w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels_cpu.fused.add_rms_norm_linear`` with this module's row-wise norms and fixed-tile ``linear``."""
+    if residual is None:
+        return linear(rms_norm(x, norm_w, eps), w), x
+    normed, residual = add_rms_norm(x, residual, norm_w, eps)
+    return linear(normed, w), residual
+
+
+def add_rms_norm_moe_gate(x, residual, norm_w, eps, gate, bias, top_k, scoring, n_group, topk_group, group_score,
+                          renormalize, scale, n_shared, dtype):
+    """``kernels_cpu.fused.add_rms_norm_moe_gate`` with this module's row-wise norm and ``moe_gate``."""
+    normed, residual = add_rms_norm(x, residual, norm_w, eps)
+    weights, ids = moe_gate(normed, gate, bias, top_k, scoring, n_group, topk_group, group_score, renormalize, scale,
+                            n_shared, dtype)
+    return normed, residual, weights, ids
+
+
 def mla_kv_write(kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
                  cos_sin: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """``kernels_cpu.fused.mla_kv_write`` with this module's row-wise ``rms_norm`` (rope and the write are
@@ -319,6 +337,12 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
     """``kernels_cpu.fused.mla_q_absorb`` with this module's ``head_linear`` (rope is per token already)."""
     N = w_uk.shape[-1]
     return torch.cat((head_linear(q[..., :N], w_uk), reference.rope(q[..., N:], positions, cos_sin)), -1)
+
+
+def mla_q_absorb_kv_write(q, w_uk, positions, cos_sin, kv_a, norm_w, eps, cache, slot_mapping):
+    """``kernels_cpu.fused.mla_q_absorb_kv_write`` with this module's ``mla_kv_write`` and ``mla_q_absorb``."""
+    mla_kv_write(kv_a, norm_w, eps, positions, cos_sin, cache, slot_mapping)
+    return mla_q_absorb(q, w_uk, positions, cos_sin)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -503,8 +527,9 @@ class BatchInvariantKernels(KernelBackend):
     name = "batch_invariant"
     core_api_version = "1.0"
     ops = {name: f"kernels_cpu.batch_invariant:{name}" for name in (
-        "linear", "linear_f32", "mla_kv_write", "mla_q_absorb", "head_linear", "rms_norm", "add_rms_norm",
-        "silu_and_mul",
+        "linear", "linear_f32", "add_rms_norm_linear", "mla_kv_write", "mla_q_absorb", "mla_q_absorb_kv_write",
+        "head_linear", "rms_norm",
+        "add_rms_norm", "silu_and_mul",
         "mla_decode", "mla_prefill",
-        "moe_route", "moe_gate", "fused_moe", "logsumexp",
+        "moe_route", "moe_gate", "add_rms_norm_moe_gate", "fused_moe", "logsumexp",
     )}

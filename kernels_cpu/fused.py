@@ -6,12 +6,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_cpu.ops import head_linear, moe_route, paged_kv_write, rms_norm, rope
+from kernels_cpu.ops import add_rms_norm, head_linear, linear, moe_route, paged_kv_write, rms_norm, rope
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x.float() @ w.float().T``: float32 logits from activations and weights of any dtype (the router)."""
     return F.linear(x.float(), w.float())
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                        w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm and the projection after it: ``new_residual = x + residual`` (``x`` itself when
+    ``residual`` is None), ``y = linear(rms_norm(new_residual, norm_w, eps), w)``; returns (y, new_residual)."""
+    if residual is None:
+        return linear(rms_norm(x, norm_w, eps), w, None), x
+    normed, residual = add_rms_norm(x, residual, norm_w, eps)
+    return linear(normed, w, None), residual
 
 
 def mla_kv_write(kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
@@ -33,6 +43,16 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
     return torch.cat((head_linear(q[..., :N], w_uk), rope(q[..., N:], positions, cos_sin)), -1)
 
 
+def mla_q_absorb_kv_write(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                          kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """A decode step's MLA query and cache write together: ``mla_kv_write(kv_a, norm_w, eps, positions, cos_sin,
+    cache, slot_mapping)`` (the entry is not returned: decode reads the cache), then ``mla_q_absorb(q, w_uk,
+    positions, cos_sin)``, [T, H, L + R]."""
+    mla_kv_write(kv_a, norm_w, eps, positions, cos_sin, cache, slot_mapping)
+    return mla_q_absorb(q, w_uk, positions, cos_sin)
+
+
 def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str, n_group: int,
              topk_group: int, group_score: str, renormalize: bool, scale: float, n_shared: int,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,3 +67,15 @@ def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, top
         ids = torch.cat((ids, shared.expand(T, n_shared)), 1)
         weights = torch.cat((weights, weights.new_ones(T, n_shared)), 1)
     return weights.to(dtype), ids
+
+
+def add_rms_norm_moe_gate(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                          gate: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str, n_group: int,
+                          topk_group: int, group_score: str, renormalize: bool, scale: float, n_shared: int,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The post-attention norm and the router: ``normed, new_residual = add_rms_norm(x, residual, norm_w, eps)``,
+    then ``moe_gate(normed, gate, ...)``; returns (normed, new_residual, weights, ids)."""
+    normed, residual = add_rms_norm(x, residual, norm_w, eps)
+    weights, ids = moe_gate(normed, gate, bias, top_k, scoring, n_group, topk_group, group_score, renormalize, scale,
+                            n_shared, dtype)
+    return normed, residual, weights, ids

@@ -14,8 +14,9 @@ tensors they run the reference (tf32 tensor-core math would miss float32 toleran
 from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
-KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "mla_kv_write",
+KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "norm_gemv", "mla_kv_write",
                   "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_ws", "mla_prefill", "moe", "moe_gemv",
+                  "moe_stream",
                   "moe_route", "moe_gate", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
                   "mxfp8", "fp8_gemm")
@@ -27,8 +28,10 @@ class CudaKernels(KernelBackend):
     ops: dict[str, str] = {
         "linear": "kernels_cuda.gemv:linear",
         "linear_f32": "kernels_cuda.gemv:linear_f32",
+        "add_rms_norm_linear": "kernels_cuda.norm_gemv:add_rms_norm_linear",
         "head_linear": "kernels_cuda.gemv_rows:head_linear",
         "mla_q_absorb": "kernels_cuda.gemv_rows:mla_q_absorb",
+        "mla_q_absorb_kv_write": "kernels_cuda.gemv_rows:mla_q_absorb_kv_write",
         "mla_kv_write": "kernels_cuda.mla_kv_write:mla_kv_write",
         "rms_norm": "kernels_cuda.norm:rms_norm",
         "add_rms_norm": "kernels_cuda.norm:add_rms_norm",
@@ -39,6 +42,7 @@ class CudaKernels(KernelBackend):
         "mla_prefill": "kernels_cuda.mla_prefill:mla_prefill",
         "moe_route": "kernels_cuda.moe_route:moe_route",
         "moe_gate": "kernels_cuda.moe_route:moe_gate",
+        "add_rms_norm_moe_gate": "kernels_cuda.moe_gate:add_rms_norm_moe_gate",
         "fused_moe": "kernels_cuda.moe:fused_moe",
         "sample": "kernels_cuda.sampling:sample",
         "draft_lengths": "kernels_cuda.draft_lengths:draft_lengths",

@@ -60,10 +60,12 @@ def rows_config(H: int, N: int, K: int, MB: int, sms: int) -> RowsConfig:
 
 
 def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[int, int], sy: tuple[int, int],
-                    dtype: str, out_dtype: str, R: int = 0, table_dtype: str = "float32", pdl: bool = False):
+                    dtype: str, out_dtype: str, R: int = 0, table_dtype: str = "float32", pdl: bool = False,
+                    kv: tuple[int, int, int] | None = None):
     """The GEMV kernel; with ``R`` > 0 also the rope of ``R`` columns per head (``mla_q_absorb``): XR, YR are
     views at the same strides as X, Y (the columns after the no-rope part and after the latent part).
-    ``pdl``: programmatic dependent launch (``_tl.PDL_ENV``), as ``gemv.build_gemv``."""
+    ``pdl``: programmatic dependent launch (``_tl.PDL_ENV``), as ``gemv.build_gemv``. ``kv`` = (L, BS, stride of
+    kv_a's rows): also MLA's cache write (``mla_q_absorb_kv_write``), one more column of CTAs (``kv_write_body``)."""
     T = _tl.language()
     if pdl:
         pdl_trigger, pdl_sync = _tl.pdl_ops()
@@ -165,6 +167,10 @@ def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[
 
         return gemv_rows_kernel
 
+    if kv is not None:
+        return _q_absorb_kv_write_kernel(T, M, P, H, N, K, ROWS, threads, R, sx, sy, dtype, out_dtype, table_dtype,
+                                         kv, gemv_body)
+
     @T.prim_func
     def gemv_rows_rope_kernel(
         X: T.StridedTensor((M, H, K), (sxm, sxh, 1), dtype),
@@ -195,6 +201,128 @@ def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[
                         YR[m, h, 2 * i + 1] = T.cast(x0 * sn + x1 * c, out_dtype)
 
     return gemv_rows_rope_kernel
+
+
+def _rope_body(T, R: int, threads: int, out_dtype: str):
+    """A macro: rows 0..M-1 of head h of XR rotated into YR (one CTA)."""
+    half = R // 2
+
+    @T.macro
+    def rope_body(XR, YR, Pos, CS, M, h, tid):
+        for j in T.serial(T.ceildiv(M * half, threads)):
+            e = j * threads + tid
+            if e < M * half:
+                m = e // half
+                i = e % half
+                p = Pos[m]
+                x0 = T.cast(XR[m, h, 2 * i], "float32")
+                x1 = T.cast(XR[m, h, 2 * i + 1], "float32")
+                c = T.cast(CS[p, i], "float32")
+                sn = T.cast(CS[p, half + i], "float32")
+                YR[m, h, 2 * i] = T.cast(x0 * c - x1 * sn, out_dtype)
+                YR[m, h, 2 * i + 1] = T.cast(x0 * sn + x1 * c, out_dtype)
+
+    return rope_body
+
+
+def kv_write_body(T, L: int, R: int, BS: int, threads: int, dtype: str):
+    """A macro: MLA's cache entry of token t (``mla_kv_write``: RMSNorm of the L latent values, rope of the R key
+    values, both written to the token's cache slot unless it is -1) by one CTA of ``threads`` threads. The
+    numerics are the reference's: float32 sum of squares (per thread, warp shuffles, warps in order),
+    ``w * (x * rsqrt(mean + eps))`` rounded once, the rope in float32 rounded once."""
+    per = -(-L // (threads * VEC))
+    half = R // 2
+
+    @T.macro
+    def kv_body(KV, NW, Pos, CS, Cache, Slots, t, tid, eps):
+        xv = T.alloc_local((VEC,), dtype)
+        xr = T.alloc_local((per, VEC), "float32")
+        nw = T.alloc_local((per, VEC), dtype)
+        ss = T.alloc_local((1,), "float32")
+        tot = T.alloc_local((1,), "float32")
+        part = T.alloc_shared((threads // 32,), "float32")
+        slot = Slots[t]
+        p = Pos[t]
+        ss[0] = 0.0
+        for it in T.unroll(per):
+            k0 = (it * threads + tid) * VEC
+            if k0 < L:
+                for v in T.vectorized(VEC):
+                    nw[it, v] = NW[k0 + v]
+                for v in T.vectorized(VEC):
+                    xv[v] = KV[t, k0 + v]
+                for v in T.unroll(VEC):
+                    xr[it, v] = T.cast(xv[v], "float32")
+                    ss[0] += xr[it, v] * xr[it, v]
+        ss[0] = T.warp_reduce_sum(ss[0])
+        if tid % 32 == 0:
+            part[tid // 32] = ss[0]
+        T.sync_threads()
+        tot[0] = 0.0
+        for w in T.serial(threads // 32):
+            tot[0] += part[w]
+        tot[0] = T.rsqrt(tot[0] / L + eps)
+        if slot >= 0:
+            for it in T.unroll(per):
+                k0 = (it * threads + tid) * VEC
+                if k0 < L:
+                    for v in T.unroll(VEC):
+                        xv[v] = T.cast(T.cast(nw[it, v], "float32") * (xr[it, v] * tot[0]), dtype)
+                    for v in T.vectorized(VEC):
+                        Cache[slot // BS, slot % BS, k0 + v] = xv[v]
+            for j in T.serial(T.ceildiv(half, threads)):
+                i = j * threads + tid
+                if i < half:
+                    x0 = T.cast(KV[t, L + 2 * i], "float32")
+                    x1 = T.cast(KV[t, L + 2 * i + 1], "float32")
+                    c = T.cast(CS[p, i], "float32")
+                    sn = T.cast(CS[p, half + i], "float32")
+                    Cache[slot // BS, slot % BS, L + 2 * i] = T.cast(x0 * c - x1 * sn, dtype)
+                    Cache[slot // BS, slot % BS, L + 2 * i + 1] = T.cast(x0 * sn + x1 * c, dtype)
+        T.sync_threads()  # ``part`` is reused by the next token of this CTA
+
+    return kv_body
+
+
+def _q_absorb_kv_write_kernel(T, M, P, H, N, K, ROWS, threads, R, sx, sy, dtype, out_dtype, table_dtype, kv,
+                              gemv_body):
+    """``mla_q_absorb``'s kernel with one more column of CTAs: CTA (last, h) writes the cache entries of tokens
+    h, h + H, ... (``kv_write_body``), so the decode query and the cache write are one launch."""
+    L, BS, skv = kv
+    NB = T.dynamic("NB")
+    sxm, sxh = sx
+    sym, syh = sy
+    rope_body = _rope_body(T, R, threads, out_dtype)
+    kv_body = kv_write_body(T, L, R, BS, threads, dtype)
+
+    @T.prim_func
+    def gemv_rows_rope_kv_kernel(
+        X: T.StridedTensor((M, H, K), (sxm, sxh, 1), dtype),
+        W: T.Tensor((H, N, K), dtype),
+        Y: T.StridedTensor((M, H, N), (sym, syh, 1), out_dtype),
+        XR: T.StridedTensor((M, H, R), (sxm, sxh, 1), dtype),
+        YR: T.StridedTensor((M, H, R), (sym, syh, 1), out_dtype),
+        Pos: T.Tensor((M,), "int64"),
+        CS: T.Tensor((P, R), table_dtype),
+        KV: T.StridedTensor((M, L + R), (skv, 1), dtype),
+        NW: T.Tensor((L,), dtype),
+        Cache: T.Tensor((NB, BS, L + R), dtype),
+        Slots: T.Tensor((M,), "int64"),
+        eps: T.float32,
+    ):
+        nblk = T.ceildiv(N, ROWS)
+        with T.Kernel(nblk + 2, H, threads=threads) as (bx, h):
+            tid = T.get_thread_binding(0)
+            if bx < nblk:
+                gemv_body(X, W, Y, bx, h)
+            elif bx == nblk:
+                rope_body(XR, YR, Pos, CS, M, h, tid)
+            else:
+                for j in T.serial(T.ceildiv(M, H)):
+                    if j * H + h < M:
+                        kv_body(KV, NW, Pos, CS, Cache, Slots, j * H + h, tid, eps)
+
+    return gemv_rows_rope_kv_kernel
 
 
 _kernel = _tl.kernel_cache(build_gemv_rows)
@@ -257,12 +385,13 @@ def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return gemv_rows(x, w)
     from kernels_cpu import ops as ref
 
-    return ref.head_linear(x, w)
+    return ref.head_linear(x, w).contiguous()  # (einsum's [T, H, N] comes out in the batched GEMM's layout)
 
 
 def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """The registry's ``mla_q_absorb``: one launch writing [W_UK q_nope | rope(q_pe)] (the GEMV's CTAs and one
-    rope CTA per head) for up to 4 tokens, or 8 on a small W_UK; the reference composition otherwise."""
+    rope CTA per head) for up to 4 tokens, or 8 on a small W_UK; otherwise ``head_linear`` and ``rope`` of this backend
+    (tests/test_cuda_dispatch.py)."""
     T_, H, D = q.shape
     L, NN = w_uk.shape[1], w_uk.shape[2]
     R = D - NN
@@ -270,9 +399,10 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
     wide = T_ > 4 and not faster_than_cublas(T_, w_uk.numel() * w_uk.element_size())
     if (wide or not applies(nope, w_uk) or R <= 0 or R % 2 or L % VEC or cos_sin.shape[-1] != R
             or cos_sin.dtype not in (torch.float32, q.dtype)):
-        from kernels_cpu import fused as ref
+        from kernels_cuda.elementwise import rope
 
-        return ref.mla_q_absorb(q, w_uk, positions, cos_sin)
+        # the reference's composition with this backend's ops (its rope is one launch, the reference's ten)
+        return torch.cat((head_linear(nope, w_uk), rope(q[..., NN:], positions, cos_sin)), -1)
     out = torch.empty(T_, H, L + R, dtype=q.dtype, device=q.device)
     sms = _tl.num_sms(q.device.index or 0) if q.is_cuda else _tl.num_sms()
     MB = m_bucket(T_)
@@ -281,6 +411,44 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
                      _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), *((True,) if _tl.pdl() else ()))
     kernel(nope, w_uk, out[..., :L], q[..., NN:], out[..., L:], positions.long().contiguous(), cos_sin.contiguous())
     return out
+
+
+def mla_q_absorb_kv_write(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                          kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The registry's ``mla_q_absorb_kv_write``: ``mla_q_absorb``'s launch with one more CTA per token writing
+    its cache entry; ``mla_kv_write`` then ``mla_q_absorb`` (the backend's, two launches) where it does not apply."""
+    from kernels_cuda import mla_kv_write as kvw
+
+    T_, H, D = q.shape
+    L, NN = w_uk.shape[1], w_uk.shape[2]
+    R, Lkv = D - NN, norm_w.shape[0]
+    wide = T_ > 4 and not faster_than_cublas(T_, w_uk.numel() * w_uk.element_size())
+    if (wide or not applies(q[..., :NN], w_uk) or R <= 0 or R % 2 or L % VEC or cos_sin.shape[-1] != R
+            or cos_sin.dtype not in (torch.float32, q.dtype) or kv_a.shape != (T_, Lkv + R) or Lkv % VEC
+            or not kvw._kernel_applies(kv_a, norm_w, cos_sin, cache) or not kv_fusion_enabled()):
+        kvw.mla_kv_write(kv_a, norm_w, eps, positions, cos_sin, cache, slot_mapping)
+        return mla_q_absorb(q, w_uk, positions, cos_sin)
+    out = torch.empty(T_, H, L + R, dtype=q.dtype, device=q.device)
+    sms = _tl.num_sms(q.device.index or 0) if q.is_cuda else _tl.num_sms()
+    cfg = rows_config(H, L, NN, m_bucket(T_), sms)
+    kernel = _kernel(H, L, NN, m_bucket(T_), cfg, q.stride()[:2], out.stride()[:2], _tl.tl_dtype(q.dtype),
+                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), False,
+                     (Lkv, cache.shape[1], kv_a.stride(0)))
+    kernel(q[..., :NN], w_uk, out[..., :L], q[..., NN:], out[..., L:], positions.long().contiguous(),
+           cos_sin.contiguous(), kv_a, norm_w.to(q.dtype).contiguous(), cache, slot_mapping.long().contiguous(),
+           float(eps))
+    return out
+
+
+#: ``DEEPINFER_KV_FUSION=0`` runs ``mla_kv_write`` and ``mla_q_absorb`` as two launches (a benchmark's before)
+KV_FUSION_ENV = "DEEPINFER_KV_FUSION"
+
+
+def kv_fusion_enabled() -> bool:
+    import os
+
+    return os.environ.get(KV_FUSION_ENV, "1") not in ("", "0")
 
 
 def representative_kernels():
@@ -295,6 +463,9 @@ def representative_kernels():
         ("mla_q_absorb M1 H16 L512 N128 R64 (V2-Lite decode query)",
          lambda: build_gemv_rows(16, 512, 128, 1, c(16, 512, 128, 1, 132), (16 * 192, 192), (16 * 576, 576),
                                  "bfloat16", "bfloat16", 64, "float32")),
+        ("mla_q_absorb_kv_write M1 H16 L512 N128 R64 bs64 (V2-Lite decode query + cache write)",
+         lambda: build_gemv_rows(16, 512, 128, 1, c(16, 512, 128, 1, 132), (16 * 192, 192), (16 * 576, 576),
+                                 "bfloat16", "bfloat16", 64, "float32", False, (512, 64, 3648))),
         ("gemv_rows M4 H16 N128 K512 (V2-Lite W_UV)",
          lambda: build_gemv_rows(16, 128, 512, 4, c(16, 128, 512, 4, 132), (16 * 512, 512), (16 * 128, 128),
                                  "bfloat16", "bfloat16")),

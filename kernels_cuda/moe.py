@@ -1,7 +1,8 @@
 """Fused MoE (TileLang): device-side permutation, grouped expert GEMMs, weighted combine.
 
 1. ``moe_align``: one CTA counts the (token, slot) pairs per expert, lays the experts out in blocks of
-   BM rows (each expert's rows padded to a multiple of BM) and scatters every pair to its row; ids
+   BM rows (each expert's rows padded to a multiple of BM; a thread per expert, its first block from a
+   scan over the threads) and scatters every pair to its row; ids
    outside [0, E) (experts of other ranks) are dropped. Grid sizes downstream come from a host-side
    bound (ceil(T*k / BM) + min(E, T*k) blocks), so nothing synchronises with the host.
 2. ``gather``: the activations in expert order (so the GEMMs read A tiles with TMA).
@@ -11,7 +12,9 @@
    order (deterministic: no atomics).
 
 Decode batches of at most ``moe_gemv.MAX_TOKENS`` tokens take ``kernels_cuda.moe_gemv`` instead: two
-weight-streaming launches that read the top-k ids and weights directly (the size rule is on shapes only).
+weight-streaming launches that read the top-k ids and weights directly; larger decode batches (a mean of at
+most ``moe_stream.MAX_MEAN_ROWS`` rows per expert) take ``kernels_cuda.moe_stream``'s GEMMs, which put the
+tokens in the mma's N (the size rules are on shapes only).
 
 Padding rows compute garbage that is never stored. Rows are independent in the GEMMs, so where a
 pair lands inside its expert's block does not change its result.
@@ -19,13 +22,15 @@ pair lands inside its expert's block does not change its result.
 
 import torch
 
-from kernels_cuda import _tl, moe_gemv
+from kernels_cuda import _tl, moe_gemv, moe_stream
 
 
 def build_align(E: int, BM: int):
     T = _tl.language()
     NS, CAP, NBLK = T.dynamic("NS"), T.dynamic("CAP"), T.dynamic("NBLK")
     threads = 1024
+    assert E <= threads, "one thread per expert in the block-offset scan"
+    steps = max(1, (E - 1).bit_length())  # scan steps: 2**steps >= E
 
     @T.prim_func
     def moe_align(Ids: T.Tensor((NS,), "int64"), RowSlot: T.Tensor((CAP,), "int32"),
@@ -34,6 +39,11 @@ def build_align(E: int, BM: int):
             tx = T.get_thread_binding()
             cnt = T.alloc_shared((E,), "int32")
             cursor = T.alloc_shared((E,), "int32")
+            nbs = T.alloc_shared((threads,), "int32")
+            part = T.alloc_local((1,), "int32")
+            nb = T.alloc_local((1,), "int32")
+            first = T.alloc_local((1,), "int32")
+            total = T.alloc_local((1,), "int32")
             for it in T.serial(T.ceildiv(E, threads)):
                 if it * threads + tx < E:
                     cnt[it * threads + tx] = 0
@@ -48,16 +58,31 @@ def build_align(E: int, BM: int):
                 if it * threads + tx < CAP:
                     RowSlot[it * threads + tx] = -1
             T.sync_threads()
-            if tx == 0:
-                blk = T.alloc_var("int32", 0)
-                for e in T.serial(E):
-                    cursor[e] = blk * BM
-                    nb = T.ceildiv(cnt[e], BM)
-                    for j in T.serial(nb):
-                        BlockExpert[blk + j] = e
-                    blk += nb
-                for j in T.serial(T.max(NBLK - blk, 0)):
-                    BlockExpert[blk + j] = -1
+            # each expert's first block: an inclusive scan of its block counts over the threads (log2 E steps)
+            nbs[tx] = 0
+            if tx < E:
+                nbs[tx] = T.ceildiv(cnt[tx], BM)
+            T.sync_threads()
+            for st in T.unroll(steps):
+                part[0] = nbs[tx]
+                if tx >= T.shift_left(1, st):
+                    part[0] += nbs[tx - T.shift_left(1, st)]
+                T.sync_threads()
+                nbs[tx] = part[0]
+                T.sync_threads()
+            nb[0] = 0
+            if tx < E:
+                nb[0] = T.ceildiv(cnt[tx], BM)
+            first[0] = nbs[tx] - nb[0]
+            total[0] = nbs[E - 1]
+            if tx < E:
+                cursor[tx] = first[0] * BM
+            for j in T.serial(nb[0]):
+                BlockExpert[first[0] + j] = tx
+            for it in T.serial(T.ceildiv(NBLK, threads)):
+                b = it * threads + tx
+                if (b >= total[0]) & (b < NBLK):
+                    BlockExpert[b] = -1
             T.sync_threads()
             for it in T.serial(T.ceildiv(NS, threads)):
                 s = it * threads + tx
@@ -91,8 +116,9 @@ def build_gather(C: int, K: int, BM: int, dtype: str):
 
 
 def build_gemm1(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, threads: int, dtype: str,
-                limit: float | None = None):
-    """``limit``: V4's clamped SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+                limit: float | None = None, blocks: int = 1):
+    """``limit``: V4's clamped SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit). ``blocks`` > 1: CTAs an
+    SM the registers must fit (``kernels_cuda.moe_stream``), without setmaxnreg."""
     T = _tl.language()
     CAP, NBLK = T.dynamic("CAP"), T.dynamic("NBLK")
     accum = "float32"
@@ -102,6 +128,9 @@ def build_gemm1(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, 
     def moe_gemm1(Xs: T.Tensor((CAP, C), dtype), W13: T.Tensor((E, 2 * I, C), dtype),
                   BlockExpert: T.Tensor((NBLK,), "int32"), Hs: T.Tensor((CAP, I), dtype)):
         with T.Kernel(I // BN, NBLK, threads=threads) as (bn, blk):
+            if blocks > 1:
+                T.annotate_min_blocks_per_sm(blocks)
+                T.disable_warp_group_reg_alloc()
             A_s = T.alloc_shared((BM, BK), dtype)
             G_s = T.alloc_shared((BN, BK), dtype)
             U_s = T.alloc_shared((BN, BK), dtype)
@@ -132,7 +161,8 @@ def build_gemm1(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, 
     return moe_gemm1
 
 
-def build_gemm2(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, threads: int, dtype: str):
+def build_gemm2(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, threads: int, dtype: str,
+                blocks: int = 1):
     T = _tl.language()
     CAP, NBLK, NS = T.dynamic("CAP"), T.dynamic("NBLK"), T.dynamic("NS")
     accum = "float32"
@@ -143,6 +173,9 @@ def build_gemm2(E: int, C: int, I: int, BM: int, BN: int, BK: int, stages: int, 
                   BlockExpert: T.Tensor((NBLK,), "int32"), RowSlot: T.Tensor((CAP,), "int32"),
                   Y: T.Tensor((NS, C), dtype)):
         with T.Kernel(C // BN, NBLK, threads=threads) as (bn, blk):
+            if blocks > 1:
+                T.annotate_min_blocks_per_sm(blocks)
+                T.disable_warp_group_reg_alloc()
             A_s = T.alloc_shared((BM, BK), dtype)
             B_s = T.alloc_shared((BN, BK), dtype)
             acc = T.alloc_fragment((BM, BN), accum)
@@ -224,6 +257,8 @@ def fused_moe(x, w13, w2, weights, ids, *, cfg: dict | None = None):
         return ref(x, w13, w2, weights, ids)
     if cfg is None and moe_gemv.applies(x, w13, w2, weights, ids):  # decode: stream the weights, 2 launches
         return moe_gemv.fused_moe_small(x, w13, w2, weights, ids)
+    if cfg is None and moe_stream.applies(x, w13, w2, ids):  # decode batches: tokens as the mma's N
+        return moe_stream.fused_moe_stream(x, w13, w2, weights, ids)
     return _fused(x, w13, w2, weights, ids, cfg, None)
 
 
@@ -236,7 +271,9 @@ def fused_moe_clamped(x, w13, w2, weights, ids, limit, *, cfg: dict | None = Non
     lim = None if limit is None else float(limit)
     if cfg is None and moe_gemv.applies(x, w13, w2, weights, ids):
         return moe_gemv.fused_moe_small(x, w13, w2, weights, ids, lim)
-    return _fused(x, w13, w2, weights, ids, cfg, None if limit is None else float(limit))
+    if cfg is None and moe_stream.applies(x, w13, w2, ids):
+        return moe_stream.fused_moe_stream(x, w13, w2, weights, ids, lim)
+    return _fused(x, w13, w2, weights, ids, cfg, lim)
 
 
 def _fused(x, w13, w2, weights, ids, cfg, limit):
@@ -277,10 +314,11 @@ def moe_steps(x, w13, w2, weights, ids, *, cfg: dict | None = None, limit: float
     out = torch.empty(NT, Cp, dtype=x.dtype, device=dev)
     k_align = _align(E, BM)
     k_gather = _gather(Cp, K, BM, dt)
-    k_gemm1 = _gemm1(E, Cp, Ip, BM, c["BN1"], BK, c["stages"], c["threads"], dt, limit)
+    k_gemm1 = _gemm1(E, Cp, Ip, BM, c["BN1"], BK, c["stages"], c["threads"], dt, limit, c.get("blocks", 1))
     # gemm2's K is the expert width (1408 for V2-Lite: 22 steps of 64): its own k-tile and stages ("BK2",
     # "stages2"; default those of gemm1) so that a short K can trade stages for wider steps
-    k_gemm2 = _gemm2(E, Cp, Ip, BM, c["BN2"], c.get("BK2", BK), c.get("stages2", c["stages"]), c["threads"], dt)
+    k_gemm2 = _gemm2(E, Cp, Ip, BM, c["BN2"], c.get("BK2", BK), c.get("stages2", c["stages"]), c["threads"], dt,
+                     c.get("blocks", 1))
     k_combine = _combine(Cp, K, E, dt)
     steps = [
         ("align", lambda: k_align(ids_flat, row_slot, block_expert)),

@@ -23,6 +23,7 @@ from deepinfer_core.testing import (
 from kernels_ascend import AscendKernels
 from kernels_cpu import ReferenceKernels
 from kernels_cpu import fp8_ops as ref_fp8
+from kernels_cpu import fused as ref_fused
 from kernels_cpu import ops as ref
 
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,6 +121,16 @@ def sample_batch_dependent(logits, temperature, top_k, top_p, min_p, seeds, offs
     return ref.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets + int(len(seeds) == 1))
 
 
+def norm_linear_stale_residual(x, residual, norm_w, eps, w):
+    # the projection is right, but the residual handed on is the old one (the add forgotten)
+    y, _ = ref_fused.add_rms_norm_linear(x, residual, norm_w, eps, w)
+    return y, x if residual is None else residual
+
+
+def q_absorb_without_kv_write(q, w_uk, positions, cos_sin, kv_a, norm_w, eps, cache, slot_mapping):
+    return ref_fused.mla_q_absorb(q, w_uk, positions, cos_sin)
+
+
 def linear_that_raises(x, w, bias=None):
     raise RuntimeError("kernel launch failed: invalid configuration")
 
@@ -151,6 +162,10 @@ def backend(op: str, fn) -> type[KernelBackend]:
      r"case 'mixed greedy and seeded'\] differs from the reference: \d+ of 16 rows sampled other tokens.*"
      r"first: seeded \(seed=\d+, offset=\d+\) row \d+"),
     ("sample", sample_batch_dependent, torch.float32, r"sampled alone gives \d+, in the batch \d+"),
+    ("add_rms_norm_linear", norm_linear_stale_residual, torch.float32,
+     r"'add_rms_norm_linear'.*\[dtype float32, case '1 row'\] output 1 differs from the reference: max error"),
+    ("mla_q_absorb_kv_write", q_absorb_without_kv_write, torch.bfloat16,
+     r"'mla_q_absorb_kv_write'.*case '5 tokens, -1 slots'\] output 1 differs from the reference"),
     ("linear", linear_that_raises, torch.float32,
      r"case '2d\+bias'\] raised RuntimeError: kernel launch failed: invalid configuration$"),
 ])

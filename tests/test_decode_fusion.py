@@ -218,31 +218,44 @@ def _decode_once(model, cfg) -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_fused_ops_only_where_the_backend_implements_them(native):
-    """``mla_q_absorb`` and ``moe_gate`` run at decode when the backend has them (the reference has every op);
-    a backend without them (Ascend) keeps its own ``rope`` and ``moe_route`` instead of the reference's
-    composition of them."""
+    """``mla_q_absorb_kv_write``, ``add_rms_norm_moe_gate`` and ``add_rms_norm_linear`` run at decode when the
+    backend has them (the reference has every op); a backend without them (Ascend) keeps its own ``rope``,
+    ``moe_route`` and norms instead of the reference's composition of them."""
     from deepinfer_core.kernels import KernelBackend, Kernels
     from kernels_cpu import ReferenceKernels
 
     class NoFusedOps(KernelBackend):
         name = "no-fused-ops"
         core_api_version = "1.0"
-        ops = {k: v for k, v in ReferenceKernels.ops.items() if k not in ("mla_q_absorb", "moe_gate")}
+        ops = {k: v for k, v in ReferenceKernels.ops.items()
+               if k not in ("mla_q_absorb", "moe_gate", "add_rms_norm_linear", "add_rms_norm_moe_gate",
+                            "mla_q_absorb_kv_write")}
 
     k = Kernels(ReferenceKernels if native else NoFusedOps, ReferenceKernels)
     calls: list[str] = []
-    for op in ("mla_q_absorb", "moe_gate", "moe_route", "rope"):
+    for op in ("mla_q_absorb", "moe_gate", "moe_route", "rope", "add_rms_norm_linear", "add_rms_norm", "rms_norm",
+               "add_rms_norm_moe_gate", "mla_q_absorb_kv_write", "mla_kv_write"):
         fn = getattr(k, op)
         k.override(op, lambda *a, _fn=fn, _op=op, **kw: calls.append(_op) or _fn(*a, **kw))
     model, cfg = _tiny_model(k)
     _decode_once(model, cfg)
     layers, moes = cfg.num_hidden_layers, len(model.moe_layers())
+    q_norms = layers if cfg.q_lora_rank else 0  # q_a_layernorm
     if native:
-        assert calls.count("mla_q_absorb") == layers and calls.count("moe_gate") == moes
+        # the router behind the post-attention norm (add_rms_norm_moe_gate) in every MoE layer
+        # the query and the cache write in one op (a decode-only step)
+        assert calls.count("mla_q_absorb_kv_write") == layers and "mla_q_absorb" not in calls
+        assert "mla_kv_write" not in calls and calls.count("add_rms_norm_moe_gate") == moes
         assert "rope" not in calls and "moe_route" not in calls  # the key's rope is inside mla_kv_write
+        # every input norm inside the q + kv_a projection, a dense layer's post-attention norm inside its w13
+        # GEMV; only the final norm stays
+        assert calls.count("add_rms_norm_linear") == 2 * layers - moes and calls.count("rms_norm") == q_norms
+        assert calls.count("add_rms_norm") == 1
     else:
-        assert "mla_q_absorb" not in calls and "moe_gate" not in calls
+        assert not {"mla_q_absorb", "moe_gate", "add_rms_norm_linear", "add_rms_norm_moe_gate",
+                    "mla_q_absorb_kv_write"} & set(calls)
         assert calls.count("rope") == layers and calls.count("moe_route") == moes
+        assert calls.count("rms_norm") == q_norms + 1 and calls.count("add_rms_norm") == 2 * layers
 
 
 def test_linear_dispatch_by_rows_and_weight(monkeypatch):

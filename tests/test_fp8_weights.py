@@ -157,6 +157,29 @@ def test_fp8_checkpoint_kept_fp8_equals_dequantised_within_the_activation_bound(
     assert (lp_f - lp_b).abs().max() > 0  # the activations really were quantised
 
 
+def test_fp8_shared_expert_folds_into_the_fp8_moe(fp8_ckpt):
+    """FP8 experts and shared MLP of whole-tile width are stacked (weights and tile scales) into one
+    ``fused_moe_fp8`` call, the routed and shared parameters views of the stacks: the scales stacked per tile
+    dequantise to the same weights, and the folded and unfolded paths give the same tokens and logprobs up to
+    float32 summation order."""
+    llm = make_llm(fp8_ckpt, weight_dtype="fp8")
+    model = llm.engine.model
+    moe = model.layers[1].mlp
+    E = moe.num_local
+    assert moe._folded() and moe.s13_all.shape[0] == moe.w13_all.shape[0] == E + 1
+    assert moe.w13_scale_inv.data_ptr() == moe.s13_all.data_ptr()
+    assert moe.shared.w2_scale_inv.data_ptr() == moe.s2_all[E].data_ptr()  # V3's single shared expert: a view
+    assert torch.equal(dequantize_blocks(moe.w2_all[E], moe.s2_all[E], 128, 128),
+                       dequantize_blocks(moe.shared.w2, moe.shared.w2_scale_inv, 128, 128))
+    tok_f, lp_f = _generate(llm)
+    model.set_decode_fusion(False)
+    assert not moe._folded()
+    tok_u, lp_u = _generate(llm)
+    model.set_decode_fusion(True)
+    assert tok_f == tok_u
+    torch.testing.assert_close(lp_f, lp_u, rtol=0, atol=2e-3)
+
+
 def test_trained_model_fp8_weights_accuracy(tmp_path):
     """The embedded trained tiny model, written as an FP8 checkpoint: weight_dtype fp8 (e4m3 weights, activations
     quantised per token and 128 channels) against the same FP8 weights dequantised (bf16 mode), greedy on text."""

@@ -87,11 +87,13 @@ def test_every_kernel_compiles_for_sm90a(tmp_path):
     by_name = {r["name"]: r for r in results}
     # the matrix kernels must use Hopper's tensor-core and copy-engine paths
     for name, r in by_name.items():
-        if name.startswith(("mla_prefill", "moe_gemm")):
+        if name.startswith(("mla_prefill", "moe_gemm", "moe_sgemm")):
             assert r["wgmma"] and r["tma"], f"{name}: expected wgmma + TMA, got {r}"
         if name.startswith("mla_decode H128"):
             assert r["wgmma"] and r["cp_async"], f"{name}: expected wgmma + cp.async, got {r}"
         if name.startswith(("moe_up", "moe_down")):  # the weight-streaming MoE reads 16-byte vectors
+            assert r["vec16"], f"{name}: expected 16-byte vector loads, got {r}"
+        if name.startswith(("add_rms_norm + gemv", "rms_norm + gemv", "mla_q_absorb_kv_write")):  # decode fusion
             assert r["vec16"], f"{name}: expected 16-byte vector loads, got {r}"
     assert by_name["mla_decode H16 bs16 split ragged"]["mma"]
     cubins = list((tmp_path / "tl-cache").rglob("*.cubin")) + list((tmp_path / "tl-cache").rglob("*.so"))

@@ -310,7 +310,8 @@ def test_kernels_fall_back_to_the_reference_and_log_it(caplog):
     fp8 = ["fp8_linear", "fused_moe_fp8"]  # block-scaled FP8 weights: no Ascend kernel yet
     spec = ["draft_lengths"]  # speculative draft lengths: the torch reference on the device
     # decode-fusion compositions: the reference (planes unfused)
-    fused = ["linear_f32", "mla_kv_write", "mla_q_absorb", "moe_gate"]
+    fused = ["linear_f32", "add_rms_norm_linear", "mla_kv_write", "mla_q_absorb", "mla_q_absorb_kv_write",
+             "moe_gate", "add_rms_norm_moe_gate"]
     kv8 = ["latent_kv_dequant"]  # FP8 latent KV rows: the platform does not list kv_cache_dtype "fp8"
     expected = ["linear", "head_linear", *kv8, *fused, *fp8, *v4, "apply_penalties", *mxfp8, *spec, "logsumexp"]
     assert k.fallbacks == expected

@@ -104,12 +104,20 @@ class MLA(nn.Module):
         self.w_xa = fused
         self.w_xa_scale = None if sq is None else torch.cat((sq, skv))
 
+    def fuses_input_norm(self) -> bool:
+        """Whether the layer's input norm runs in the prologue of the fused input projection
+        (``add_rms_norm_linear``, decode fusion): one model-dtype weight ``w_xa`` and a backend that runs the op."""
+        return self.fuse_kv_write and self.w_xa is not None and self.w_xa_scale is None and \
+            self.k.implements("add_rms_norm_linear")
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, cache: torch.Tensor, xa: torch.Tensor | None = None) -> torch.Tensor:
+        """``xa``: ``x @ w_xa.T`` already computed (by ``add_rms_norm_linear``; ``x`` is then that same tensor)."""
         k, T = self.k, x.shape[0]
-        if self.w_xa is not None:
-            x_q, kv_a = linear(k, x, self.w_xa, self.w_xa_scale).split(
-                [self.w_xa.shape[0] - self.L - self.R, self.L + self.R], dim=-1)
+        if xa is not None or self.w_xa is not None:
+            if xa is None:
+                xa = linear(k, x, self.w_xa, self.w_xa_scale)
+            x_q, kv_a = xa.split([self.w_xa.shape[0] - self.L - self.R, self.L + self.R], dim=-1)
         else:
             x_q = linear(k, x, *((self.q_proj, self.q_proj_scale_inv) if self.cfg.q_lora_rank is None
                                  else (self.q_a_proj, self.q_a_proj_scale_inv)))
@@ -128,7 +136,12 @@ class MLA(nn.Module):
         elif P:
             q_pe = k.rope(q_pe[:P], positions[:P], cos_sin)
 
-        if self.fuse_kv_write and isinstance(cache, torch.Tensor) and cache.dtype == kv_a.dtype:
+        one_cache = self.fuse_kv_write and isinstance(cache, torch.Tensor) and cache.dtype == kv_a.dtype
+        # a decode-only step: the cache write inside mla_q_absorb's launch (the entry is not needed)
+        kv_in_query = absorb and one_cache and meta.prefill is None and k.implements("mla_q_absorb_kv_write")
+        if kv_in_query:
+            entry = None
+        elif one_cache:
             entry = k.mla_kv_write(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, positions, cos_sin,
                                    cache, meta.slot_mapping)
         else:  # cache planes or a quantised cache: the platform's own write
@@ -141,7 +154,8 @@ class MLA(nn.Module):
         elif meta.decode is None:
             out = self._prefill(q_nope, q_pe, entry, meta, cache)
         elif meta.prefill is None:
-            out = self._decode(q, None if absorb else q_pe, positions, cos_sin, meta, cache)
+            out = self._decode(q, None if absorb else q_pe, positions, cos_sin, meta, cache,
+                               kv_a if kv_in_query else None)
         else:  # a mixed step: prefill chunks' rows first
             out = x.new_empty(T, self.H, self.V)
             out[:P] = self._prefill(q_nope[:P], q_pe[:P], entry[:P], meta, cache)
@@ -166,11 +180,17 @@ class MLA(nn.Module):
         query = torch.cat((q_nope, q_pe), dim=-1)
         return self.k.mla_prefill(query, key, v.contiguous(), pm.cu_q_lens, pm.cu_k_lens, self.scale)
 
-    def _decode(self, q, q_pe, positions, cos_sin, meta: AttentionMetadata, cache) -> torch.Tensor:
+    def _decode(self, q, q_pe, positions, cos_sin, meta: AttentionMetadata, cache,
+                kv_a: torch.Tensor | None = None) -> torch.Tensor:
         """Absorbed form: fold W_UK into q, attend over latents, then apply W_UV. ``q_pe`` None: q's rope part
-        is not rotated yet, and ``mla_q_absorb`` does both in one op (decode fusion)."""
+        is not rotated yet, and ``mla_q_absorb`` does both in one op (decode fusion); ``kv_a`` given: the cache
+        entry is not written yet, and ``mla_q_absorb_kv_write`` writes it in the same op."""
         dm = meta.decode
-        if q_pe is None:
+        if kv_a is not None:
+            norm = self.kv_a_layernorm
+            q_abs = self.k.mla_q_absorb_kv_write(q, self.w_uk, positions, cos_sin, kv_a, norm.weight, norm.eps, cache,
+                                                 meta.slot_mapping)
+        elif q_pe is None:
             q_abs = self.k.mla_q_absorb(q, self.w_uk, positions, cos_sin)  # [T, H, L + R]
         else:
             q_lat = self.k.head_linear(q[..., : self.N], self.w_uk)  # [T, H, L]
@@ -187,9 +207,11 @@ class MLP(nn.Module):
         self.k, self.w13, self.w2 = k, _param(2 * inter, hidden), _param(hidden, inter)
         _fp8_scales(self, "w13", "w2")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.k.silu_and_mul(linear(self.k, x, self.w13, self.w13_scale_inv))
-        return linear(self.k, h, self.w2, self.w2_scale_inv)
+    def forward(self, x: torch.Tensor, h13: torch.Tensor | None = None) -> torch.Tensor:
+        """``h13``: ``x @ w13.T`` already computed (``add_rms_norm_linear``)."""
+        if h13 is None:
+            h13 = linear(self.k, x, self.w13, self.w13_scale_inv)
+        return linear(self.k, self.k.silu_and_mul(h13), self.w2, self.w2_scale_inv)
 
 
 class MoE(nn.Module):
@@ -222,6 +244,8 @@ class MoE(nn.Module):
         self.fold_shared = True
         self.w13_all: torch.Tensor | None = None
         self.w2_all: torch.Tensor | None = None
+        self.s13_all: torch.Tensor | None = None  # FP8 experts: the stacked 128x128 tile scales
+        self.s2_all: torch.Tensor | None = None
 
     def post_load(self) -> None:
         self._fold_shared_experts()
@@ -232,16 +256,21 @@ class MoE(nn.Module):
         per block of I; the MLP is a sum over its intermediate channels, so this is the same function). The
         routed parameters become views of the stacked tensors (no extra memory); the shared MLP's too when
         S == 1 (V3), while for S > 1 (V2) its stacked copy costs its size once more. Only for model-dtype
-        weights on a rank that holds every routed expert (expert parallelism moves experts between ranks)."""
-        self.w13_all = self.w2_all = None
+        weights on a rank that holds every routed expert (expert parallelism moves experts between ranks), or for
+        FP8 experts and shared MLP alike whose width I fills whole 128-channel tiles (their scales stack the same
+        way, per tile)."""
+        self.w13_all = self.w2_all = self.s13_all = self.s2_all = None
         sh, cfg = self.shared, self.cfg
-        if (sh is None or self.w13_scale_inv is not None or sh.w13_scale_inv is not None
+        fp8 = self.w13_scale_inv is not None
+        if (sh is None or fp8 != (sh.w13_scale_inv is not None)
                 or self.expert_parallel is not None or self.expert_start or self.num_local != cfg.n_routed_experts):
             return
         E, I, C = self.num_local, cfg.moe_intermediate_size, self.w13.shape[-1]
         S = sh.w2.shape[1] // I
-        if S * I != sh.w2.shape[1]:
+        if S * I != sh.w2.shape[1] or (fp8 and I % 128):
             return
+        if fp8:
+            self._stack_scales(E, S, I // 128)
         w13 = self.w13.new_empty(E + S, 2 * I, C)
         w2 = self.w2.new_empty(E + S, C, I)
         w13[:E].copy_(self.w13.data)
@@ -252,6 +281,28 @@ class MoE(nn.Module):
         self._install_stacked(w13, w2)
         self.shared_ids = torch.arange(E, E + S, device=w13.device).view(1, S)
         self.shared_weights = torch.ones(1, S, dtype=w13.dtype, device=w13.device)
+
+    def _stack_scales(self, E: int, S: int, Ib: int) -> None:
+        """The FP8 tile scales of the routed experts and of the shared MLP split into S experts of Ib tiles,
+        stacked as ``_fold_shared_experts`` stacks the weights; the routed (and a single shared expert's) scale
+        buffers become views of them."""
+        sh = self.shared
+        s13 = self.w13_scale_inv.new_empty(E + S, 2 * Ib, self.w13_scale_inv.shape[-1])
+        s2 = self.w2_scale_inv.new_empty(E + S, self.w2_scale_inv.shape[-2], Ib)
+        s13[:E].copy_(self.w13_scale_inv)
+        s2[:E].copy_(self.w2_scale_inv)
+        s13[E:, :Ib].copy_(sh.w13_scale_inv[: S * Ib].reshape(S, Ib, -1))
+        s13[E:, Ib:].copy_(sh.w13_scale_inv[S * Ib :].reshape(S, Ib, -1))
+        s2[E:].copy_(sh.w2_scale_inv.reshape(-1, S, Ib).permute(1, 0, 2))
+        self.s13_all, self.s2_all = s13, s2
+        self.w13_scale_inv, self.w2_scale_inv = s13[:E], s2[:E]
+        if S == 1:
+            sh.w13_scale_inv, sh.w2_scale_inv = s13[E], s2[E]
+
+    def _stacked_moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.s13_all is None:
+            return self.k.fused_moe(x, self.w13_all, self.w2_all, weights, ids)
+        return self.k.fused_moe_fp8(x, self.w13_all, self.s13_all, self.w2_all, self.s2_all, weights, ids)
 
     def _install_stacked(self, w13: torch.Tensor, w2: torch.Tensor) -> list[nn.Parameter]:
         """Make the routed parameters (and a single shared expert's) views of the stacked tensors; returns them."""
@@ -275,7 +326,9 @@ class MoE(nn.Module):
         """The stacked tensors are in use: folding on, and the routed weights still the views made at post_load
         (a placement or layout change since replaces them; then the shared MLP runs on its own)."""
         return (self.fold_shared and self.w13_all is not None and self.expert_parallel is None
-                and self.w13.data_ptr() == self.w13_all.data_ptr() and self.w2.data_ptr() == self.w2_all.data_ptr())
+                and self.w13.data_ptr() == self.w13_all.data_ptr() and self.w2.data_ptr() == self.w2_all.data_ptr()
+                and (self.s13_all is None or (self.w13_scale_inv.data_ptr() == self.s13_all.data_ptr()
+                                              and self.w2_scale_inv.data_ptr() == self.s2_all.data_ptr())))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -287,19 +340,27 @@ class MoE(nn.Module):
             weights, ids = self.route_hook(self.layer_idx, weights, ids)
         return weights, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._folded() and self.route_hook is None and self.k.implements("moe_gate"):  # router + shared slots
-            cfg = self.cfg
-            weights, ids = self.k.moe_gate(x, self.gate, self.e_score_correction_bias, cfg.num_experts_per_tok,
-                                           cfg.scoring_func, self.n_group, cfg.topk_group, self.group_score,
-                                           self.renormalize, self.scale, self.shared_ids.shape[1], x.dtype)
-            return self.k.fused_moe(x, self.w13_all, self.w2_all, weights, ids)
+    def fused_gate(self) -> bool:
+        """Whether the router and the shared experts' slots are one ``moe_gate`` (decode fusion, folded experts)."""
+        return self._folded() and self.route_hook is None and self.k.implements("moe_gate")
+
+    def gate_args(self) -> tuple:
+        """``moe_gate``'s arguments after the activations, up to (not including) the weights' dtype."""
+        cfg = self.cfg
+        return (self.gate, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.scoring_func, self.n_group,
+                cfg.topk_group, self.group_score, self.renormalize, self.scale, self.shared_ids.shape[1])
+
+    def forward(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``routed``: (weights, ids) of ``moe_gate`` already computed (``add_rms_norm_moe_gate``)."""
+        if routed is not None or self.fused_gate():  # router + shared slots
+            weights, ids = routed if routed is not None else self.k.moe_gate(x, *self.gate_args(), x.dtype)
+            return self._stacked_moe(x, weights, ids)
         weights, ids = self.route(x)
         if self._folded():
             T, S = x.shape[0], self.shared_ids.shape[1]
             ids = torch.cat((ids, self.shared_ids.expand(T, S)), 1)
             weights = torch.cat((weights.to(x.dtype), self.shared_weights.expand(T, S)), 1)
-            return self.k.fused_moe(x, self.w13_all, self.w2_all, weights, ids)
+            return self._stacked_moe(x, weights, ids)
         if self.expert_parallel is not None:
             out = self.expert_parallel.run(self, x, weights, ids)
         else:
@@ -323,13 +384,28 @@ class DecoderLayer(nn.Module):
                                                                             cfg.intermediate_size)
 
     def forward(self, x, residual, positions, cos_sin, meta, cache):
-        if residual is None:
-            residual, x = x, self.k.rms_norm(x, self.input_layernorm, self.eps)
+        attn = self.self_attn
+        if attn.fuses_input_norm():  # the input norm inside the q + kv_a projection (decode fusion)
+            xa, residual = self.k.add_rms_norm_linear(x, residual, self.input_layernorm, self.eps, attn.w_xa)
+            x = attn(xa, positions, cos_sin, meta, cache, xa=xa)
         else:
-            x, residual = self.k.add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        x = self.self_attn(x, positions, cos_sin, meta, cache)
+            if residual is None:
+                residual, x = x, self.k.rms_norm(x, self.input_layernorm, self.eps)
+            else:
+                x, residual = self.k.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+            x = attn(x, positions, cos_sin, meta, cache)
+        mlp = self.mlp
+        if isinstance(mlp, MLP) and attn.fuse_kv_write and mlp.w13_scale_inv is None and \
+                self.k.implements("add_rms_norm_linear"):  # a dense layer: the norm inside the w13 GEMV
+            h13, residual = self.k.add_rms_norm_linear(x, residual, self.post_attention_layernorm, self.eps, mlp.w13)
+            return mlp(h13, h13=h13), residual
+        if isinstance(mlp, MoE) and mlp.fused_gate() and self.k.implements("add_rms_norm_moe_gate"):
+            # the post-attention norm inside the router's launch (decode fusion)
+            x, residual, weights, ids = self.k.add_rms_norm_moe_gate(
+                x, residual, self.post_attention_layernorm, self.eps, *mlp.gate_args(), x.dtype)
+            return mlp(x, routed=(weights, ids)), residual
         x, residual = self.k.add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(x), residual
+        return mlp(x), residual
 
 
 class DeepseekForCausalLM(CausalLM):

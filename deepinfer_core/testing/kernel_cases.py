@@ -629,3 +629,7 @@ CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "mxfp8_quant": _cases_mxfp8_quant,
     "mxfp8_dequant": _cases_mxfp8_dequant,
 }
+
+from deepinfer_core.testing.kernel_cases_fused import FUSED_CASES  # noqa: E402  (its cases use the helpers above)
+
+CASES.update(FUSED_CASES)

@@ -12,9 +12,10 @@ reference computed in float32 on the CPU from the same (already rounded) inputs:
   quantisation, dequantisation and ue8m0 scales: bit-exact;
 * ``moe_route``: the same expert set per token (inputs are drawn with a clear margin between the
   k-th and (k+1)-th choice, so this is well posed), weights within tolerance;
-* ``moe_route_v4`` and ``moe_gate`` (the router from the activations, shared experts appended)
-  likewise; ``v4_indexer_topk``: the same set of entry ids per token (inputs drawn with a clear
-  margin at the top-k boundary);
+* ``moe_route_v4``, ``moe_gate`` (the router from the activations, shared experts appended) and
+  ``add_rms_norm_moe_gate`` (the same behind the norm; normed row and residual as values) likewise;
+  ``v4_indexer_topk``: the same set of entry ids per token (inputs drawn with a clear margin at the
+  top-k boundary);
 * ``sample``: bit-exact token ids, greedy and seeded rows alike (the counter-based RNG in
   ``kernels_cpu.rng`` gives every backend the same uniforms for a (seed, offset)), and a row's
   token must not change when it is sampled alone.
@@ -115,6 +116,8 @@ def _call(op: str, fn: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
         return (torch.cat(cache_planes(args[0]), dim=-1),)
     if op == "mla_kv_write":  # the returned entry and the written cache
         return (out, torch.cat(cache_planes(args[5]), dim=-1))
+    if op == "mla_q_absorb_kv_write":  # the query and the written cache
+        return (out, torch.cat(cache_planes(args[7]), dim=-1))
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
@@ -275,6 +278,10 @@ def check_op(
             _fail(where, f"returned {len(out)} output(s), reference {len(truth)}")
         if op in ("moe_route", "moe_route_v4", "moe_gate"):
             _check_moe_route(where, out, truth, rtol, shaped[0].dtype)
+        elif op == "add_rms_norm_moe_gate":  # (normed, new_residual) as values, then the routing
+            for i, name in enumerate(("normed", "new residual")):
+                _compare(f"{where} {name}", out[i], truth[i], shaped[i].dtype, rtol, exact=False, norm=False)
+            _check_moe_route(where, out[2:], truth[2:], rtol, shaped[2].dtype)
         elif op == "v4_indexer_topk":
             _check_id_sets(where, out[0], truth[0])
         elif op == "sample":

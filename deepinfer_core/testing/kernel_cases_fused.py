@@ -1,0 +1,84 @@
+"""The conformance kit's cases for the fused decode ops added after ``kernel_cases.py`` grew large: a norm in
+the prologue of the projection after it (``add_rms_norm_linear``) and of the router (``add_rms_norm_moe_gate``),
+MLA's cache write in the decode query's launch (``mla_q_absorb_kv_write``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deepinfer_core.testing.kernel_cases import Case, _randn, _rope_table, _route_margin
+
+
+def _cases_add_rms_norm_linear(g, dtype, bs):
+    def case(label, T, C, N, residual=True):
+        x = _randn(g, T, C, dtype=dtype, scale=2.0)
+        res = _randn(g, T, C, dtype=dtype, scale=4.0) if residual else None
+        norm_w = (1 + _randn(g, C, scale=0.1)).to(dtype)
+        return Case(label, (x, res, norm_w, 1e-6, _randn(g, N, C, dtype=dtype, scale=C**-0.5)))
+
+    return [case("1 row", 1, 256, 40), case("1 row, no residual", 1, 256, 40, residual=False),
+            # K 1000: the last 16-byte vectors of the row leave threads idle; N 2200: 8 weight rows per CTA
+            case("1 row, K 1000", 1, 1000, 24), case("1 row, wide N", 1, 256, 2200),
+            case("5 rows", 5, 256, 40), case("3 rows, no residual", 3, 128, 16, residual=False)]
+
+
+def _cases_add_rms_norm_moe_gate(g, dtype, bs):
+    """``moe_gate``'s variants behind the norm, tokens drawn with a clear routing margin on the normed row (the
+    float32 truth does not round it to the activation dtype: the margin covers that)."""
+    from kernels_cpu.ops import add_rms_norm
+
+    T, C = 8, 64
+    variants = [
+        # label, E, top_k, scoring, bias?, n_group, topk_group, group_score, renormalize, scale, n_shared, f32 gate
+        ("V2 softmax groups, 2 shared, float32 gate", 16, 4, "softmax", False, 4, 2, "max", False, 16.0, 2, True),
+        ("V3 sigmoid bias top2sum, 1 shared", 32, 8, "sigmoid", True, 8, 4, "top2sum", True, 2.5, 1, True),
+        ("softmax renorm, no shared, gate in the model dtype", 16, 4, "softmax", False, 1, 1, "max", True, 1.0, 0,
+         False),
+    ]
+    cases = []
+    for label, E, k, scoring, has_bias, ng, tg, gs, renorm, scale, S, f32 in variants:
+        bias = _randn(g, E, scale=0.05) if has_bias else None
+        gate = _randn(g, E, C, scale=2.0 * C**-0.5)
+        gate = gate if f32 else gate.to(dtype)
+        norm_w = (1 + _randn(g, C, scale=0.1)).to(dtype)
+        xs, rs = [], []
+        for _ in range(40):
+            x, r = _randn(g, 4 * T, C, dtype=dtype), _randn(g, 4 * T, C, dtype=dtype, scale=2.0)
+            normed = add_rms_norm(x, r, norm_w, 1e-6)[0]
+            ok = _route_margin(normed.float() @ gate.float().T, bias, k, scoring, ng, tg, gs) >= 2e-2
+            xs.extend(x[ok])
+            rs.extend(r[ok])
+            if len(xs) >= T:
+                break
+        args = (gate, bias, k, scoring, ng, tg, gs, renorm, scale, S, dtype)
+        cases.append(Case(label, (torch.stack(xs[:T]), torch.stack(rs[:T]), norm_w, 1e-6, *args)))
+        if len(cases) == 1:  # one token (the decode step of batch 1)
+            cases.append(Case(label + ", one token", (xs[0][None], rs[0][None], norm_w, 1e-6, *args)))
+    return cases
+
+
+def _cases_mla_q_absorb_kv_write(g, dtype, bs):
+    """The decode query (a strided q, as the projection's output) and the cache write of the same tokens (kv_a a
+    strided column slice; -1 slots are not written)."""
+    H, N, R, L, Lkv, P = 3, 32, 16, 48, 128, 64
+    cases = []
+    for label, T in (("5 tokens, -1 slots", 5), ("one token", 1)):
+        q = _randn(g, T, H, N + R + 8, dtype=dtype)[..., : N + R]
+        w_uk = _randn(g, H, L, N, dtype=dtype, scale=N**-0.5)
+        pos = torch.randint(0, P, (T,), generator=g)
+        NB = max(4, math.ceil(2 * T / bs))
+        slots = torch.randperm(NB * bs, generator=g)[:T]
+        if T > 1:
+            slots[1] = -1
+        kv_a = _randn(g, T, 40 + Lkv + R, dtype=dtype, scale=2.0)[:, 40:]
+        norm_w = (1 + _randn(g, Lkv, scale=0.1)).to(dtype)
+        cases.append(Case(label, (q, w_uk, pos, _rope_table(P, R), kv_a, norm_w, 1e-6,
+                                  _randn(g, NB, bs, Lkv + R, dtype=dtype), slots)))
+    return cases
+
+
+FUSED_CASES = {"add_rms_norm_linear": _cases_add_rms_norm_linear,
+               "add_rms_norm_moe_gate": _cases_add_rms_norm_moe_gate,
+               "mla_q_absorb_kv_write": _cases_mla_q_absorb_kv_write}
