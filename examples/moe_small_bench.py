@@ -118,6 +118,7 @@ STREAM_VARIANTS = {
     "g1 BK64 s4 x2 | g2 BK64 s4 x3": {"BK1": 64, "stages1": 4, "BK2": 64, "stages2": 4},
     "16-row blocks": {"BT": 16},
     "32-row blocks": {"BT": 32},
+    "64-row blocks": {"BT": 64},
 }
 
 

@@ -208,10 +208,8 @@ def representative_kernels():
         return lambda: build_gemm2(e, cc, ii, bt, c["BW2"], c["BK2"], c["stages2"], c["threads2"], "bfloat16",
                                    c["blocks2"])
 
+    # one shape each (V3's and V4's widths are the same code with other constants; the H200 tests run them)
     return [
-        ("moe_sgemm1 V2-Lite BT16", g1(16)),
-        ("moe_sgemm2 V2-Lite BT16", g2(16)),
-        ("moe_sgemm1 V3 BT32", g1(32, 257, 7168, 2048)),
-        ("moe_sgemm2 V3 BT32", g2(32, 257, 7168, 2048)),
         ("moe_sgemm1 V4 clamped BT16", g1(16, 256, 4096, 2048, 10.0)),
+        ("moe_sgemm2 V2-Lite BT32", g2(32)),
     ]
