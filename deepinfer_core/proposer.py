@@ -167,6 +167,13 @@ class Proposer(ABC):
         it. None (the default): the engine's estimate, the share of slots recent steps filled."""
         return None
 
+    def step_timed(self, engine: EngineView, tokens: int, requests: int, seconds: float) -> None:
+        """Async speculative steps: one step's wall time, reported one step late (the pipeline's
+        cycle from the previous completion to this one, ``engine/spec_timing.py``), with the rows its
+        verify forward ran (``tokens``: the decodes plus the verify budget's rows) and its decode
+        ``requests``; for a proposer's measured step-time curve. Steps with prefill chunks, and
+        cycles that are not one step's (a drain, an idle gap, a plain step between), are not reported."""
+
     def verified(self, engine: EngineView, requests: list[Sequence], num_drafts: list[int],
                  num_accepted: list[int]) -> None:
         """Feedback after verification: how many of each request's drafts were checked and kept."""

@@ -49,6 +49,7 @@ from deepinfer_core.engine.rejection import SamplingRows, verify_on_device
 from deepinfer_core.engine.sampler import DeviceSample
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.spec_layout import compact_rows, patch_rows
+from deepinfer_core.engine.spec_timing import StepClock, StepShape
 from deepinfer_core.engine.transfer import Upload, to_device
 from deepinfer_core.proposer import DeviceDraft, StepHidden
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
@@ -77,7 +78,7 @@ class LaunchDrafts:
     expand: torch.Tensor | None = None  # compacted steps: logits row of each host-layout logit entry
     maps: dict = field(default_factory=dict)  # the step's index maps on the device (``AsyncSpec._index_maps``)
     rows: torch.Tensor | None = None  # compacted steps: each scheduled request's first row, on the device
-    first: torch.Tensor | None = None  # each scheduled request's first position, on the device
+    shape: StepShape | None = None  # what the step runs (its launch, decodes and forward rows), for its timing
 
 
 @dataclass
@@ -94,7 +95,7 @@ class SpecFlight:
     epochs: list[int] = field(default_factory=list)  # per sampling row: its preemptions at launch
     drafts_t: torch.Tensor | None = None  # ``drafts`` on the device
     rows: torch.Tensor | None = None  # steps laid out on the device: each scheduled request's first row
-    first: torch.Tensor | None = None  # each scheduled request's first position (shifted back on the device)
+    shape: StepShape | None = None  # what the step ran (``spec_timing``)
 
     NUM_TENSORS = 7
 
@@ -111,7 +112,9 @@ class AsyncSpec:
     def __init__(self, engine: LLMEngine, spec: SpecDecoder) -> None:
         self.engine, self.spec = engine, spec
         self.used = 1.0  # running share of the offered draft slots the proposer filled (learned one step late)
-        self.n = dict(spec_verify_budget=0, spec_draft_slots=0)
+        self.n = dict(spec_verify_budget=0, spec_draft_slots=0, spec_timed_steps=0)
+        # per-step wall times for the proposer (``Proposer.step_timed``; ``spec_timing``)
+        self.clock = StepClock(inline=not engine.platform.supports_async_overlap())
 
     def budget(self, requests: int, slots: int) -> int:
         """The step's verify budget (draft rows laid out), fixed by the host before the drafts exist:
@@ -168,11 +171,16 @@ class AsyncSpec:
             s.seq.spec_tokens, s.seq.spec_probs = [], None
         if prev_flight is not None or drafts is not None:
             patch_rows(self.engine, batch, out, maps, last, rej, drafts)
-        if drafts is not None and self.spec.proposer.needs_hidden:  # the positions the next draft reads
+        if self.spec.proposer.needs_hidden and (prev_flight is not None or drafts is not None):
+            # the true positions the next draft reads, shifted back on the device: also for a plain
+            # step after a speculative one, whose host positions are upper bounds too
             c, np_ = maps["t"][maps["computed"]], batch.num_prefills
-            drafts.first = torch.cat([c[:np_], c[np_:] - rej])
+            batch.first_dev = torch.cat([c[:np_], c[np_:] - rej])
         if drafts is not None and drafts.budget < sum(drafts.slots):
             compact_rows(self.engine, batch, out, drafts, maps, self.spec.proposer.needs_hidden)
+        if drafts is not None:
+            drafts.shape = StepShape(eng.stats.launched_steps, len(decodes), int(batch.input_ids.shape[0]),
+                                     batch.num_prefills > 0)
         return batch, drafts
 
     def _launch_parts(self, up: Upload, decodes: list[ScheduledSeq], prev: SpecFlight | None,
@@ -209,7 +217,7 @@ class AsyncSpec:
             counts.append(s.num_new_tokens + len(s.spec_tokens) if s is not None else 0)
         flight = prev.spec
         rows = flight.rows if flight is not None and flight.rows is not None else None
-        firsts = flight.first if flight is not None else None  # (else: a plain step, positions as laid out)
+        firsts = batch.first_dev  # (None: a step whose positions are the host's, as laid out)
         return {"where": up.add(where), "counts": counts, "first": first, "dev_rows": rows, "dev_first": firsts,
                 "host_rows": None if rows is not None else up.add(batch.row_starts),
                 "host_first": None if firsts is not None else up.add(first), "hidden": batch.hidden}
@@ -391,7 +399,7 @@ class AsyncSpec:
             extra, emitted, accepted = self._verify(batch, logits, drafts, h, t, emitted, accepted)
         epochs = [s.metrics.num_preemptions for s in batch.sample_seqs]
         return sample, SpecFlight(stride, h["row_drafts"], emitted, accepted, plain, drafted, extra, epochs,
-                                  t[h["row_drafts_t"]], drafts.rows, drafts.first)
+                                  t[h["row_drafts_t"]], drafts.rows, drafts.shape)
 
     def _verify(self, batch: StepBatch, logits: torch.Tensor, drafts: LaunchDrafts, h: dict,
                 t: list[torch.Tensor], emitted: torch.Tensor | None, accepted: torch.Tensor | None
@@ -510,3 +518,7 @@ class AsyncSpec:
         eng.finish_stopped(stops)
         if fb_seqs:
             self.spec.proposer.verified(eng, fb_seqs, fb_drafts, fb_acc)
+        timed = self.clock.completed(eng, flight)
+        if timed is not None:
+            self.n["spec_timed_steps"] += 1
+            self.spec.proposer.step_timed(eng, *timed)
