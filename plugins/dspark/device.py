@@ -34,6 +34,10 @@ from plugins.dspark.drafter import DECODE_SPAN
 from plugins.dspark.lean import context_slot_table
 from plugins.dspark.state import _Rows
 
+EXPLORE_VERIFY_EVERY = 16  # async steps between verifying one row more than chosen (measures that size)
+ACCEPT_DECAY = 0.98  # per verified request: the running accept rate's memory (about 50 verifications)
+ACCEPT_PRIOR = 8.0  # decided drafts before the running accept rate replaces the start value
+
 
 class DeviceDrafter:
     """The device half of :class:`plugins.dspark.feature.DSpark` (its state lives there)."""
@@ -290,27 +294,48 @@ class DeviceDrafter:
         """The verify rows of an async step, fixed before its drafts exist: every slot for the fixed
         policy (and the threshold policy, whose ``min_confidence`` cut then decides), under the
         ``verify_budget`` setting; for the throughput policy the budget whose expected tokens per
-        second of step time is best by the step-time curve, each request's drafts accepted at the
-        running accept rate (a request's j-th draft with probability rate^j), taken level by level."""
+        second of step time is best, each request's drafts accepted at the running accept rate (a
+        request's j-th draft with probability rate^j), taken level by level. The step time is the
+        async steps' own measured curve (``LiveCost.step``: whole steps timed one step late, as
+        ``step_timed`` feeds them), the decomposed curve scaled where a size is unmeasured. Every
+        ``EXPLORE_VERIFY_EVERY``-th step verifies one row more than chosen, so the next size is
+        measured too."""
         cap = min(num_slots, self.opts["verify_budget"] or num_slots)
         if not self.varlen or self.threshold or self.live is None or num_requests <= 0:
             return cap
         rate, live, R = min(max(self.mean_conf, 0.0), 0.999), self.live, num_requests
-        fixed = live.overhead(R) + live.drafting(R, max(1, -(-num_slots // R)))
+        depth = max(1, -(-num_slots // R))
         best, best_b, expected = -1.0, 0, float(R)
         for b in range(cap + 1):
             if b:
                 expected += rate ** ((b - 1) // R + 1)  # the b-th best slot: level (b - 1) // R + 1
-            value = expected / (fixed + live.verify(R + b))
+            value = expected / max(live.step(R, R + b, depth), 1e-9)
             if value > best:
                 best, best_b = value, b
+        self.n["budgets"] += 1
+        if self.n["budgets"] % EXPLORE_VERIFY_EVERY == 0 and best_b < cap:
+            best_b += 1
         return best_b
+
+    def step_timed(self, engine, tokens: int, requests: int, seconds: float) -> None:
+        """An async speculative step's wall time (``Proposer.step_timed``) into the live curve of
+        whole async steps, keyed by the decodes and verified rows that step ran."""
+        if self.live is not None:
+            self.live.observe_step(requests, tokens, seconds, self.k)
 
     def device_verified(self, st, m: int, a: int) -> None:
         """Feedback of a device proposal (its draft KV bookkeeping is the catch-up's own): the running
-        per-draft accept rate (a accepted of the drafts tried until the first rejection)."""
+        per-draft accept rate, a ratio of running sums (accepted drafts over drafts the target
+        decided: those until the first rejection), so that it estimates the per-draft rate without
+        bias (a running mean of each step's ratio a / (a + 1) underestimates it: 0.40 for a true 0.6
+        at 5 drafts). The request's own last ratio is not kept as its forecast: a single outcome
+        (0 whenever the first draft is rejected) would make the next steps skip drafting; its
+        forecast is the running rate (``recent_conf`` None)."""
         st.dev_pending = False
         if m > 0:
-            rate = a / min(a + 1, m)
-            self.mean_conf = 0.95 * self.mean_conf + 0.05 * rate
-            st.recent_conf = rate  # (the host path's: its last first-draft confidence)
+            decided = min(a + 1, m)
+            self._acc_sum = ACCEPT_DECAY * self._acc_sum + a
+            self._dec_sum = ACCEPT_DECAY * self._dec_sum + decided
+            w = min(1.0, self._dec_sum / ACCEPT_PRIOR)  # the start value until a few drafts are decided
+            self.mean_conf = (1.0 - w) * self.mean_conf + w * self._acc_sum / self._dec_sum
+            st.recent_conf = None

@@ -77,7 +77,7 @@ from plugins.dspark import calibration as calib_mod
 from plugins.dspark import confidence as conf_mod
 from plugins.dspark.calibrate import load_or_measure_cost
 from plugins.dspark.calibration import Calibration
-from plugins.dspark.device import DeviceDrafter
+from plugins.dspark.device import EXPLORE_VERIFY_EVERY, DeviceDrafter
 from plugins.dspark.draft import CACHE_GROUP, DraftModel, MTPDraft, has_mtp, is_mtp_dir
 from plugins.dspark.drafter import Drafter
 from plugins.dspark.policy import (
@@ -95,7 +95,6 @@ DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_
             "verify_budget": 0, "min_confidence": 0.2, "verify_share": 0.75, "calibration": "auto"}
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
-EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
 POLICIES = ("throughput", "budget", "threshold", "fixed")
 # while dormant: no exploratory step when drafts accepted this often would still not pay at this batch size
 OPTIMISTIC_CONF = 0.9
@@ -151,6 +150,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self.outcome_log: list | None = None  # set to a list to log (features, accepted) per verified draft
         self.last_depth = 0
         self.mean_conf = 0.6  # running mean of the drafts' confidences (decides whether to draft at all)
+        self._acc_sum = self._dec_sum = 0.0  # device drafts: running sums of accepted and decided drafts
         self.skipped = 0  # consecutive steps without drafting
         self.explore_every = 64  # skipped steps between exploratory drafts (doubles while they do not pay)
         self.exploring = False
@@ -162,7 +162,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self._last_stats: tuple[float, int] | None = None  # the engine's (step_time, decode_tokens) at the last step
         self.launched_steps = 0  # the engine's launched steps, as of the last step_finished
         self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0,
-                      plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0)
+                      plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0, budgets=0)
         self.t = dict(draft=0.0, verify=0.0, schedule=0.0)
 
     # ---- start-up -------------------------------------------------------------------------

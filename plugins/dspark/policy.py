@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,6 +46,14 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _suffix_min(ys: list[float]) -> list[float]:
+    """``out[i] = min(ys[i:])``."""
+    out = list(ys)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 @dataclass
 class StepCost:
     """Measured times on this platform: one target forward over T tokens of decode queries
@@ -62,10 +71,11 @@ class StepCost:
     format: int = FORMAT
 
     def __post_init__(self) -> None:
-        # a monotone curve keeps marginal costs non-negative under measurement noise
+        # a monotone curve keeps marginal costs non-negative under measurement noise: a point above a
+        # larger size's is capped by it (one slow sample is not spread to every larger size)
         for ys in (self.verify_s, self.draft_s):
-            for i in range(1, len(ys)):
-                ys[i] = max(ys[i], ys[i - 1])
+            for i in range(len(ys) - 2, -1, -1):
+                ys[i] = min(ys[i], ys[i + 1])
 
     def verify(self, tokens: float) -> float:
         return _interp(self.verify_tokens, self.verify_s, tokens)
@@ -118,23 +128,35 @@ class LiveCost:
         self.cycles = 0
         self.verify_seen: dict[int, float] = {}
         self._cap: tuple[list[int], list[float]] | None = None  # sizes seen, least time seen at >= each
+        # async speculative steps, timed whole: (decodes, verified rows) -> running seconds
+        self.step_seen: dict[tuple[int, int], float] = {}
+        self.step_scale = 1.0  # running ratio of measured to modelled (``step_model``) async steps
+        self.async_steps = 0  # async steps observed
+
+    def _raw_verify(self, tokens: float) -> float:
+        seen = self.verify_seen.get(tokens) if isinstance(tokens, int) else None
+        return seen if seen is not None else self.verify_scale * self.base.verify(tokens)
 
     def verify(self, tokens: float) -> float:
         """The running time of a size seen, else the scaled curve; at most the least time seen at any
         larger size (a forward over more tokens is not cheaper, so one slow sample of a size that is
         then rarely seen again, such as the batch without drafts while drafting always runs, does
         not make it look dearer than its neighbours)."""
-        seen = self.verify_seen.get(tokens) if isinstance(tokens, int) else None
-        est = seen if seen is not None else self.verify_scale * self.base.verify(tokens)
         if self._cap is None:
             keys = sorted(self.verify_seen)
-            mins = [self.verify_seen[t] for t in keys]
-            for i in range(len(mins) - 2, -1, -1):
-                mins[i] = min(mins[i], mins[i + 1])
-            self._cap = keys, mins
+            self._cap = keys, _suffix_min([self.verify_seen[t] for t in keys])
         keys, mins = self._cap
         i = bisect.bisect_right(keys, tokens)
+        est = self._raw_verify(tokens)
         return min(est, mins[i]) if i < len(keys) else est
+
+    def _larger(self, tokens: int) -> float:
+        """The least time seen at any size above ``tokens`` (inf: none)."""
+        if self._cap is None:
+            self.verify(tokens)
+        keys, mins = self._cap
+        i = bisect.bisect_right(keys, tokens)
+        return mins[i] if i < len(keys) else math.inf
 
     def draft(self, rows: float) -> float:
         return self.draft_scale * self.base.draft(rows)
@@ -165,13 +187,17 @@ class LiveCost:
             return
         pv = self.base.verify(tokens)
         if pv > 0 and verify_s > 0:
-            self._cap = None
+            # a sample slower than a larger size's estimate is capped by it (in ``verify``), and it does
+            # not move the scale: one slow sample of a size is not spread to the sizes above it
+            spread = verify_s <= self._larger(tokens)
             prior = self.verify(tokens)
+            self._cap = None
             if tokens in self.verify_seen:
                 self.verify_seen[tokens] = self._update(prior, verify_s)
             else:  # the first sample of a size replaces the curve's guess (within a factor of two)
                 self.verify_seen[tokens] = min(max(verify_s, 0.5 * prior), 2.0 * prior)
-            self.verify_scale = self._update(self.verify_scale, verify_s / pv)
+            if spread:
+                self.verify_scale = self._update(self.verify_scale, verify_s / pv)
         pd = self.base.draft(rows) * steps
         if pd > 0 and steps_s > 0:
             self.draft_scale = self._update(self.draft_scale, steps_s / pd)
@@ -187,6 +213,42 @@ class LiveCost:
                 floor = max(self.extra_overhead_s, 1e-5)
                 self.extra_overhead_s += self.ALPHA * (min(other, 2.0 * floor) - self.extra_overhead_s)
             self.cycles += 1
+
+
+    # ---- async speculative steps (measured whole, one step late) --------------------------------
+    def step_model(self, requests: int, tokens: int, depth: int) -> float:
+        """A whole step's time by the decomposed curve: overhead, drafting ``depth`` deep for
+        ``requests`` requests, and a verify forward over ``tokens`` tokens."""
+        return self.overhead(requests) + self.drafting(requests, depth) + self.verify(tokens)
+
+    def step(self, requests: int, tokens: int, depth: int) -> float:
+        """An async speculative step's whole time at ``requests`` decodes and ``tokens`` verified
+        rows: the running time measured at that size (``step_seen``), else the decomposed curve
+        scaled by the running ratio of measured to modelled async steps (``step_scale``); at most
+        the estimate of any larger size seen at the same batch (one slow sample is capped by them)."""
+        seen = self.step_seen.get((requests, tokens))
+        est = seen if seen is not None else self.step_scale * self.step_model(requests, tokens, depth)
+        larger = [v for (r, t), v in self.step_seen.items() if r == requests and t > tokens]
+        return min([est, *larger])
+
+    def observe_step(self, requests: int, tokens: int, seconds: float, depth: int) -> None:
+        """One async speculative step, timed whole (the pipeline's cycle: from the previous step's
+        completion to this one's) at ``requests`` decodes and ``tokens`` verified rows, drafting
+        ``depth`` deep. Samples are clipped to twice the current estimate, as ``observe``'s are."""
+        if not self.adapt or seconds <= 0 or requests <= 0:
+            return
+        model = self.step_model(requests, tokens, depth)
+        larger = [v for (r, t), v in self.step_seen.items() if r == requests and t > tokens]
+        spread = seconds <= min(larger, default=math.inf)  # (as in ``observe``: a slower one moves no scale)
+        prior = self.step(requests, tokens, depth)
+        key = (requests, tokens)
+        if key in self.step_seen:
+            self.step_seen[key] = self._update(prior, seconds)
+        else:
+            self.step_seen[key] = min(max(seconds, 0.5 * prior), 2.0 * prior)
+        if model > 0 and spread:
+            self.step_scale = self._update(self.step_scale, seconds / model)
+        self.async_steps += 1
 
 
 def choose_lengths(cum_conf: list[list[float]], base_tokens: int, budget: int, cost: StepCost,
