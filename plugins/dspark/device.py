@@ -35,8 +35,8 @@ from plugins.dspark.lean import context_slot_table
 from plugins.dspark.state import _Rows
 
 EXPLORE_VERIFY_EVERY = 16  # async steps between verifying one row more than chosen (measures that size)
-ACCEPT_DECAY = 0.98  # per verified request: the running accept rate's memory (about 50 verifications)
-ACCEPT_PRIOR = 8.0  # decided drafts before the running accept rate replaces the start value
+ACCEPT_DECAY = 0.95  # per verified request: the running accept rate's memory (about 20 verifications)
+ACCEPT_PRIOR = 8.0  # weight (in decided drafts) of the start value, decaying like the samples
 
 
 class DeviceDrafter:
@@ -334,8 +334,9 @@ class DeviceDrafter:
         st.dev_pending = False
         if m > 0:
             decided = min(a + 1, m)
+            if self._dec_sum <= 0:  # the running value so far as a prior of ACCEPT_PRIOR drafts, decaying away
+                self._acc_sum, self._dec_sum = self.mean_conf * ACCEPT_PRIOR, ACCEPT_PRIOR
             self._acc_sum = ACCEPT_DECAY * self._acc_sum + a
             self._dec_sum = ACCEPT_DECAY * self._dec_sum + decided
-            w = min(1.0, self._dec_sum / ACCEPT_PRIOR)  # the start value until a few drafts are decided
-            self.mean_conf = (1.0 - w) * self.mean_conf + w * self._acc_sum / self._dec_sum
+            self.mean_conf = self._acc_sum / self._dec_sum
             st.recent_conf = None

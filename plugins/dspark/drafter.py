@@ -33,6 +33,7 @@ MEASURED_KEEP_MARGIN = 0.08
 MEASURED_MIN_ROWS = 8
 MEASURED_RESUME_MARGIN = 0.15
 TRIAL_STEPS = 8  # drafting steps of a trial where drafting measured slower before
+SMALL_EXPLORE_EVERY = 64  # most skipped steps between exploratory drafts below MEASURED_MIN_ROWS requests
 
 
 class Drafter:
@@ -185,8 +186,11 @@ class Drafter:
                 self.exploring = False
             self.skipped, self.explore_every = 0, 64
             return True
-        if self.exploring:  # the last exploratory draft did not make drafting pay: wait longer
-            self.exploring, self.explore_every = False, min(self.explore_every * 2, 4096)
+        if self.exploring:  # the last exploratory draft did not make drafting pay: wait longer (at a few
+            # requests an exploratory step costs little, and it is the only refresh of the accept rate
+            # while dormant: at most every SMALL_EXPLORE_EVERY steps there)
+            cap = 4096 if R >= MEASURED_MIN_ROWS else SMALL_EXPLORE_EVERY
+            self.exploring, self.explore_every = False, min(self.explore_every * 2, cap)
         if self.skipped >= self.explore_every and R >= MEASURED_MIN_ROWS and self._may_explore(R) and \
                 self.rates.verdict(R) is False and self.resume_after is None:
             # measured slower here before: a short trial of real drafting refreshes the measurement

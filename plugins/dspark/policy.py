@@ -112,7 +112,10 @@ class LiveCost:
     - ``catchup_scale``: the catch-up (and the first draft token), in units of one draft step over
       as many rows as the catch-up forward has (``catch_rows`` per drafting request: one plus the
       accepted drafts, more after steps without drafts), so a scale learnt at batch 1 holds at 32;
-    - ``extra_overhead_s``: the rest of the step cycle beyond the start-up estimate.
+    - ``extra_overhead_s``: the rest of the step cycle beyond the start-up estimate;
+    - ``step_seen`` and ``step_scale``: async speculative steps timed whole (``observe_step``, one
+      step late: the host never times their parts), per (decodes, verified rows), and the running
+      ratio of those times to the decomposed curve; the async verify budget reads them (``step``).
 
     Samples are clipped to a factor of two of the current value, so one stall (another process, an
     idle gap between requests) moves an estimate little, while a lasting change is followed within
