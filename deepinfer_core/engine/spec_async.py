@@ -112,7 +112,7 @@ class AsyncSpec:
     def __init__(self, engine: LLMEngine, spec: SpecDecoder) -> None:
         self.engine, self.spec = engine, spec
         self.used = 1.0  # running share of the offered draft slots the proposer filled (learned one step late)
-        self.n = dict(spec_verify_budget=0, spec_draft_slots=0, spec_timed_steps=0)
+        self.n = dict(spec_verify_budget=0, spec_draft_slots=0, spec_timed_steps=0, spec_relayouts_skipped=0)
         # per-step wall times for the proposer (``Proposer.step_timed``; ``spec_timing``)
         self.clock = StepClock(inline=not engine.platform.supports_async_overlap())
 
@@ -129,15 +129,30 @@ class AsyncSpec:
     # ---- schedule ----------------------------------------------------------------------------
     def offer_slots(self) -> list[Sequence]:
         """Give every decode-ready request ``k`` draft slots (within its length limits, counted as if
-        the step in flight accepts all its drafts) for the scheduler to reserve. Returns them."""
+        the step in flight accepts all its drafts; as many of them as the proposer's ``draft_slots``
+        takes) for the scheduler to reserve. Returns the requests given slots."""
         eng, k = self.engine, self.spec.k
-        offered = []
+        ready, room = [], []
         for seq in eng.scheduler.running_requests():
             if seq.status != Status.RUNNING or seq.in_prefill or seq.last_token_pending:
                 continue
             m = min(k, eng.max_model_len - seq.num_tokens - 1)
             if seq.params.max_tokens is not None:
                 m = min(m, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
+            if m > 0:
+                ready.append(seq)
+                room.append(m)
+        if ready:  # the proposer may offer fewer (``Proposer.draft_slots``: none makes a plain step)
+            try:
+                got = list(self.spec.proposer.draft_slots(eng, ready, room))
+                if len(got) != len(room):
+                    raise TypeError(f"draft_slots() must return {len(room)} counts, got {len(got)}")
+                room = [max(0, min(m, int(g))) for m, g in zip(room, got)]
+            except Exception as exc:  # noqa: BLE001  (a proposer's bug costs its drafts, not the requests)
+                self.spec.broken(f"draft_slots() raised {type(exc).__name__}: {exc}", exc)
+                room = [0] * len(room)
+        offered = []
+        for seq, m in zip(ready, room):
             if m > 0:
                 seq.spec_tokens, seq.spec_probs = [SLOT] * m, None
                 offered.append(seq)
@@ -270,16 +285,19 @@ class AsyncSpec:
         self.n["spec_verify_budget"] += budget
         self.n["spec_draft_slots"] += sum(slots)
         first_pos = true_len[sel]
+        # no request verifies more drafts than the budget: the proposer drafts no deeper (the slots stay)
+        deep = [max(1, min(m, budget)) for m in slots]
+        Kp = max(deep)
         try:
-            args = (eng, seqs, slots, last[sel], first_pos, pending[sel])
+            args = (eng, seqs, deep, last[sel], first_pos, pending[sel])
             if spec.proposer.needs_hidden:
                 got = spec.proposer.propose_on_device(*args, hidden=self._step_hidden(t, h.get("hidden")))
             else:
                 got = spec.proposer.propose_on_device(*args)
             if (not isinstance(got, DeviceDraft) or not isinstance(got.tokens, torch.Tensor)
-                    or got.tokens.dim() != 2 or got.tokens.shape[0] != len(seqs) or got.tokens.shape[1] < K):
+                    or got.tokens.dim() != 2 or got.tokens.shape[0] != len(seqs) or got.tokens.shape[1] < Kp):
                 raise TypeError(f"propose_on_device() must return a DeviceDraft with tokens of shape "
-                                f"[{len(seqs)}, >= {K}], got {got!r}")
+                                f"[{len(seqs)}, >= {Kp}], got {got!r}")
             if got.confidences is not None and tuple(got.confidences.shape[:1]) != (len(seqs),):
                 raise TypeError(f"DeviceDraft confidences must have {len(seqs)} rows, got "
                                 f"{tuple(got.confidences.shape)}")
@@ -288,15 +306,23 @@ class AsyncSpec:
             none = torch.zeros(len(seqs), K, dtype=torch.long, device=dev)
             zero = torch.zeros(len(seqs), dtype=torch.long, device=dev)
             return LaunchDrafts(seqs, slots, none, zero, first_pos, sel, budget, zero)
-        tokens = got.tokens[:, :K].to(dev, torch.long)
+        tokens = got.tokens[:, :Kp].to(dev, torch.long)
+        conf = got.confidences[:, :Kp].to(dev, torch.float32) if got.confidences is not None else None
+        if Kp < K:  # drafted no deeper than the budget: the columns past it end every row's drafts
+            tokens = torch.nn.functional.pad(tokens, (0, K - Kp), value=-1)
+            conf = torch.nn.functional.pad(conf, (0, K - Kp)) if conf is not None else None
         V = eng.model_config.vocab_size
         inside = ((tokens >= 0) & (tokens < V)).long().cumprod(1).sum(1)  # an id outside ends the drafts
         lengths = wanted = torch.minimum(cap, inside)
-        if got.confidences is not None or budget < sum(slots):  # lengths under the step's verify budget
-            conf = (got.confidences[:, :K].to(dev, torch.float32).contiguous() if got.confidences is not None
+        if conf is not None or budget < sum(slots):  # lengths under the step's verify budget
+            conf = (conf.contiguous() if conf is not None
                     else torch.ones(tokens.shape, dtype=torch.float32, device=dev))  # no confidences: fair shares
             lengths = eng.kernels.draft_lengths(conf, lengths, budget, float(got.min_confidence))
         spec.n["spec_proposed"] += sum(slots)
+        if budget < sum(slots) and not spec.proposer.relayout_pays(eng, len(decodes), sum(slots), budget):
+            # the rows stay as laid out (every slot computed, the lengths still within the budget)
+            budget = sum(slots)
+            self.n["spec_relayouts_skipped"] += 1
         return LaunchDrafts(seqs, slots, tokens.clamp(0, V - 1), lengths, first_pos, sel, budget, wanted)
 
     def _index_maps(self, batch: StepBatch, out: SchedulerOutput, drafts: LaunchDrafts | None) -> dict:

@@ -345,6 +345,21 @@ def drafting_can_pay(rows: int, cost: LiveCost, k: int, conf: float) -> bool:
                           start_s=cost.catchup(rows) - cost.draft(rows))
 
 
+def async_can_pay(rows: int, cost: LiveCost, k: int, conf: float, plain_rate: float | None) -> bool | None:
+    """Whether an async speculative step at ``rows`` decoding requests, each request's j-th draft
+    accepted with probability ``conf ** j``, yields more tokens per second than ``plain_rate`` (plain
+    decoding's measured tokens per second there) at its best verify budget, by the async steps' own
+    measured curve (``LiveCost.step``: whole steps, drafting included). None when no async step was
+    measured at this batch size or plain decoding was not measured."""
+    if plain_rate is None or rows <= 0 or not any(r == rows for r, _ in cost.step_seen):
+        return None
+    expected, best = float(rows), 0.0
+    for b in range(1, rows * k + 1):
+        expected += conf ** ((b - 1) // rows + 1)  # the b-th best slot: level (b - 1) // rows + 1
+        best = max(best, expected / max(cost.step(rows, rows + b, k), 1e-9))
+    return best > plain_rate
+
+
 class MeasuredRates:
     """Decode tokens per second as measured, while drafting and while not, per batch-size bucket
     (``rows.bit_length()``: 1, 2-3, 4-7, ...): the check on the step-time curve. The curve and the
