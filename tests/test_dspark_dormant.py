@@ -108,3 +108,18 @@ def test_no_exploration_where_the_measured_async_curve_says_drafting_cannot_pay(
     assert feat.async_verdict(16, 0.6) is False
     assert _explorations(feat, 16, 3000) == []
     assert feat.n["blocked_explorations"] > 0
+
+
+def test_step_curve_equals_step_at_every_size():
+    """``LiveCost.step_curve`` (one pass, read by the async budget and the async verdict) gives
+    ``LiveCost.step`` at every size, measured or not, capped by larger sizes or not."""
+    import random
+
+    cost = LiveCost(StepCost([1, 64, 256], [0.01, 0.02, 0.05], [1, 64], [0.002, 0.004]))
+    rng = random.Random(0)
+    for _ in range(3000):
+        r = rng.choice([1, 4, 32])
+        cost.observe_step(r, r + rng.randrange(0, 5 * r + 1), rng.uniform(0.005, 0.08), 5)
+    for r in (1, 4, 32, 7):
+        sizes = list(range(r, 6 * r + 3))
+        assert cost.step_curve(r, sizes, 5) == pytest.approx([cost.step(r, t, 5) for t in sizes], rel=1e-12)

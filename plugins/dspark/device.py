@@ -320,10 +320,11 @@ class DeviceDrafter:
         depth = max(1, -(-num_slots // rows))
         probs = self.level_probs(depth)
         best, best_b, expected = -1.0, 0, float(R)
+        times = live.step_curve(R, list(range(R, R + cap + 1)), depth)
         for b in range(cap + 1):
             if b:
                 expected += probs[min((b - 1) // rows, depth - 1)]  # the b-th best slot: level (b - 1) // rows + 1
-            value = expected / max(live.step(R, R + b, depth), 1e-9)
+            value = expected / max(times[b], 1e-9)
             if value > best:
                 best, best_b = value, b
         self.n["budgets"] += 1

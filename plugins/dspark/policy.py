@@ -234,6 +234,21 @@ class LiveCost:
         larger = [v for (r, t), v in self.step_seen.items() if r == requests and t > tokens]
         return min([est, *larger])
 
+    def step_curve(self, requests: int, tokens: list[int], depth: int) -> list[float]:
+        """``[self.step(requests, t, depth) for t in tokens]`` (``tokens`` ascending), in one pass over
+        the sizes seen at this batch size."""
+        seen = sorted((t, v) for (r, t), v in self.step_seen.items() if r == requests)
+        mins = _suffix_min([v for _, v in seen])
+        keys = [t for t, _ in seen]
+        out, i = [], 0
+        for t in tokens:
+            while i < len(keys) and keys[i] <= t:
+                i += 1
+            exact = seen[i - 1][1] if i and keys[i - 1] == t else None
+            est = exact if exact is not None else self.step_scale * self.step_model(requests, t, depth)
+            out.append(min(est, mins[i]) if i < len(keys) else est)
+        return out
+
     def observe_step(self, requests: int, tokens: int, seconds: float, depth: int) -> None:
         """One async speculative step, timed whole (the pipeline's cycle: from the previous step's
         completion to this one's) at ``requests`` decodes and ``tokens`` verified rows, drafting
@@ -354,9 +369,10 @@ def async_can_pay(rows: int, cost: LiveCost, k: int, conf: float, plain_rate: fl
     if plain_rate is None or rows <= 0 or not any(r == rows for r, _ in cost.step_seen):
         return None
     expected, best = float(rows), 0.0
+    times = cost.step_curve(rows, list(range(rows + 1, rows + rows * k + 1)), k)
     for b in range(1, rows * k + 1):
         expected += conf ** ((b - 1) // rows + 1)  # the b-th best slot: level (b - 1) // rows + 1
-        best = max(best, expected / max(cost.step(rows, rows + b, k), 1e-9))
+        best = max(best, expected / max(times[b - 1], 1e-9))
     return best > plain_rate
 
 
