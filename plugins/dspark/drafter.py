@@ -179,6 +179,7 @@ class Drafter:
         worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live, self.live.overhead(n_live), self.k,
                                start_s=self.live.catchup(R) - self.live.draft(R),
                                margin=RESUME_MARGIN if resuming else 0.0)
+        forecast = worth
         if worth and not self.trial_left and R >= MEASURED_MIN_ROWS:  # the measured rates may veto the forecast
             verdict = self.rates.verdict(R, MEASURED_RESUME_MARGIN if resuming else MEASURED_KEEP_MARGIN)
             if verdict is False:
@@ -209,9 +210,11 @@ class Drafter:
             gap = self.explore_gap(n_live)
         self.exploring = self.resumed = False
         self.drafting_run = 0
-        if self.skipped >= gap and R >= MEASURED_MIN_ROWS and self._may_explore(R) and \
+        if self.skipped >= gap and forecast and R >= MEASURED_MIN_ROWS and self._may_explore(R) and \
                 self.rates.verdict(R) is False and self.resume_after is None:
-            # measured slower here before: a short trial of real drafting refreshes the measurement
+            # the forecast says drafting pays but it measured slower here before: a short trial of real
+            # drafting refreshes the measurement (where the forecast says it does not pay either, a trial
+            # would stop after one step of the whole batch, having measured nothing)
             self.skipped, self.exploring, self.resumed, self.trial_left = 0, True, True, TRIAL_STEPS
             self.n["trials"] += 1
             return True
