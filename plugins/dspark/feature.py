@@ -515,6 +515,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
             "dspark_steps_without_drafts": n["skipped_steps"],
             "dspark_blocked_explorations": n["blocked_explorations"], "dspark_measured_vetoes": n["measured_vetoes"],
             "dspark_plain_probes": n["plain_probes"], "dspark_trials": n["trials"],
+            "dspark_async_vetoes": n["async_vetoes"],
             "dspark_draft_time": self.t["draft"], "dspark_verify_time": self.t["verify"],
             "dspark_schedule_time": self.t["schedule"],
             "dspark_cost_verify_scale": self.live.verify_scale, "dspark_cost_draft_scale": self.live.draft_scale,
@@ -531,8 +532,8 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         out = {k: v for k, v in out.items() if k.startswith("dspark_")}
         for key in ("decode_steps", "verified", "accepted", "steps_without_drafts", "blocked_explorations",
                     "measured_vetoes", "plain_probes", "trials", "proposals",
-                    "draft_depth_total", "draft_time", "verify_time", "schedule_time"):
-            out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks)
+                    "draft_depth_total", "draft_time", "verify_time", "schedule_time", "async_vetoes"):
+            out[f"dspark_{key}"] = sum(m.get(f"dspark_{key}", 0) for m in ranks)
         for key in ("cost_verify_scale", "cost_draft_scale", "cost_extra_overhead"):
             out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks) / len(ranks)
         steps, ver, acc = max(out["dspark_decode_steps"], 1), out["dspark_verified"], out["dspark_accepted"]
