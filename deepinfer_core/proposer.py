@@ -160,12 +160,35 @@ class Proposer(ABC):
         """
         raise NotImplementedError(f"proposer {self.name!r} does not propose on the device")
 
+    def draft_slots(self, engine: EngineView, requests: list[Sequence], slots: list[int]) -> list[int]:
+        """Async speculative steps, before scheduling: how many draft slots each decode-ready request
+        is offered for the coming step (``slots``: ``k`` within its length limits; fewer, 0 for none).
+        A request without slots decodes as in a plain step, and a step that offers none is a plain
+        step: nothing is proposed, laid out or verified beyond it. Decide here, not in
+        :meth:`propose_on_device`, which requests draft: slots offered and left empty still cost
+        their verify rows. Default: every slot."""
+        return slots
+
     def verify_budget(self, engine: EngineView, num_requests: int, num_slots: int) -> int | None:
         """Async speculative steps: how many draft rows (of ``num_slots`` reserved for
         ``num_requests`` decodes) the coming step verifies, fixed on the host before the drafts exist
         (e.g. from a measured step-time curve); the device then picks each request's length within
         it. None (the default): the engine's estimate, the share of slots recent steps filled."""
         return None
+
+    def relayout_pays(self, engine: EngineView, num_requests: int, num_slots: int, budget: int) -> bool:
+        """Async speculative steps whose verify budget is below the slots: whether laying the decode
+        rows out anew within it (``spec_layout.compact_rows``: ``num_requests + budget`` forward rows
+        instead of ``num_requests + num_slots``, for a few extra device operations) is cheaper than
+        computing every slot's row (the lengths stay within the budget either way). Default: True."""
+        return True
+
+    def step_timed(self, engine: EngineView, tokens: int, requests: int, seconds: float) -> None:
+        """Async speculative steps: one step's wall time, reported one step late (the pipeline's
+        cycle from the previous completion to this one, ``engine/spec_timing.py``), with the rows its
+        verify forward ran (``tokens``: the decodes plus the verify budget's rows) and its decode
+        ``requests``; for a proposer's measured step-time curve. Steps with prefill chunks, and
+        cycles that are not one step's (a drain, an idle gap, a plain step between), are not reported."""
 
     def verified(self, engine: EngineView, requests: list[Sequence], num_drafts: list[int],
                  num_accepted: list[int]) -> None:

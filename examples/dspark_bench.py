@@ -11,7 +11,9 @@ Every engine runs with async scheduling on (the baseline: plain decoding with as
 3. Decode tokens/s at each concurrency, steady state after every request's prefill. The three
    engines run the same wave side by side and take one step each in turn, every step timed alone, so
    that the noise of a shared machine hits all engines alike (``--timing waves``: whole waves
-   alternate instead, as before).
+   alternate instead, as before). One untimed warm-up round (``--warmup-rounds``), then ``--rounds``
+   timed rounds (default 5); each round's dspark / plain ratios are reported, and their median per
+   concurrency (``decode_tok_s.c*.round_ratios`` and ``median_ratio`` in the JSON).
 
     python examples/dspark_bench.py                      # 64 prompts, concurrency 1 and 32
     python examples/dspark_bench.py --json out.json
@@ -161,7 +163,8 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--rate-prompts", type=int, default=8, help="requests per decode-rate round at concurrency 1")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating timing rounds per engine")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (the engines interleaved within each)")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds before the timed ones")
     ap.add_argument("--timing", choices=("interleaved", "waves"), default="interleaved",
                     help="decode-rate timing: the engines step in turn (each step timed), or whole waves alternate")
     ap.add_argument("--threads", type=int, default=1)
@@ -173,8 +176,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     concs = [int(c) for c in args.concurrency.split(",")]
-    # async scheduling on for all three: DSpark's speculative steps run synchronously, its dormant
-    # steps (drafting does not pay at this load) overlap like plain decoding's
+    # async scheduling on for all three (on a CPU it is off by default): DSpark's speculative steps
+    # then draft on the device and overlap like plain decoding's steps
     common = dict(max_num_seqs=max(concs), enable_prefix_caching=False, async_scheduling=True)
     engines = {
         "plain": LLM(**common),
@@ -183,10 +186,14 @@ def main(argv=None) -> None:
         "varlen": LLM(features=["dspark"], dspark={"k": args.k, "draft": args.draft, "budget_policy": args.policy,
                                                    "min_confidence": args.min_confidence}, **common),
     }
+    for name, llm in engines.items():  # the baseline and both DSpark engines step asynchronously
+        assert llm.engine.async_scheduling, name
+        assert name == "plain" or llm.engine.spec.on_device is not None, name
     prompts = heldout_prompts(engines["plain"].tokenizer, args.num_prompts, args.seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results: dict = {"prompts": len(prompts), "max_tokens": args.max_tokens, "k": args.k,
-                     "threads": torch.get_num_threads(), "equivalence": {}, "speculation": {}, "decode_tok_s": {}}
+                     "threads": torch.get_num_threads(), "async_scheduling": True, "equivalence": {}, "speculation": {},
+                     "decode_tok_s": {}}
 
     # 1 + 2: greedy equivalence and the speculation statistics, at each concurrency
     for c in concs:
@@ -213,12 +220,13 @@ def main(argv=None) -> None:
     #    wave by wave (--timing waves); one request at a time at concurrency 1
     for c in concs:
         ps = prompts[: args.rate_prompts] if c == 1 else prompts[:c]
-        for llm in engines.values():
-            if feature(llm):
-                feature(llm).reset_metrics()
         totals = {n: [0, 0.0] for n in engines}
         per_round = {n: [] for n in engines}
-        for r in range(args.rounds):
+        for r in range(-args.warmup_rounds, args.rounds):
+            if r == 0:  # the warm-up rounds are over: count from here
+                for llm in engines.values():
+                    if feature(llm):
+                        feature(llm).reset_metrics()
             round_tot = {n: [0, 0.0] for n in engines}
             for w in range(0, len(ps), c):
                 if args.timing == "interleaved":
@@ -231,11 +239,14 @@ def main(argv=None) -> None:
                     n, s = decode_rate(engines[name], ps[w : w + c], greedy, c)
                     round_tot[name][0] += n
                     round_tot[name][1] += s
+            if r < 0:
+                continue
             for name, (n, s) in round_tot.items():
                 totals[name][0] += n
                 totals[name][1] += s
                 per_round[name].append(n / s)
         rates = {n: t[0] / t[1] for n, t in totals.items()}
+        ratios = {n: [round(a / b, 3) for a, b in zip(per_round[n], per_round["plain"])] for n in ("fixed", "varlen")}
         results["decode_tok_s"][f"c{c}"] = {
             **{n: round(v, 1) for n, v in rates.items()},
             "speedup_fixed": round(rates["fixed"] / rates["plain"], 3),
@@ -243,6 +254,9 @@ def main(argv=None) -> None:
             "rounds": {n: [round(x, 1) for x in v] for n, v in per_round.items()},
             "speedup_varlen_median_round": round(statistics.median(
                 a / b for a, b in zip(per_round["varlen"], per_round["plain"])), 3),
+            "round_ratios": ratios,  # per timed round: dspark / plain decode tok/s
+            "median_ratio": {n: round(statistics.median(v), 3) for n, v in ratios.items()},
+            "warmup_rounds": args.warmup_rounds,
             # what the varlen engine did in the timed steps (drafting or dormant)
             "varlen_spec": {k: v for k, v in spec_metrics(engines["varlen"]).items()
                             if k in ("decode_steps", "verified_per_step", "tokens_per_step")}
@@ -277,6 +291,8 @@ def main(argv=None) -> None:
         d = results["decode_tok_s"][f"c{c}"]
         print(f"decode tok/s: plain {d['plain']:.1f}  fixed {d['fixed']:.1f} ({d['speedup_fixed']:.2f}x)  "
               f"varlen {d['varlen']:.1f} ({d['speedup_varlen']:.2f}x); varlen in the timed steps: {d['varlen_spec']}")
+        for name in ("fixed", "varlen"):
+            print(f"{name} / plain per round: {d['round_ratios'][name]}  median {d['median_ratio'][name]:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     for llm in engines.values():

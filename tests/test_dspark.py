@@ -141,13 +141,14 @@ def test_greedy_identical_to_plain(tiny_v3_path, tiny_draft, reference, monkeypa
     llm.engine.blocks.check_no_leaks()
 
 
-def test_no_drafting_when_it_does_not_pay(tiny_v3_path, tiny_draft, reference):
+def test_no_drafting_when_it_does_not_pay(tiny_v3_path, tiny_draft, reference, monkeypatch):
     """With drafts whose confidence is too low to pay for their steps, the throughput policy decodes
     plainly (drafts accepted 9 times in 10 would pay on this curve, so it explores now and then)."""
     llm = make(tiny_v3_path, dspark={"draft": tiny_draft})
     feat = next(f for f in llm.engine.features if f.name == "dspark")
     feat.live = LiveCost(StepCost([1, 1024], [0.01, 1.0], [1, 1024], [0.003, 0.2]), adapt=False)
     feat.explore_every = 3  # exploratory drafts every few skipped steps, each for a few requests only
+    monkeypatch.setattr(dspark_drafter, "LARGE_EXPLORE_EVERY", 3)  # (also at 8 requests and more)
     rows = []
     loop = feat._draft_loop
     feat._draft_loop = lambda r, states, *a: (rows.append(len(states)), loop(r, states, *a))

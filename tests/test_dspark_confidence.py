@@ -18,6 +18,7 @@ import torch
 from test_dspark import _cache_dir, greedy, make, reference, run, tiny_mtp, tiny_mtp_dir  # noqa: F401
 
 from plugins.dspark import confidence as conf_mod
+from plugins.dspark import drafter as dspark_drafter
 from plugins.dspark.confidence import EXTRA_FEATURES, LEGACY_FEATURES, TARGET_FEATURES, ConfidenceHead
 from plugins.dspark.head_fit import (
     calibration,
@@ -228,7 +229,7 @@ def test_policy_degrades_to_no_drafting_by_curve():
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_engine_never_drafts_when_the_curve_says_it_costs_more(tiny_v3_path, tiny_mtp_dir, reference,  # noqa: F811
-                                                              async_scheduling):
+                                                              async_scheduling, monkeypatch):
     """The engine under the linear curve: no draft is verified (no exploratory step either, though one
     is due every 2 skipped steps), output equals plain decoding, nothing leaks."""
     from test_dspark import PROMPTS
@@ -237,6 +238,7 @@ def test_engine_never_drafts_when_the_curve_says_it_costs_more(tiny_v3_path, tin
     feat = _feature(llm)
     feat.live = LiveCost(LINEAR, adapt=False)
     feat.explore_every = 2
+    monkeypatch.setattr(dspark_drafter, "LARGE_EXPLORE_EVERY", 2)  # (also at 8 requests and more)
     outs = run(llm, PROMPTS, greedy(20))
     assert [o.outputs[0].token_ids for o in outs] == reference
     m = llm.metrics()

@@ -51,6 +51,9 @@ class StepBatch:
     computed_before: list[int] = field(default_factory=list)  # per scheduled request: computed tokens before
     started: float = 0.0  # perf_counter() when the step was prepared
     forward_s: float = 0.0  # seconds of its forward (set where measured: speculative steps)
+    # per scheduled request its first position on the device, where ``computed_before`` is only the
+    # host's upper bound (async steps after a speculative one: shifted back by its rejected drafts)
+    first_dev: torch.Tensor | None = None
 
 
 def _table_rows(tables: list[list[int]], pad: int) -> list[list[int]]:

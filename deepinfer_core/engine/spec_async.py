@@ -49,6 +49,7 @@ from deepinfer_core.engine.rejection import SamplingRows, verify_on_device
 from deepinfer_core.engine.sampler import DeviceSample
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.spec_layout import compact_rows, patch_rows
+from deepinfer_core.engine.spec_timing import StepClock, StepShape
 from deepinfer_core.engine.transfer import Upload, to_device
 from deepinfer_core.proposer import DeviceDraft, StepHidden
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
@@ -77,7 +78,7 @@ class LaunchDrafts:
     expand: torch.Tensor | None = None  # compacted steps: logits row of each host-layout logit entry
     maps: dict = field(default_factory=dict)  # the step's index maps on the device (``AsyncSpec._index_maps``)
     rows: torch.Tensor | None = None  # compacted steps: each scheduled request's first row, on the device
-    first: torch.Tensor | None = None  # each scheduled request's first position, on the device
+    shape: StepShape | None = None  # what the step runs (its launch, decodes and forward rows), for its timing
 
 
 @dataclass
@@ -94,7 +95,7 @@ class SpecFlight:
     epochs: list[int] = field(default_factory=list)  # per sampling row: its preemptions at launch
     drafts_t: torch.Tensor | None = None  # ``drafts`` on the device
     rows: torch.Tensor | None = None  # steps laid out on the device: each scheduled request's first row
-    first: torch.Tensor | None = None  # each scheduled request's first position (shifted back on the device)
+    shape: StepShape | None = None  # what the step ran (``spec_timing``)
 
     NUM_TENSORS = 7
 
@@ -111,7 +112,9 @@ class AsyncSpec:
     def __init__(self, engine: LLMEngine, spec: SpecDecoder) -> None:
         self.engine, self.spec = engine, spec
         self.used = 1.0  # running share of the offered draft slots the proposer filled (learned one step late)
-        self.n = dict(spec_verify_budget=0, spec_draft_slots=0)
+        self.n = dict(spec_verify_budget=0, spec_draft_slots=0, spec_timed_steps=0, spec_relayouts_skipped=0)
+        # per-step wall times for the proposer (``Proposer.step_timed``; ``spec_timing``)
+        self.clock = StepClock(inline=not engine.platform.supports_async_overlap())
 
     def budget(self, requests: int, slots: int) -> int:
         """The step's verify budget (draft rows laid out), fixed by the host before the drafts exist:
@@ -126,15 +129,30 @@ class AsyncSpec:
     # ---- schedule ----------------------------------------------------------------------------
     def offer_slots(self) -> list[Sequence]:
         """Give every decode-ready request ``k`` draft slots (within its length limits, counted as if
-        the step in flight accepts all its drafts) for the scheduler to reserve. Returns them."""
+        the step in flight accepts all its drafts; as many of them as the proposer's ``draft_slots``
+        takes) for the scheduler to reserve. Returns the requests given slots."""
         eng, k = self.engine, self.spec.k
-        offered = []
+        ready, room = [], []
         for seq in eng.scheduler.running_requests():
             if seq.status != Status.RUNNING or seq.in_prefill or seq.last_token_pending:
                 continue
             m = min(k, eng.max_model_len - seq.num_tokens - 1)
             if seq.params.max_tokens is not None:
                 m = min(m, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
+            if m > 0:
+                ready.append(seq)
+                room.append(m)
+        if ready:  # the proposer may offer fewer (``Proposer.draft_slots``: none makes a plain step)
+            try:
+                got = list(self.spec.proposer.draft_slots(eng, ready, room))
+                if len(got) != len(room):
+                    raise TypeError(f"draft_slots() must return {len(room)} counts, got {len(got)}")
+                room = [max(0, min(m, int(g))) for m, g in zip(room, got)]
+            except Exception as exc:  # noqa: BLE001  (a proposer's bug costs its drafts, not the requests)
+                self.spec.broken(f"draft_slots() raised {type(exc).__name__}: {exc}", exc)
+                room = [0] * len(room)
+        offered = []
+        for seq, m in zip(ready, room):
             if m > 0:
                 seq.spec_tokens, seq.spec_probs = [SLOT] * m, None
                 offered.append(seq)
@@ -168,11 +186,16 @@ class AsyncSpec:
             s.seq.spec_tokens, s.seq.spec_probs = [], None
         if prev_flight is not None or drafts is not None:
             patch_rows(self.engine, batch, out, maps, last, rej, drafts)
-        if drafts is not None and self.spec.proposer.needs_hidden:  # the positions the next draft reads
+        if self.spec.proposer.needs_hidden and (prev_flight is not None or drafts is not None):
+            # the true positions the next draft reads, shifted back on the device: also for a plain
+            # step after a speculative one, whose host positions are upper bounds too
             c, np_ = maps["t"][maps["computed"]], batch.num_prefills
-            drafts.first = torch.cat([c[:np_], c[np_:] - rej])
+            batch.first_dev = torch.cat([c[:np_], c[np_:] - rej])
         if drafts is not None and drafts.budget < sum(drafts.slots):
             compact_rows(self.engine, batch, out, drafts, maps, self.spec.proposer.needs_hidden)
+        if drafts is not None:
+            drafts.shape = StepShape(eng.stats.launched_steps, len(decodes), int(batch.input_ids.shape[0]),
+                                     batch.num_prefills > 0)
         return batch, drafts
 
     def _launch_parts(self, up: Upload, decodes: list[ScheduledSeq], prev: SpecFlight | None,
@@ -209,7 +232,7 @@ class AsyncSpec:
             counts.append(s.num_new_tokens + len(s.spec_tokens) if s is not None else 0)
         flight = prev.spec
         rows = flight.rows if flight is not None and flight.rows is not None else None
-        firsts = flight.first if flight is not None else None  # (else: a plain step, positions as laid out)
+        firsts = batch.first_dev  # (None: a step whose positions are the host's, as laid out)
         return {"where": up.add(where), "counts": counts, "first": first, "dev_rows": rows, "dev_first": firsts,
                 "host_rows": None if rows is not None else up.add(batch.row_starts),
                 "host_first": None if firsts is not None else up.add(first), "hidden": batch.hidden}
@@ -262,16 +285,19 @@ class AsyncSpec:
         self.n["spec_verify_budget"] += budget
         self.n["spec_draft_slots"] += sum(slots)
         first_pos = true_len[sel]
+        # no request verifies more drafts than the budget: the proposer drafts no deeper (the slots stay)
+        deep = [max(1, min(m, budget)) for m in slots]
+        Kp = max(deep)
         try:
-            args = (eng, seqs, slots, last[sel], first_pos, pending[sel])
+            args = (eng, seqs, deep, last[sel], first_pos, pending[sel])
             if spec.proposer.needs_hidden:
                 got = spec.proposer.propose_on_device(*args, hidden=self._step_hidden(t, h.get("hidden")))
             else:
                 got = spec.proposer.propose_on_device(*args)
             if (not isinstance(got, DeviceDraft) or not isinstance(got.tokens, torch.Tensor)
-                    or got.tokens.dim() != 2 or got.tokens.shape[0] != len(seqs) or got.tokens.shape[1] < K):
+                    or got.tokens.dim() != 2 or got.tokens.shape[0] != len(seqs) or got.tokens.shape[1] < Kp):
                 raise TypeError(f"propose_on_device() must return a DeviceDraft with tokens of shape "
-                                f"[{len(seqs)}, >= {K}], got {got!r}")
+                                f"[{len(seqs)}, >= {Kp}], got {got!r}")
             if got.confidences is not None and tuple(got.confidences.shape[:1]) != (len(seqs),):
                 raise TypeError(f"DeviceDraft confidences must have {len(seqs)} rows, got "
                                 f"{tuple(got.confidences.shape)}")
@@ -280,15 +306,23 @@ class AsyncSpec:
             none = torch.zeros(len(seqs), K, dtype=torch.long, device=dev)
             zero = torch.zeros(len(seqs), dtype=torch.long, device=dev)
             return LaunchDrafts(seqs, slots, none, zero, first_pos, sel, budget, zero)
-        tokens = got.tokens[:, :K].to(dev, torch.long)
+        tokens = got.tokens[:, :Kp].to(dev, torch.long)
+        conf = got.confidences[:, :Kp].to(dev, torch.float32) if got.confidences is not None else None
+        if Kp < K:  # drafted no deeper than the budget: the columns past it end every row's drafts
+            tokens = torch.nn.functional.pad(tokens, (0, K - Kp), value=-1)
+            conf = torch.nn.functional.pad(conf, (0, K - Kp)) if conf is not None else None
         V = eng.model_config.vocab_size
         inside = ((tokens >= 0) & (tokens < V)).long().cumprod(1).sum(1)  # an id outside ends the drafts
         lengths = wanted = torch.minimum(cap, inside)
-        if got.confidences is not None or budget < sum(slots):  # lengths under the step's verify budget
-            conf = (got.confidences[:, :K].to(dev, torch.float32).contiguous() if got.confidences is not None
+        if conf is not None or budget < sum(slots):  # lengths under the step's verify budget
+            conf = (conf.contiguous() if conf is not None
                     else torch.ones(tokens.shape, dtype=torch.float32, device=dev))  # no confidences: fair shares
             lengths = eng.kernels.draft_lengths(conf, lengths, budget, float(got.min_confidence))
         spec.n["spec_proposed"] += sum(slots)
+        if budget < sum(slots) and not spec.proposer.relayout_pays(eng, len(decodes), sum(slots), budget):
+            # the rows stay as laid out (every slot computed, the lengths still within the budget)
+            budget = sum(slots)
+            self.n["spec_relayouts_skipped"] += 1
         return LaunchDrafts(seqs, slots, tokens.clamp(0, V - 1), lengths, first_pos, sel, budget, wanted)
 
     def _index_maps(self, batch: StepBatch, out: SchedulerOutput, drafts: LaunchDrafts | None) -> dict:
@@ -391,7 +425,7 @@ class AsyncSpec:
             extra, emitted, accepted = self._verify(batch, logits, drafts, h, t, emitted, accepted)
         epochs = [s.metrics.num_preemptions for s in batch.sample_seqs]
         return sample, SpecFlight(stride, h["row_drafts"], emitted, accepted, plain, drafted, extra, epochs,
-                                  t[h["row_drafts_t"]], drafts.rows, drafts.first)
+                                  t[h["row_drafts_t"]], drafts.rows, drafts.shape)
 
     def _verify(self, batch: StepBatch, logits: torch.Tensor, drafts: LaunchDrafts, h: dict,
                 t: list[torch.Tensor], emitted: torch.Tensor | None, accepted: torch.Tensor | None
@@ -510,3 +544,7 @@ class AsyncSpec:
         eng.finish_stopped(stops)
         if fb_seqs:
             self.spec.proposer.verified(eng, fb_seqs, fb_drafts, fb_acc)
+        timed = self.clock.completed(eng, flight)
+        if timed is not None:
+            self.n["spec_timed_steps"] += 1
+            self.spec.proposer.step_timed(eng, *timed)

@@ -273,7 +273,7 @@ class ParallelEngine(RankProcesses):
         out = dict(per_rank[0])
         for key in ("prefill_tokens", "decode_tokens", "preemptions", "kv_blocks_free", "kv_blocks_total",
                     "dummy_steps", "spec_steps", "spec_verified", "spec_accepted", "spec_proposed",
-                    "spec_verify_budget", "spec_draft_slots"):
+                    "spec_verify_budget", "spec_draft_slots", "spec_relayouts_skipped"):
             if key in out:
                 out[key] = sum(m.get(key, 0) for m in per_rank)
         for key in {k for m in per_rank for k in m}:  # KV hand-off counters and seconds (handoff.py), drain

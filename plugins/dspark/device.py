@@ -34,6 +34,11 @@ from plugins.dspark.drafter import DECODE_SPAN
 from plugins.dspark.lean import context_slot_table
 from plugins.dspark.state import _Rows
 
+EXPLORE_VERIFY_EVERY = 16  # async steps between verifying one row more than chosen (measures that size)
+ACCEPT_DECAY = 0.95  # per verified request: the running accept rate's memory (about 20 verifications)
+ACCEPT_PRIOR = 8.0  # weight (in decided drafts) of the start value, decaying like the samples
+DEPTH_PRIOR = 2.0  # drafts at the running rate added to each depth's conditional accept rate
+
 
 class DeviceDrafter:
     """The device half of :class:`plugins.dspark.feature.DSpark` (its state lives there)."""
@@ -52,14 +57,7 @@ class DeviceDrafter:
             if st:
                 st.decode_steps += 1
                 self.n["decode_steps"] += 1
-        # whether drafting pays at this batch size (as the host path decides it; False: dormant next)
-        allowed = True
-        if self.varlen and not self.budgeted:  # (the "budget" policy drafts every step; its budget cuts)
-            allowed = self._worth_speculating(SchedulerOutput(decodes=[ScheduledSeq(r, 1) for r in requests]),
-                                              engine.load_stats()["running"])
-        if allowed is not True:
-            states = [st if allowed and st and seq.request_id in allowed else None
-                      for seq, st in zip(requests, states)]
+        # (whether to draft, and for which requests, was decided before scheduling: ``draft_slots``)
         items = self._catchup_items(requests, states, launch, hidden)  # (i, seq, st, lo, hi)
         if not items:
             return DeviceDraft(tokens, conf)
@@ -286,31 +284,104 @@ class DeviceDrafter:
             c = torch.stack([self._calibrated(c[:, d], d + 1) for d in range(K)], 1)
         return torch.stack(toks, 1), c
 
+    def draft_slots(self, engine, requests, slots: list[int]) -> list[int]:
+        """Async steps (``Proposer.draft_slots``), before scheduling: whether drafting pays at this batch
+        size (as the host path decides it after a step: ``_worth_speculating``), and for which requests
+        (an exploratory step: a few); the others get no slots, so a step that does not draft lays out,
+        proposes and verifies nothing beyond a plain step. The "budget" and fixed policies draft every
+        step."""
+        if not self.varlen or self.budgeted:
+            return slots
+        allowed = self._worth_speculating(SchedulerOutput(decodes=[ScheduledSeq(r, 1) for r in requests]),
+                                          engine.load_stats()["running"])
+        if allowed is True:
+            return slots
+        out = [m if allowed and seq.request_id in allowed else 0 for seq, m in zip(requests, slots)]
+        if not any(out):  # a plain step: its time is a plain step's (``step_finished``), no async sample
+            self._regime, self._pending = False, None
+        return out
+
     def device_budget(self, engine, num_requests: int, num_slots: int) -> int:
         """The verify rows of an async step, fixed before its drafts exist: every slot for the fixed
         policy (and the threshold policy, whose ``min_confidence`` cut then decides), under the
         ``verify_budget`` setting; for the throughput policy the budget whose expected tokens per
-        second of step time is best by the step-time curve, each request's drafts accepted at the
-        running accept rate (a request's j-th draft with probability rate^j), taken level by level."""
+        second of step time is best, a request's first j drafts all accepted with the running
+        probability of that depth (``level_probs``), taken level by level over the requests given
+        slots. The step time is the
+        async steps' own measured curve (``LiveCost.step``: whole steps timed one step late, as
+        ``step_timed`` feeds them), the decomposed curve scaled where a size is unmeasured. Every
+        ``EXPLORE_VERIFY_EVERY``-th step verifies one row more than chosen, so the next size is
+        measured too."""
         cap = min(num_slots, self.opts["verify_budget"] or num_slots)
         if not self.varlen or self.threshold or self.live is None or num_requests <= 0:
             return cap
-        rate, live, R = min(max(self.mean_conf, 0.0), 0.999), self.live, num_requests
-        fixed = live.overhead(R) + live.drafting(R, max(1, -(-num_slots // R)))
+        live, R = self.live, num_requests
+        rows = min(R, max(1, -(-num_slots // self.k)))  # requests given slots (an exploratory step: a few)
+        depth = max(1, -(-num_slots // rows))
+        probs = self.level_probs(depth)
         best, best_b, expected = -1.0, 0, float(R)
+        times = live.step_curve(R, list(range(R, R + cap + 1)), depth)
         for b in range(cap + 1):
             if b:
-                expected += rate ** ((b - 1) // R + 1)  # the b-th best slot: level (b - 1) // R + 1
-            value = expected / (fixed + live.verify(R + b))
+                expected += probs[min((b - 1) // rows, depth - 1)]  # the b-th best slot: level (b - 1) // rows + 1
+            value = expected / max(times[b], 1e-9)
             if value > best:
                 best, best_b = value, b
+        self.n["budgets"] += 1
+        if self.n["budgets"] % EXPLORE_VERIFY_EVERY == 0 and best_b < cap:
+            best_b += 1
         return best_b
+
+    def relayout_pays(self, engine, num_requests: int, num_slots: int, budget: int) -> bool:
+        """(``Proposer.relayout_pays``) By the async steps' measured curve: re-laid steps at the budget's
+        rows against steps computing every slot's row (a size's estimate is capped by the larger sizes
+        measured, so where the full layout measured no dearer, the rows are not re-laid)."""
+        if self.live is None:
+            return True
+        R = num_requests
+        depth = max(1, -(-num_slots // max(1, min(R, -(-num_slots // self.k)))))
+        return self.live.step(R, R + budget, depth) < self.live.step(R, R + num_slots, depth)
+
+    def level_probs(self, depth: int) -> list[float]:
+        """``P[j - 1]``: the probability that a request's first j device drafts are all accepted, as a
+        product of running per-depth conditional accept rates (accepted over decided at each depth,
+        ``DEPTH_PRIOR`` drafts at the running rate as a prior): acceptance runs in streaks (a request
+        whose first drafts were accepted accepts the next more often), which one rate per draft, raised
+        to the depth, underestimates at depth (0.54 per draft read 1.1 accepted of 5, against 2.5 seen)."""
+        out, p, mean = [], 1.0, min(max(self.mean_conf, 0.0), 0.999)
+        for j in range(depth):
+            acc = self._depth_acc[j] if j < len(self._depth_acc) else 0.0
+            dec = self._depth_dec[j] if j < len(self._depth_dec) else 0.0
+            p *= min((acc + DEPTH_PRIOR * mean) / (dec + DEPTH_PRIOR), 0.999)
+            out.append(p)
+        return out
+
+    def step_timed(self, engine, tokens: int, requests: int, seconds: float) -> None:
+        """An async speculative step's wall time (``Proposer.step_timed``) into the live curve of
+        whole async steps, keyed by the decodes and verified rows that step ran."""
+        if self.live is not None:
+            self.live.observe_step(requests, tokens, seconds, self.k)
 
     def device_verified(self, st, m: int, a: int) -> None:
         """Feedback of a device proposal (its draft KV bookkeeping is the catch-up's own): the running
-        per-draft accept rate (a accepted of the drafts tried until the first rejection)."""
+        per-draft accept rate, a ratio of running sums (accepted drafts over drafts the target
+        decided: those until the first rejection), so that it estimates the per-draft rate without
+        bias (a running mean of each step's ratio a / (a + 1) underestimates it: 0.40 for a true 0.6
+        at 5 drafts). The request's own last ratio is not kept as its forecast: a single outcome
+        (0 whenever the first draft is rejected) would make the next steps skip drafting; its
+        forecast is the running rate (``recent_conf`` None)."""
         st.dev_pending = False
         if m > 0:
-            rate = a / min(a + 1, m)
-            self.mean_conf = 0.95 * self.mean_conf + 0.05 * rate
-            st.recent_conf = rate  # (the host path's: its last first-draft confidence)
+            decided = min(a + 1, m)
+            if self._dec_sum <= 0:  # the running value so far as a prior of ACCEPT_PRIOR drafts, decaying away
+                self._acc_sum, self._dec_sum = self.mean_conf * ACCEPT_PRIOR, ACCEPT_PRIOR
+            self._acc_sum = ACCEPT_DECAY * self._acc_sum + a
+            self._dec_sum = ACCEPT_DECAY * self._dec_sum + decided
+            self.mean_conf = self._acc_sum / self._dec_sum
+            while len(self._depth_dec) < decided:
+                self._depth_dec.append(0.0)
+                self._depth_acc.append(0.0)
+            for j in range(decided):  # per depth: drafts decided there (their earlier ones all accepted)
+                self._depth_dec[j] = ACCEPT_DECAY * self._depth_dec[j] + 1.0
+                self._depth_acc[j] = ACCEPT_DECAY * self._depth_acc[j] + (j < a)
+            st.recent_conf = None

@@ -13,7 +13,7 @@ from deepinfer_core.proposer import MAX_K
 from deepinfer_core.scheduler import SchedulerOutput
 from plugins.dspark import confidence as conf_mod
 from plugins.dspark.lean import context_slot_table
-from plugins.dspark.policy import budget_settled, worth_drafting
+from plugins.dspark.policy import async_can_pay, budget_settled, worth_drafting
 from plugins.dspark.state import KEY, _Rows, _State
 
 DECODE_SPAN = MAX_K + 1  # catch-up spans up to this long use the decode (absorbed) attention path
@@ -33,6 +33,11 @@ MEASURED_KEEP_MARGIN = 0.08
 MEASURED_MIN_ROWS = 8
 MEASURED_RESUME_MARGIN = 0.15
 TRIAL_STEPS = 8  # drafting steps of a trial where drafting measured slower before
+SMALL_EXPLORE_EVERY = 64  # most skipped steps between exploratory drafts below MEASURED_MIN_ROWS requests
+# fewest skipped steps between exploratory drafts from MEASURED_MIN_ROWS requests on (a step there drafts a
+# few requests but verifies beside the whole batch): doubling while explorations keep losing, up to 4096
+LARGE_EXPLORE_EVERY = 256
+KEEP_RUN = 64  # drafting steps in a row after which drafting counts as paying (the exploration gap resets)
 
 
 class Drafter:
@@ -163,6 +168,8 @@ class Drafter:
         R = len(ready)
         if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ended
             self.resume_after = None
+        if self.trial_left:
+            self.trial_left -= 1
         states = [seq.feature_state.get(KEY) for seq in ready]
         mean = self.mean_conf
         conf = [mean + SKIP_FORECAST_BLEND * (st.recent_conf - mean) if st and st.recent_conf is not None else mean
@@ -172,6 +179,7 @@ class Drafter:
         worth = worth_drafting([1.0] * R, conf, R, n_live, R, self.live, self.live.overhead(n_live), self.k,
                                start_s=self.live.catchup(R) - self.live.draft(R),
                                margin=RESUME_MARGIN if resuming else 0.0)
+        forecast = worth
         if worth and not self.trial_left and R >= MEASURED_MIN_ROWS:  # the measured rates may veto the forecast
             verdict = self.rates.verdict(R, MEASURED_RESUME_MARGIN if resuming else MEASURED_KEEP_MARGIN)
             if verdict is False:
@@ -180,28 +188,45 @@ class Drafter:
             elif self.rates.needs_plain_probe(R):  # measure plain decoding here (first, or again)
                 worth, self.resume_after = False, PROBE_STEPS
                 self.n["plain_probes"] += 1
+            elif self.live.async_steps and self.async_verdict(R, mean) is False:
+                worth = False  # the whole async steps measured here say drafting loses at this accept rate
+                self.n["async_vetoes"] += 1
+        gap = self.explore_gap(n_live)
         if worth:
             if not self.trial_left:
                 self.exploring = False
-            self.skipped, self.explore_every = 0, 64
+            self.skipped = 0
+            self.drafting_run += 1
+            if self.drafting_run >= KEEP_RUN:  # drafting has paid for a while: explore soon after it stops
+                self.explore_every, self.resumed = 64, False
             return True
-        if self.exploring:  # the last exploratory draft did not make drafting pay: wait longer
-            self.exploring, self.explore_every = False, min(self.explore_every * 2, 4096)
-        if self.skipped >= self.explore_every and R >= MEASURED_MIN_ROWS and self._may_explore(R) and \
+        # the last exploratory draft, or drafting resumed after one but stopped within KEEP_RUN steps, did
+        # not make drafting pay: from MEASURED_MIN_ROWS requests on, wait twice as long (at a few requests
+        # an exploratory step costs little, and it is the only refresh of the accept rate while dormant:
+        # every SMALL_EXPLORE_EVERY steps there, ``explore_gap``)
+        lost = self.exploring or (0 < self.drafting_run < KEEP_RUN and self.resumed)
+        if lost and R >= MEASURED_MIN_ROWS:
+            self.explore_every = min(max(self.explore_every, gap) * 2, 4096)
+            gap = self.explore_gap(n_live)
+        self.exploring = self.resumed = False
+        self.drafting_run = 0
+        if self.skipped >= gap and forecast and R >= MEASURED_MIN_ROWS and self._may_explore(R) and \
                 self.rates.verdict(R) is False and self.resume_after is None:
-            # measured slower here before: a short trial of real drafting refreshes the measurement
-            self.skipped, self.exploring, self.trial_left = 0, True, TRIAL_STEPS
+            # the forecast says drafting pays but it measured slower here before: a short trial of real
+            # drafting refreshes the measurement (where the forecast says it does not pay either, a trial
+            # would stop after one step of the whole batch, having measured nothing)
+            self.skipped, self.exploring, self.resumed, self.trial_left = 0, True, True, TRIAL_STEPS
             self.n["trials"] += 1
             return True
-        if self.skipped >= self.explore_every and self._may_explore(R):
-            self.skipped, self.exploring = 0, True
+        if self.skipped >= gap and self._may_explore(R):
+            self.skipped, self.exploring, self.resumed = 0, True, True
             order = sorted(range(R), key=lambda i: ready[i].num_tokens - (states[i].done if states[i] else 0))
             chosen = {ready[i].request_id for i in order[:EXPLORE_ROWS]}
             for seq, st in zip(ready, states):
                 if st and seq.request_id not in chosen:
                     st.drafts, st.q, st.feats = [], None, None
             return chosen
-        self.skipped = 1 if self.skipped >= self.explore_every else self.skipped + 1
+        self.skipped = 1 if self.skipped >= gap else self.skipped + 1
         for st in states:
             if st:
                 st.drafts, st.q, st.feats = [], None, None
@@ -209,6 +234,21 @@ class Drafter:
                     st.recent_conf = 0.8 * st.recent_conf + 0.2 * self.mean_conf
         self.n["skipped_steps"] += 1
         return False
+
+    def explore_gap(self, rows: int) -> int:
+        """Skipped steps before an exploratory draft at ``rows`` running requests: ``explore_every``
+        (doubling while explorations lose), at most ``SMALL_EXPLORE_EVERY`` below ``MEASURED_MIN_ROWS``
+        requests (a gap grown at a large batch does not carry over) and at least ``LARGE_EXPLORE_EVERY``
+        from there on, where an exploratory step costs a large batch's time and rarely wins."""
+        if rows < MEASURED_MIN_ROWS:
+            return min(self.explore_every, SMALL_EXPLORE_EVERY)
+        return max(self.explore_every, LARGE_EXPLORE_EVERY)
+
+    def async_verdict(self, rows: int, conf: float) -> bool | None:
+        """Whether drafting at ``rows`` requests with drafts accepted at ``conf`` beats plain decoding by
+        what was measured with async scheduling: the whole async speculative steps at this batch size
+        (``LiveCost.step``) against the measured plain rate here; None while either is unmeasured."""
+        return async_can_pay(rows, self.live, self.k, conf, self.rates.plain.get(self.rates.bucket(rows)))
 
     @staticmethod
     def _meta_tables(its: list, dev) -> torch.Tensor:

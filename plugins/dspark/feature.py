@@ -77,9 +77,9 @@ from plugins.dspark import calibration as calib_mod
 from plugins.dspark import confidence as conf_mod
 from plugins.dspark.calibrate import load_or_measure_cost
 from plugins.dspark.calibration import Calibration
-from plugins.dspark.device import DeviceDrafter
+from plugins.dspark.device import EXPLORE_VERIFY_EVERY, DeviceDrafter
 from plugins.dspark.draft import CACHE_GROUP, DraftModel, MTPDraft, has_mtp, is_mtp_dir
-from plugins.dspark.drafter import Drafter
+from plugins.dspark.drafter import MEASURED_MIN_ROWS, Drafter
 from plugins.dspark.policy import (
     LiveCost,
     MeasuredRates,
@@ -95,7 +95,6 @@ DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_
             "verify_budget": 0, "min_confidence": 0.2, "verify_share": 0.75, "calibration": "auto"}
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
-EXPLORE_VERIFY_EVERY = 16  # varlen steps between verifying one draft more than chosen (measures that size)
 POLICIES = ("throughput", "budget", "threshold", "fixed")
 # while dormant: no exploratory step when drafts accepted this often would still not pay at this batch size
 OPTIMISTIC_CONF = 0.9
@@ -151,9 +150,14 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self.outcome_log: list | None = None  # set to a list to log (features, accepted) per verified draft
         self.last_depth = 0
         self.mean_conf = 0.6  # running mean of the drafts' confidences (decides whether to draft at all)
+        self._acc_sum = self._dec_sum = 0.0  # device drafts: running sums of accepted and decided drafts
+        self._depth_acc: list[float] = []  # the same per depth (``level_probs``)
+        self._depth_dec: list[float] = []
         self.skipped = 0  # consecutive steps without drafting
         self.explore_every = 64  # skipped steps between exploratory drafts (doubles while they do not pay)
         self.exploring = False
+        self.resumed = False  # drafting runs since an exploratory step (a short run counts as a loss)
+        self.drafting_run = 0  # drafting decisions in a row
         self.rates = MeasuredRates()  # tokens/s measured drafting and not, per batch size: a veto on the forecast
         self.resume_after: int | None = None  # a plain-rate probe: dormant steps before looking again
         self.trial_left = 0  # drafting steps of a trial (the measured veto is off while they refresh the rate)
@@ -162,7 +166,8 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self._last_stats: tuple[float, int] | None = None  # the engine's (step_time, decode_tokens) at the last step
         self.launched_steps = 0  # the engine's launched steps, as of the last step_finished
         self.n = dict(verified=0, accepted=0, decode_steps=0, spec_steps=0, proposals=0, depth=0, skipped_steps=0,
-                      plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0)
+                      plans=0, blocked_explorations=0, measured_vetoes=0, plain_probes=0, trials=0, budgets=0,
+                      async_vetoes=0)
         self.t = dict(draft=0.0, verify=0.0, schedule=0.0)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -266,7 +271,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
 
     def active(self, engine) -> bool:
         """Dormant (plain async steps) while drafting does not pay; a speculative step again after
-        ``explore_every`` skipped steps, where ``_worth_speculating`` decides anew (and explores),
+        ``explore_gap`` skipped steps, where ``_worth_speculating`` decides anew (and explores),
         unless the step-time curve says that at the present batch size even drafts accepted with
         probability ``OPTIMISTIC_CONF`` would not pay: then it stays dormant, with no exploratory step
         (the "never slower than plain decoding" floor at high concurrency)."""
@@ -278,10 +283,12 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ends
             self.resume_after = None
             return True
-        if self.skipped > self.explore_every and self.resume_after is None:
-            if self._may_explore(engine.load_stats()["running"]):
-                return True
-            self.skipped = 1
+        if self.resume_after is None:
+            running = engine.load_stats()["running"]
+            if self.skipped > self.explore_gap(running):
+                if self._may_explore(running):
+                    return True
+                self.skipped = 1
         self._regime = False
         self._pending = None  # the step-time observations resume with contiguous speculative steps
         return False
@@ -303,8 +310,12 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
     def _may_explore(self, rows: int) -> bool:
         """Whether an exploratory draft can find drafting paying at ``rows`` decoding requests: by the
         step-time curve, drafts accepted with probability ``OPTIMISTIC_CONF`` (or a little above the
-        running mean, if higher) would pay. Counts ``blocked_explorations`` when not."""
-        if drafting_can_pay(rows, self.live, self.k, max(OPTIMISTIC_CONF, min(self.mean_conf + 0.1, 0.99))):
+        running mean, if higher) would pay; from ``MEASURED_MIN_ROWS`` requests on, where async steps were
+        measured at this batch size, also by their measured curve against the measured plain rate, at a
+        little above the running mean (``async_verdict``). Counts ``blocked_explorations`` when not."""
+        hope = min(self.mean_conf + 0.1, 0.99)
+        if drafting_can_pay(rows, self.live, self.k, max(OPTIMISTIC_CONF, hope)) and \
+                (rows < MEASURED_MIN_ROWS or self.async_verdict(rows, hope) is not False):
             return True
         self.n["blocked_explorations"] += 1
         return False
@@ -324,8 +335,6 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
             self._pending = None
         scheduled = SchedulerOutput(prefills=batch.scheduled[: batch.num_prefills],
                                     decodes=batch.scheduled[batch.num_prefills :])
-        if self.trial_left:
-            self.trial_left -= 1
         for s in scheduled.decodes:
             st = s.seq.feature_state.get(KEY)
             if st:
@@ -506,6 +515,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
             "dspark_steps_without_drafts": n["skipped_steps"],
             "dspark_blocked_explorations": n["blocked_explorations"], "dspark_measured_vetoes": n["measured_vetoes"],
             "dspark_plain_probes": n["plain_probes"], "dspark_trials": n["trials"],
+            "dspark_async_vetoes": n["async_vetoes"],
             "dspark_draft_time": self.t["draft"], "dspark_verify_time": self.t["verify"],
             "dspark_schedule_time": self.t["schedule"],
             "dspark_cost_verify_scale": self.live.verify_scale, "dspark_cost_draft_scale": self.live.draft_scale,
@@ -522,8 +532,8 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         out = {k: v for k, v in out.items() if k.startswith("dspark_")}
         for key in ("decode_steps", "verified", "accepted", "steps_without_drafts", "blocked_explorations",
                     "measured_vetoes", "plain_probes", "trials", "proposals",
-                    "draft_depth_total", "draft_time", "verify_time", "schedule_time"):
-            out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks)
+                    "draft_depth_total", "draft_time", "verify_time", "schedule_time", "async_vetoes"):
+            out[f"dspark_{key}"] = sum(m.get(f"dspark_{key}", 0) for m in ranks)
         for key in ("cost_verify_scale", "cost_draft_scale", "cost_extra_overhead"):
             out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks) / len(ranks)
         steps, ver, acc = max(out["dspark_decode_steps"], 1), out["dspark_verified"], out["dspark_accepted"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,6 +46,14 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _suffix_min(ys: list[float]) -> list[float]:
+    """``out[i] = min(ys[i:])``."""
+    out = list(ys)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 @dataclass
 class StepCost:
     """Measured times on this platform: one target forward over T tokens of decode queries
@@ -62,10 +71,11 @@ class StepCost:
     format: int = FORMAT
 
     def __post_init__(self) -> None:
-        # a monotone curve keeps marginal costs non-negative under measurement noise
+        # a monotone curve keeps marginal costs non-negative under measurement noise: a point above a
+        # larger size's is capped by it (one slow sample is not spread to every larger size)
         for ys in (self.verify_s, self.draft_s):
-            for i in range(1, len(ys)):
-                ys[i] = max(ys[i], ys[i - 1])
+            for i in range(len(ys) - 2, -1, -1):
+                ys[i] = min(ys[i], ys[i + 1])
 
     def verify(self, tokens: float) -> float:
         return _interp(self.verify_tokens, self.verify_s, tokens)
@@ -102,7 +112,10 @@ class LiveCost:
     - ``catchup_scale``: the catch-up (and the first draft token), in units of one draft step over
       as many rows as the catch-up forward has (``catch_rows`` per drafting request: one plus the
       accepted drafts, more after steps without drafts), so a scale learnt at batch 1 holds at 32;
-    - ``extra_overhead_s``: the rest of the step cycle beyond the start-up estimate.
+    - ``extra_overhead_s``: the rest of the step cycle beyond the start-up estimate;
+    - ``step_seen`` and ``step_scale``: async speculative steps timed whole (``observe_step``, one
+      step late: the host never times their parts), per (decodes, verified rows), and the running
+      ratio of those times to the decomposed curve; the async verify budget reads them (``step``).
 
     Samples are clipped to a factor of two of the current value, so one stall (another process, an
     idle gap between requests) moves an estimate little, while a lasting change is followed within
@@ -118,23 +131,35 @@ class LiveCost:
         self.cycles = 0
         self.verify_seen: dict[int, float] = {}
         self._cap: tuple[list[int], list[float]] | None = None  # sizes seen, least time seen at >= each
+        # async speculative steps, timed whole: (decodes, verified rows) -> running seconds
+        self.step_seen: dict[tuple[int, int], float] = {}
+        self.step_scale = 1.0  # running ratio of measured to modelled (``step_model``) async steps
+        self.async_steps = 0  # async steps observed
+
+    def _raw_verify(self, tokens: float) -> float:
+        seen = self.verify_seen.get(tokens) if isinstance(tokens, int) else None
+        return seen if seen is not None else self.verify_scale * self.base.verify(tokens)
 
     def verify(self, tokens: float) -> float:
         """The running time of a size seen, else the scaled curve; at most the least time seen at any
         larger size (a forward over more tokens is not cheaper, so one slow sample of a size that is
         then rarely seen again, such as the batch without drafts while drafting always runs, does
         not make it look dearer than its neighbours)."""
-        seen = self.verify_seen.get(tokens) if isinstance(tokens, int) else None
-        est = seen if seen is not None else self.verify_scale * self.base.verify(tokens)
         if self._cap is None:
             keys = sorted(self.verify_seen)
-            mins = [self.verify_seen[t] for t in keys]
-            for i in range(len(mins) - 2, -1, -1):
-                mins[i] = min(mins[i], mins[i + 1])
-            self._cap = keys, mins
+            self._cap = keys, _suffix_min([self.verify_seen[t] for t in keys])
         keys, mins = self._cap
         i = bisect.bisect_right(keys, tokens)
+        est = self._raw_verify(tokens)
         return min(est, mins[i]) if i < len(keys) else est
+
+    def _larger(self, tokens: int) -> float:
+        """The least time seen at any size above ``tokens`` (inf: none)."""
+        if self._cap is None:
+            self.verify(tokens)
+        keys, mins = self._cap
+        i = bisect.bisect_right(keys, tokens)
+        return mins[i] if i < len(keys) else math.inf
 
     def draft(self, rows: float) -> float:
         return self.draft_scale * self.base.draft(rows)
@@ -165,13 +190,17 @@ class LiveCost:
             return
         pv = self.base.verify(tokens)
         if pv > 0 and verify_s > 0:
-            self._cap = None
+            # a sample slower than a larger size's estimate is capped by it (in ``verify``), and it does
+            # not move the scale: one slow sample of a size is not spread to the sizes above it
+            spread = verify_s <= self._larger(tokens)
             prior = self.verify(tokens)
+            self._cap = None
             if tokens in self.verify_seen:
                 self.verify_seen[tokens] = self._update(prior, verify_s)
             else:  # the first sample of a size replaces the curve's guess (within a factor of two)
                 self.verify_seen[tokens] = min(max(verify_s, 0.5 * prior), 2.0 * prior)
-            self.verify_scale = self._update(self.verify_scale, verify_s / pv)
+            if spread:
+                self.verify_scale = self._update(self.verify_scale, verify_s / pv)
         pd = self.base.draft(rows) * steps
         if pd > 0 and steps_s > 0:
             self.draft_scale = self._update(self.draft_scale, steps_s / pd)
@@ -187,6 +216,57 @@ class LiveCost:
                 floor = max(self.extra_overhead_s, 1e-5)
                 self.extra_overhead_s += self.ALPHA * (min(other, 2.0 * floor) - self.extra_overhead_s)
             self.cycles += 1
+
+
+    # ---- async speculative steps (measured whole, one step late) --------------------------------
+    def step_model(self, requests: int, tokens: int, depth: int) -> float:
+        """A whole step's time by the decomposed curve: overhead, drafting ``depth`` deep for
+        ``requests`` requests, and a verify forward over ``tokens`` tokens."""
+        return self.overhead(requests) + self.drafting(requests, depth) + self.verify(tokens)
+
+    def step(self, requests: int, tokens: int, depth: int) -> float:
+        """An async speculative step's whole time at ``requests`` decodes and ``tokens`` verified
+        rows: the running time measured at that size (``step_seen``), else the decomposed curve
+        scaled by the running ratio of measured to modelled async steps (``step_scale``); at most
+        the estimate of any larger size seen at the same batch (one slow sample is capped by them)."""
+        seen = self.step_seen.get((requests, tokens))
+        est = seen if seen is not None else self.step_scale * self.step_model(requests, tokens, depth)
+        larger = [v for (r, t), v in self.step_seen.items() if r == requests and t > tokens]
+        return min([est, *larger])
+
+    def step_curve(self, requests: int, tokens: list[int], depth: int) -> list[float]:
+        """``[self.step(requests, t, depth) for t in tokens]`` (``tokens`` ascending), in one pass over
+        the sizes seen at this batch size."""
+        seen = sorted((t, v) for (r, t), v in self.step_seen.items() if r == requests)
+        mins = _suffix_min([v for _, v in seen])
+        keys = [t for t, _ in seen]
+        out, i = [], 0
+        for t in tokens:
+            while i < len(keys) and keys[i] <= t:
+                i += 1
+            exact = seen[i - 1][1] if i and keys[i - 1] == t else None
+            est = exact if exact is not None else self.step_scale * self.step_model(requests, t, depth)
+            out.append(min(est, mins[i]) if i < len(keys) else est)
+        return out
+
+    def observe_step(self, requests: int, tokens: int, seconds: float, depth: int) -> None:
+        """One async speculative step, timed whole (the pipeline's cycle: from the previous step's
+        completion to this one's) at ``requests`` decodes and ``tokens`` verified rows, drafting
+        ``depth`` deep. Samples are clipped to twice the current estimate, as ``observe``'s are."""
+        if not self.adapt or seconds <= 0 or requests <= 0:
+            return
+        model = self.step_model(requests, tokens, depth)
+        larger = [v for (r, t), v in self.step_seen.items() if r == requests and t > tokens]
+        spread = seconds <= min(larger, default=math.inf)  # (as in ``observe``: a slower one moves no scale)
+        prior = self.step(requests, tokens, depth)
+        key = (requests, tokens)
+        if key in self.step_seen:
+            self.step_seen[key] = self._update(prior, seconds)
+        else:
+            self.step_seen[key] = min(max(seconds, 0.5 * prior), 2.0 * prior)
+        if model > 0 and spread:
+            self.step_scale = self._update(self.step_scale, seconds / model)
+        self.async_steps += 1
 
 
 def choose_lengths(cum_conf: list[list[float]], base_tokens: int, budget: int, cost: StepCost,
@@ -278,6 +358,22 @@ def drafting_can_pay(rows: int, cost: LiveCost, k: int, conf: float) -> bool:
         return True
     return worth_drafting([1.0] * rows, [conf] * rows, rows, rows, rows, cost, cost.overhead(rows), k,
                           start_s=cost.catchup(rows) - cost.draft(rows))
+
+
+def async_can_pay(rows: int, cost: LiveCost, k: int, conf: float, plain_rate: float | None) -> bool | None:
+    """Whether an async speculative step at ``rows`` decoding requests, each request's j-th draft
+    accepted with probability ``conf ** j``, yields more tokens per second than ``plain_rate`` (plain
+    decoding's measured tokens per second there) at its best verify budget, by the async steps' own
+    measured curve (``LiveCost.step``: whole steps, drafting included). None when no async step was
+    measured at this batch size or plain decoding was not measured."""
+    if plain_rate is None or rows <= 0 or not any(r == rows for r, _ in cost.step_seen):
+        return None
+    expected, best = float(rows), 0.0
+    times = cost.step_curve(rows, list(range(rows + 1, rows + rows * k + 1)), k)
+    for b in range(1, rows * k + 1):
+        expected += conf ** ((b - 1) // rows + 1)  # the b-th best slot: level (b - 1) // rows + 1
+        best = max(best, expected / max(times[b - 1], 1e-9))
+    return best > plain_rate
 
 
 class MeasuredRates:
