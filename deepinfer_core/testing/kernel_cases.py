@@ -272,17 +272,19 @@ def _cases_moe_route(g, dtype, bs):
     return cases
 
 
+#: ``moe_gate``'s variants (and ``add_rms_norm_moe_gate``'s): label, E, top_k, scoring, bias?, n_group, topk_group,
+#: group_score, renormalize, scale, n_shared, float32 gate
+MOE_GATE_VARIANTS = (
+    ("V2 softmax groups, 2 shared, float32 gate", 16, 4, "softmax", False, 4, 2, "max", False, 16.0, 2, True),
+    ("V3 sigmoid bias top2sum, 1 shared", 32, 8, "sigmoid", True, 8, 4, "top2sum", True, 2.5, 1, True),
+    ("softmax renorm, no shared, gate in the model dtype", 16, 4, "softmax", False, 1, 1, "max", True, 1.0, 0, False),
+)
+
+
 def _cases_moe_gate(g, dtype, bs):
     T, C = 8, 64
-    variants = [
-        # label, E, top_k, scoring, bias?, n_group, topk_group, group_score, renormalize, scale, n_shared, f32 gate
-        ("V2 softmax groups, 2 shared, float32 gate", 16, 4, "softmax", False, 4, 2, "max", False, 16.0, 2, True),
-        ("V3 sigmoid bias top2sum, 1 shared", 32, 8, "sigmoid", True, 8, 4, "top2sum", True, 2.5, 1, True),
-        ("softmax renorm, no shared, gate in the model dtype", 16, 4, "softmax", False, 1, 1, "max", True, 1.0, 0,
-         False),
-    ]
     cases = []
-    for label, E, k, scoring, has_bias, ng, tg, gs, renorm, scale, S, f32 in variants:
+    for label, E, k, scoring, has_bias, ng, tg, gs, renorm, scale, S, f32 in MOE_GATE_VARIANTS:
         bias = _randn(g, E, scale=0.05) if has_bias else None
         gate = _randn(g, E, C, scale=2.0 * C**-0.5)
         gate = gate if f32 else gate.to(dtype)
