@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (pytest fixtures imported from test_dspark are redefined as arguments)
+# ruff: noqa: F811  (pytest fixtures imported from spec_helpers are redefined as arguments)
 """DSpark under async scheduling: drafts proposed on the device (``plugins/dspark/device.py``) and
 taken by the engine's async speculative path (``engine/spec_async.py``). Greedy outputs equal plain
 decoding and synchronous DSpark, with a draft model and with an MTP layer, under preemption and beside
@@ -9,16 +9,19 @@ block leaks. The device verify's distribution is checked in ``test_spec_async.py
 from __future__ import annotations
 
 import pytest
-from test_dspark import (  # noqa: F401
+from spec_helpers import (  # noqa: F401
     PROMPTS,
     _cache_dir,
+    _heldout_prompts,
     cheap_drafts,
     greedy,
     make,
+    mtp_kv_and_teacher_forced,
     reference,
     run,
     tiny_draft,
     tiny_mtp,
+    write_one_layer_draft,
 )
 from tiny_models import kv_bytes_per_block
 
@@ -149,22 +152,13 @@ def test_dp_ep_2_with_async_dspark_equals_one_rank_without(tmp_path_factory, tmp
     """dp = ep = 2, async scheduling on: every rank drafts on its device with its own (rank-local)
     draft, the target's verify forwards meet in the MoE all-to-alls (real gloo processes); greedy
     outputs and logprobs equal dp = ep = 1 without DSpark; both ranks overlapped verified steps."""
-    import json
     from pathlib import Path
 
     from parallel_helpers import assert_same, ep_checkpoint, make_llm, workload
-    from safetensors.torch import load_file, save_file
-    from test_dspark import _copy_files
 
     ckpt = Path(ep_checkpoint(tmp_path_factory.getbasetemp()))
     draft = tmp_path / "ep_draft"
-    _copy_files(ckpt, draft)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["num_hidden_layers"] = 1  # layer 0 is dense
-    (draft / "config.json").write_text(json.dumps(cfg))
-    t = load_file(str(ckpt / "model.safetensors"))
-    save_file({k: v for k, v in t.items() if k.startswith("model.layers.0.") or not k.startswith("model.layers.")},
-              str(draft / "model.safetensors"))
+    write_one_layer_draft(ckpt, draft)  # layer 0 is dense
     ps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0) for _ in range(6)]
     prompts = workload(6)
     ref_llm = make_llm(ckpt)
@@ -186,8 +180,6 @@ def test_shipped_mtp_on_the_device_accepts_like_the_host_path_under_a_verify_bud
     slots, so the engine lays the rows out anew on the device and the next catch-up reads the hidden
     states at their new rows (``StepHidden``): greedy output equals plain decoding and the accepted
     drafts per step come close to the host path's under the same budget."""
-    from test_dspark import _heldout_prompts
-
     from deepinfer_core import LLM
 
     kw = dict(max_num_seqs=4, enable_prefix_caching=False)
@@ -212,10 +204,6 @@ def test_mtp_cache_on_the_device_matches_teacher_forced(tiny_mtp):
     device, so each catch-up must find the hidden states at their new rows and the positions the
     device shifted back): the MTP layer's KV of every position caught up on equals the entry computed
     from the target's teacher-forced hidden states."""
-    import torch
-
-    from deepinfer_core.models.metadata import AttentionMetadata, PrefillMeta
-
     k, bs = 3, 4
     llm = make(tiny_mtp, dspark={"k": k, "budget_policy": "fixed", "verify_budget": 5}, async_scheduling=True,
                max_num_seqs=4)
@@ -228,26 +216,8 @@ def test_mtp_cache_on_the_device_matches_teacher_forced(tiny_mtp):
     m = llm.metrics()
     assert m["spec_verify_budget"] < m["spec_draft_slots"] and m["overlapped_steps"] > 10
     for seq in seqs:
-        ids = torch.tensor(seq.token_ids)
-        L = len(ids)
-        n = L - k - 2  # positions surely caught up on (the last catch-up reached its true length - 2)
-        cache = [torch.zeros(-(-L // bs), bs, c.shape[-1]) for c in eng.kv_caches["latent"]]
-        cu = torch.tensor([0, L])
-        meta = AttentionMetadata(L, torch.arange(L), PrefillMeta(cu, cu, torch.tensor([L]),
-                                                                 torch.arange(-(-L // bs))[None].int(), False), None)
-        pos = torch.arange(L)
-        with torch.inference_mode():
-            hidden = eng.model(ids, pos, meta, {"latent": cache})
-            src, kr = feat.source, eng.kernels
-            e = kr.rms_norm(eng.model.embed_tokens[ids[1 : n + 1]], src.enorm, src.eps)
-            x = kr.linear(torch.cat((e, kr.rms_norm(hidden[:n], src.hnorm, src.eps)), -1), src.eh_proj)
-            x = kr.rms_norm(x, src.layer.input_layernorm, src.eps)
-            attn = src.layer.self_attn
-            latent, k_pe = kr.linear(x, attn.kv_a_proj_with_mqa).split([attn.L, attn.R], dim=-1)
-            ref = torch.cat((attn.kv_a_layernorm(latent), kr.rope(k_pe[:, None], pos[:n], eng.model.cos_sin)[:, 0]),
-                            -1)
-            slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(n)])
-            got = src.caches[0].view(-1, ref.shape[-1])[slots]
+        n = len(seq.token_ids) - k - 2  # positions surely caught up on (the last catch-up reached its true length - 2)
+        got, ref = mtp_kv_and_teacher_forced(eng, feat.source, seq, n, bs)
         assert (got - ref).abs().max().item() < 1e-4, seq.request_id
     while eng.has_unfinished():
         eng.step()

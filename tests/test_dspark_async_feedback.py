@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (pytest fixtures imported from test_dspark are redefined as arguments)
+# ruff: noqa: F811  (pytest fixtures imported from spec_helpers are redefined as arguments)
 """DSpark's policy under async scheduling: async steps' measured times reach the live step-time curve
 (``Proposer.step_timed``, ``engine/spec_timing.py``) and the throughput policy's verify budget is
 chosen from it; the curve is monotone without spreading a slow sample upwards; the running accept
@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from test_dspark import PROMPTS, _cache_dir, greedy, make, tiny_mtp  # noqa: F401
+from spec_helpers import PROMPTS, _cache_dir, greedy, make, tiny_mtp  # noqa: F401
 
 from plugins.dspark.feature import DSpark
 from plugins.dspark.policy import LiveCost, StepCost

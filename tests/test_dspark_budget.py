@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dspark import PROMPTS, _cache_dir, greedy, make, reference, run, tiny_mtp_dir  # noqa: F401
+from spec_helpers import PROMPTS, _cache_dir, greedy, make, reference, run, tiny_mtp_dir  # noqa: F401
 from test_dspark_confidence import _random_head
 
 from deepinfer_core.config import ConfigError

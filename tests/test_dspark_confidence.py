@@ -3,7 +3,8 @@ floor: no drafting where the step-time curve says drafting costs more than it yi
 
 Greedy output stays exact with a head that reads the target's features; the engine's per-step
 confidences equal the head applied offline to the logged features; a fitted head survives
-save/load and is calibrated; with a curve on which drafting cannot pay the engine never drafts (not
+save/load and is calibrated, and so is the shipped draft's head on held-out text; the fast path
+equals the head; with a curve on which drafting cannot pay the engine never drafts (not
 even an exploratory step), with one on which it pays it drafts.
 """
 
@@ -15,10 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dspark import _cache_dir, greedy, make, reference, run, tiny_mtp, tiny_mtp_dir  # noqa: F401
+from spec_helpers import (  # noqa: F401
+    _cache_dir,
+    _heldout_prompts,
+    greedy,
+    make,
+    reference,
+    run,
+    tiny_mtp,
+    tiny_mtp_dir,
+)
 
+from deepinfer_core import LLM, SamplingParams
 from plugins.dspark import confidence as conf_mod
 from plugins.dspark import drafter as dspark_drafter
+from plugins.dspark import feature as dspark_feature
 from plugins.dspark.confidence import EXTRA_FEATURES, LEGACY_FEATURES, TARGET_FEATURES, ConfidenceHead
 from plugins.dspark.head_fit import (
     calibration,
@@ -60,7 +72,7 @@ def mtp_with_target_head(tiny_mtp_dir, tiny_v3_path, tmp_path) -> tuple[str, Con
 
 @pytest.mark.parametrize("policy", ["throughput", "threshold", "fixed"])
 def test_target_features_keep_greedy_exact(tiny_v3_path, mtp_with_target_head, reference, policy):  # noqa: F811
-    from test_dspark import PROMPTS
+    from spec_helpers import PROMPTS
 
     path, head = mtp_with_target_head
     llm = make(tiny_v3_path, dspark={"draft": path, "k": 4, "budget_policy": policy, "min_confidence": 0.05})
@@ -77,7 +89,7 @@ def test_engine_confidences_equal_offline_head(tiny_v3_path, mtp_with_target_hea
     """The engine's per-position confidences (fast path, target term folded per row) equal the head
     applied to the logged features offline; the logged target features vary across steps and the
     previous-acceptance feature is filled after a request's first verification."""
-    from test_dspark import PROMPTS
+    from spec_helpers import PROMPTS
 
     path, head = mtp_with_target_head
     llm = make(tiny_v3_path, dspark={"draft": path, "k": 3, "budget_policy": "fixed"})
@@ -104,7 +116,7 @@ def torch_sampled(i: int):
 
 def test_target_head_needs_an_mtp_draft(tiny_v3_path, tmp_path):
     """A head reading target features beside a draft model (which is not fed them) is refused."""
-    from test_dspark import _copy_files
+    from spec_helpers import _copy_files
 
     from deepinfer_core.config import ConfigError
 
@@ -185,6 +197,18 @@ def test_legacy_head_loads_and_bad_names_are_refused(tmp_path):
         ConfidenceHead.load(tmp_path / "bad.safetensors", C, 1.0)
 
 
+def test_fast_confidence_matches_head():
+    from plugins.dspark.confidence import EXTRA_FEATURES, ConfidenceHead
+
+    g = torch.Generator().manual_seed(0)
+    head = ConfidenceHead(torch.randn(16, generator=g), torch.randn(len(EXTRA_FEATURES), generator=g), 0.3, 1.3)
+    h, logq, ent = torch.randn(6, 16, generator=g), -torch.rand(6, generator=g) * 40, torch.rand(6, generator=g)
+    logq2 = logq - torch.rand(6, generator=g)
+    greedy_rows = torch.tensor([True, False, True, True, False, False])
+    torch.testing.assert_close(head.fast(h, logq, ent, greedy_rows, head.per_row(greedy_rows), logq2),
+                               head(h, logq, ent, greedy_rows, logq2))
+
+
 def test_fast_confidence_with_target_term_matches_head():
     g = torch.Generator().manual_seed(0)
     head = _random_head(16, 3)
@@ -232,7 +256,7 @@ def test_engine_never_drafts_when_the_curve_says_it_costs_more(tiny_v3_path, tin
                                                               async_scheduling, monkeypatch):
     """The engine under the linear curve: no draft is verified (no exploratory step either, though one
     is due every 2 skipped steps), output equals plain decoding, nothing leaks."""
-    from test_dspark import PROMPTS
+    from spec_helpers import PROMPTS
 
     llm = make(tiny_v3_path, dspark={"draft": tiny_mtp_dir, "k": 4}, async_scheduling=async_scheduling)
     feat = _feature(llm)
@@ -277,7 +301,7 @@ def test_measured_rates_veto_and_probe():
 def test_engine_goes_dormant_when_drafting_measured_slower(tiny_v3_path, tiny_mtp_dir, reference):  # noqa: F811
     """The curve says drafting pays, but the measured rates at this batch size say plain decoding was
     faster: the engine stops drafting (vetoes counted), output equals plain decoding."""
-    from test_dspark import PROMPTS
+    from spec_helpers import PROMPTS
 
     from plugins.dspark.policy import MeasuredRates
 
@@ -293,4 +317,27 @@ def test_engine_goes_dormant_when_drafting_measured_slower(tiny_v3_path, tiny_mt
     assert [o.outputs[0].token_ids for o in outs] == reference
     m = llm.metrics()
     assert m["dspark_measured_vetoes"] > 0 and m["dspark_verified"] == 0
+    llm.engine.blocks.check_no_leaks()
+
+
+# ---- calibration of the shipped draft's confidence head --------------------------------------------------
+
+@pytest.mark.parametrize("asset,kind", [(dspark_feature.DEFAULT_MTP, "mtp"), (dspark_feature.DEFAULT_DRAFT, "model")])
+def test_shipped_draft_confidence_calibrated(asset, kind):
+    if not (asset / "confidence_head.safetensors").is_file():
+        pytest.skip(f"no shipped draft in {asset}")
+    llm = LLM(features=["dspark"], dspark={"budget_policy": "fixed", "draft": str(asset)}, max_num_seqs=64)
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    assert feat.source.kind == kind and feat.head.trained
+    feat.outcome_log = []
+    prompts = _heldout_prompts(llm.tokenizer, 96)
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=64, seq_seed=i)
+              for i in range(len(prompts))]
+    run(llm, prompts, params)
+    pred = torch.tensor([c for r in feat.outcome_log for c in r[4]])
+    obs = torch.tensor([a for r in feat.outcome_log for a in r[5]])
+    assert len(pred) >= 3000  # ~0.03 standard error per decile
+    order = pred.argsort()
+    gaps = [abs(float(pred[c].mean()) - float(obs[c].mean())) for c in order.chunk(10)]
+    assert max(gaps) <= 0.1, [round(g, 3) for g in gaps]
     llm.engine.blocks.check_no_leaks()

@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (pytest fixtures imported from test_dspark are redefined as arguments)
+# ruff: noqa: F811  (pytest fixtures imported from spec_helpers are redefined as arguments)
 """DSpark dormant under async scheduling: a step that does not draft is a plain step (decided before
 scheduling, ``Proposer.draft_slots``: no slots laid out, nothing proposed or verified, the same
 uploads), and exploratory drafts at high concurrency are rare: at least ``LARGE_EXPLORE_EVERY``
@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from test_dspark import _cache_dir, make, tiny_mtp  # noqa: F401
+from spec_helpers import _cache_dir, make, tiny_mtp  # noqa: F401
 from test_spec_async_slots import lockstep
 
 from plugins.dspark import drafter as dspark_drafter

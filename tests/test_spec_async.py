@@ -7,12 +7,9 @@ fails loses only its drafts."""
 
 from __future__ import annotations
 
-import sys
-import textwrap
-
 import pytest
 import torch
-from stevedore import ExtensionManager
+from spec_helpers import proposer_package_on_path
 from tiny_models import kv_bytes_per_block, rand_ids
 
 from deepinfer_core import LLM, SamplingParams
@@ -124,24 +121,9 @@ class DeviceFlaky(DevicePrevious):
 @pytest.fixture(scope="module")
 def device_proposers(tmp_path_factory):
     """A third-party package registering device proposers through entry_points.txt alone."""
-    root = tmp_path_factory.mktemp("device_proposers")
-    (root / "device_proposers.py").write_text(PROPOSERS)
-    info = root / "device_proposers-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: device-proposers\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent("""\
-        [deepinfer.proposers]
-        device_previous = device_proposers:DevicePrevious
-        device_oracle = device_proposers:DeviceOracle
-        device_flaky = device_proposers:DeviceFlaky
-        device_sometimes = device_proposers:DeviceSometimes
-        """))
-    sys.path.insert(0, str(root))
-    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)  # stevedore lists a group once
-    yield root
-    sys.path.remove(str(root))
-    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)
-    sys.modules.pop("device_proposers", None)
+    yield from proposer_package_on_path(tmp_path_factory.mktemp("device_proposers"), "device_proposers", PROPOSERS, {
+        "device_previous": "DevicePrevious", "device_oracle": "DeviceOracle", "device_flaky": "DeviceFlaky",
+        "device_sometimes": "DeviceSometimes"})
 
 
 def make(path, async_on=True, **kw) -> LLM:

@@ -4,11 +4,8 @@ no KV block leaked after roll-backs, preemption mid-speculation, and contract vi
 
 from __future__ import annotations
 
-import sys
-import textwrap
-
 import pytest
-from stevedore import ExtensionManager
+from spec_helpers import proposer_package_on_path
 from tiny_models import kv_bytes_per_block, rand_ids
 
 from deepinfer_core import LLM, SamplingParams
@@ -114,26 +111,9 @@ class Flaky(Proposer):
 def proposer_package(tmp_path_factory):
     """A third-party package installed only as files on sys.path: its module and a dist-info whose
     entry_points.txt registers three proposers (what pip would write)."""
-    root = tmp_path_factory.mktemp("toy_proposers")
-    (root / "toy_proposers.py").write_text(PROPOSERS)
-    info = root / "toy_proposers-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-proposers\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent("""\
-        [deepinfer.proposers]
-        previous_token = toy_proposers:PreviousToken
-        oracle = toy_proposers:Oracle
-        too_long = toy_proposers:TooLong
-        sometimes = toy_proposers:Sometimes
-        flaky = toy_proposers:Flaky
-        reserving = toy_proposers:Reserving
-        """))
-    sys.path.insert(0, str(root))
-    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)  # stevedore lists a group once
-    yield root
-    sys.path.remove(str(root))
-    ExtensionManager.ENTRY_POINT_CACHE.pop("deepinfer.proposers", None)
-    sys.modules.pop("toy_proposers", None)
+    yield from proposer_package_on_path(tmp_path_factory.mktemp("toy_proposers"), "toy_proposers", PROPOSERS, {
+        "previous_token": "PreviousToken", "oracle": "Oracle", "too_long": "TooLong", "sometimes": "Sometimes",
+        "flaky": "Flaky", "reserving": "Reserving"})
 
 
 def make(path, **kw) -> LLM:
