@@ -178,6 +178,13 @@ def test_fp8_shared_expert_folds_into_the_fp8_moe(fp8_ckpt):
     model.set_decode_fusion(True)
     assert tok_f == tok_u
     torch.testing.assert_close(lp_f, lp_u, rtol=0, atol=2e-3)
+    # a route hook (EPLB's) takes the router apart from moe_gate: the shared slots appended to the routed
+    # ones in the activation dtype (not the FP8 experts' dtype), the same stacked call
+    llm.engine.runner.set_route_hook(lambda layer, weights, ids: (weights, ids))
+    assert moe._folded() and not moe.fused_gate()
+    tok_h, lp_h = _generate(llm)
+    assert tok_h == tok_f
+    torch.testing.assert_close(lp_h, lp_f, rtol=0, atol=2e-3)
 
 
 def test_trained_model_fp8_weights_accuracy(tmp_path):

@@ -359,7 +359,8 @@ class MoE(nn.Module):
         if self._folded():
             T, S = x.shape[0], self.shared_ids.shape[1]
             ids = torch.cat((ids, self.shared_ids.expand(T, S)), 1)
-            weights = torch.cat((weights.to(x.dtype), self.shared_weights.expand(T, S)), 1)
+            # (the shared slots' weight 1 is kept in the experts' dtype, FP8 for FP8 experts: cast, [1, S])
+            weights = torch.cat((weights.to(x.dtype), self.shared_weights.to(x.dtype).expand(T, S)), 1)
             return self._stacked_moe(x, weights, ids)
         if self.expert_parallel is not None:
             out = self.expert_parallel.run(self, x, weights, ids)
