@@ -1,6 +1,8 @@
-"""The conformance kit's cases for the fused decode ops added after ``kernel_cases.py`` grew large: a norm in
-the prologue of the projection after it (``add_rms_norm_linear``) and of the router (``add_rms_norm_moe_gate``),
-MLA's cache write in the decode query's launch (``mla_q_absorb_kv_write``)."""
+"""The conformance kit's cases for the decode-fusion ops (``kernels_cpu.fused``, ``kernels_cpu.FUSED_OPS``): the
+router's float32 GEMV (``linear_f32``), MLA's cache write (``mla_kv_write``) and absorbed query (``mla_q_absorb``),
+the router with the shared experts' slots (``moe_gate``), a norm in the prologue of the projection after it
+(``add_rms_norm_linear``) and of the router (``add_rms_norm_moe_gate``), and the cache write in the decode query's
+launch (``mla_q_absorb_kv_write``). ``kernel_cases.CASES`` includes them."""
 
 from __future__ import annotations
 
@@ -8,7 +10,66 @@ import math
 
 import torch
 
-from deepinfer_core.testing.kernel_cases import MOE_GATE_VARIANTS, Case, _randn, _rope_table, _route_margin
+from deepinfer_core.testing.kernel_cases import Case, _randn, _rope_table, _route_margin
+
+
+def _cases_linear_f32(g, dtype, bs):
+    K, N = 256, 64
+    w = _randn(g, N, K, dtype=dtype, scale=K**-0.5)
+    w32 = _randn(g, N, K, scale=K**-0.5)  # the router's gate is kept in float32 whatever the model dtype
+    return [Case("1 row", (_randn(g, 1, K, dtype=dtype), w)), Case("5 rows", (_randn(g, 5, K, dtype=dtype), w)),
+            Case("12 rows", (_randn(g, 12, K, dtype=dtype), w)),
+            Case("1 row, float32 weight", (_randn(g, 1, K, dtype=dtype), w32)),
+            Case("8 rows, float32 weight", (_randn(g, 8, K, dtype=dtype), w32))]
+
+
+def _cases_mla_kv_write(g, dtype, bs):
+    L, R, T, P = 128, 16, 11, 64
+    NB = max(4, math.ceil(2 * T / bs))
+    slots = torch.randperm(NB * bs, generator=g)[:T]
+    slots[torch.randperm(T, generator=g)[:3]] = -1
+    wide = _randn(g, T, 40 + L + R, dtype=dtype, scale=2.0)  # kv_a: the last columns of the fused projection
+    norm_w = (1 + _randn(g, L, scale=0.1)).to(dtype)
+    pos = torch.randint(0, P, (T,), generator=g)
+    return [Case("strided kv_a, -1 slots", (wide[:, 40:], norm_w, 1e-6, pos, _rope_table(P, R),
+                                             _randn(g, NB, bs, L + R, dtype=dtype), slots))]
+
+
+def _cases_mla_q_absorb(g, dtype, bs):
+    H, N, R, L, T, P = 3, 32, 16, 48, 5, 64
+    q = _randn(g, T, H, N + R + 8, dtype=dtype)[..., : N + R]  # a strided view, as the projection's output
+    w_uk = _randn(g, H, L, N, dtype=dtype, scale=N**-0.5)
+    pos = torch.randint(0, P, (T,), generator=g)
+    return [Case("strided q", (q, w_uk, pos, _rope_table(P, R))),
+            Case("one token", (q[:1].contiguous(), w_uk, pos[:1], _rope_table(P, R)))]
+
+
+#: ``moe_gate``'s variants (and ``add_rms_norm_moe_gate``'s): label, E, top_k, scoring, bias?, n_group, topk_group,
+#: group_score, renormalize, scale, n_shared, float32 gate
+MOE_GATE_VARIANTS = (
+    ("V2 softmax groups, 2 shared, float32 gate", 16, 4, "softmax", False, 4, 2, "max", False, 16.0, 2, True),
+    ("V3 sigmoid bias top2sum, 1 shared", 32, 8, "sigmoid", True, 8, 4, "top2sum", True, 2.5, 1, True),
+    ("softmax renorm, no shared, gate in the model dtype", 16, 4, "softmax", False, 1, 1, "max", True, 1.0, 0, False),
+)
+
+
+def _cases_moe_gate(g, dtype, bs):
+    T, C = 8, 64
+    cases = []
+    for label, E, k, scoring, has_bias, ng, tg, gs, renorm, scale, S, f32 in MOE_GATE_VARIANTS:
+        bias = _randn(g, E, scale=0.05) if has_bias else None
+        gate = _randn(g, E, C, scale=2.0 * C**-0.5)
+        gate = gate if f32 else gate.to(dtype)
+        rows: list[torch.Tensor] = []
+        for _ in range(20):  # tokens whose selection is unambiguous (no near-ties)
+            cand = _randn(g, 4 * T, C, dtype=dtype)
+            ok = _route_margin(cand.float() @ gate.float().T, bias, k, scoring, ng, tg, gs) >= 1e-3
+            rows.extend(cand[ok])
+            if len(rows) >= T:
+                break
+        x = torch.stack(rows[:T])
+        cases.append(Case(label, (x, gate, bias, k, scoring, ng, tg, gs, renorm, scale, S, dtype)))
+    return cases
 
 
 def _cases_add_rms_norm_linear(g, dtype, bs):
@@ -72,6 +133,8 @@ def _cases_mla_q_absorb_kv_write(g, dtype, bs):
     return cases
 
 
-FUSED_CASES = {"add_rms_norm_linear": _cases_add_rms_norm_linear,
+FUSED_CASES = {"linear_f32": _cases_linear_f32, "mla_kv_write": _cases_mla_kv_write,
+               "mla_q_absorb": _cases_mla_q_absorb, "moe_gate": _cases_moe_gate,
+               "add_rms_norm_linear": _cases_add_rms_norm_linear,
                "add_rms_norm_moe_gate": _cases_add_rms_norm_moe_gate,
                "mla_q_absorb_kv_write": _cases_mla_q_absorb_kv_write}
