@@ -79,6 +79,9 @@ class EngineConfig:
     #: size x rows <= this many token rows (engine/graph_buckets.py); 0: verify steps run eagerly
     verify_graph_tokens: int = 256
     async_scheduling: bool | None = None  # None: on where the platform supports overlap (engine.py docstring)
+    #: with async scheduling, speculative steps of a proposer that drafts on the device overlap too
+    #: (engine/spec_async.py); False: they run synchronously (plain steps still overlap)
+    async_speculation: bool = True
     measure_device_idle: bool = False  # engine.metrics() reports the device idle time between steps
     batch_invariant: bool = False
     log_level: str | None = None  # None: leave the "deepinfer" logger as the application set it

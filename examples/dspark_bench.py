@@ -3,6 +3,8 @@
 DSpark with confidence-scheduled variable length.
 
 Every engine runs with async scheduling on (the baseline: plain decoding with async scheduling).
+DSpark's speculative steps overlap too (drafted on the device: ``async_speculation``, the default);
+``--async-spec off`` runs them synchronously while plain steps still overlap.
 
 1. Greedy outputs of all three are compared token by token on ``--num-prompts`` Python-source
    prompts (snippets of the standard library's held-out files).
@@ -173,26 +175,32 @@ def main(argv=None) -> None:
     ap.add_argument("--policy", default="throughput", help="[dspark] budget_policy of the varlen engine")
     ap.add_argument("--min-confidence", type=float, default=0.2, help="[dspark] min_confidence (threshold policy)")
     ap.add_argument("--draft", default="auto", help="[dspark] draft: 'auto' (the shipped default), 'mtp' or a dir")
+    ap.add_argument("--async-spec", choices=("on", "off"), default="on",
+                    help="async_speculation of the DSpark engines")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     concs = [int(c) for c in args.concurrency.split(",")]
     # async scheduling on for all three (on a CPU it is off by default): DSpark's speculative steps
     # then draft on the device and overlap like plain decoding's steps
     common = dict(max_num_seqs=max(concs), enable_prefix_caching=False, async_scheduling=True)
+    spec = dict(common, async_speculation=args.async_spec == "on")
     engines = {
         "plain": LLM(**common),
         "fixed": LLM(features=["dspark"], dspark={"k": args.k, "budget_policy": "fixed", "draft": args.draft},
-                     **common),
+                     **spec),
         "varlen": LLM(features=["dspark"], dspark={"k": args.k, "draft": args.draft, "budget_policy": args.policy,
-                                                   "min_confidence": args.min_confidence}, **common),
+                                                   "min_confidence": args.min_confidence}, **spec),
     }
     for name, llm in engines.items():  # the baseline and both DSpark engines step asynchronously
         assert llm.engine.async_scheduling, name
-        assert name == "plain" or llm.engine.spec.on_device is not None, name
+    on_device = engines["varlen"].engine.spec.on_device is not None
+    print(f"speculative steps: {'on the device (overlapped)' if on_device else 'synchronous'}; "
+          f"plain steps overlapped")
     prompts = heldout_prompts(engines["plain"].tokenizer, args.num_prompts, args.seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results: dict = {"prompts": len(prompts), "max_tokens": args.max_tokens, "k": args.k,
-                     "threads": torch.get_num_threads(), "async_scheduling": True, "equivalence": {}, "speculation": {},
+                     "threads": torch.get_num_threads(), "async_scheduling": True, "async_speculation": on_device,
+                     "equivalence": {}, "speculation": {},
                      "decode_tok_s": {}}
 
     # 1 + 2: greedy equivalence and the speculation statistics, at each concurrency

@@ -69,6 +69,19 @@ def test_async_dspark_accepts_as_often_as_sync(tiny_mtp, reference):
     assert rates[1] == pytest.approx(rates[0], rel=0.35, abs=0.05), rates
 
 
+def test_async_speculation_off_keeps_speculative_steps_synchronous(tiny_mtp, reference):
+    """``async_speculation = false`` with async scheduling on: DSpark's speculative steps run on the
+    host path (no device drafts), the dormant steps still overlap, and greedy outputs are unchanged."""
+    llm = make(tiny_mtp, dspark={"k": 4, "budget_policy": "fixed"}, async_scheduling=True, async_speculation=False)
+    assert llm.engine.async_scheduling and llm.engine.spec.on_device is None
+    assert _tokens(run(llm, PROMPTS, greedy(20))) == reference
+    m = llm.metrics()
+    assert m["dspark_verified"] > 0 and m["spec_steps"] > 0
+    with pytest.raises(Exception, match="async_speculation"):
+        make(tiny_mtp, dspark={"k": 4}, async_scheduling=True, async_speculation="no")
+    llm.engine.blocks.check_no_leaks()
+
+
 def test_async_dspark_under_preemption(tiny_v3_path, reference):
     llm = make(tiny_v3_path, dspark={"draft": tiny_v3_path, "k": 4, "budget_policy": "fixed"}, async_scheduling=True,
                kv_cache_memory=24 * 2 * kv_bytes_per_block(tiny_v3_path, 4))
