@@ -194,12 +194,15 @@ def main(argv=None) -> None:
     for name, llm in engines.items():  # the baseline and both DSpark engines step asynchronously
         assert llm.engine.async_scheduling, name
     on_device = engines["varlen"].engine.spec.on_device is not None
-    print(f"speculative steps: {'on the device (overlapped)' if on_device else 'synchronous'}; "
-          f"plain steps overlapped")
+    below = 0 if engines["plain"].engine.platform.supports_async_overlap() else feature(engines["varlen"]).opts[
+        "host_steps_below"]
+    print(f"speculative steps: {'on the device (overlapped)' if on_device else 'synchronous'}"
+          f"{f', on the host below {below} running requests' if on_device and below else ''}; plain steps overlapped")
     prompts = heldout_prompts(engines["plain"].tokenizer, args.num_prompts, args.seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results: dict = {"prompts": len(prompts), "max_tokens": args.max_tokens, "k": args.k,
                      "threads": torch.get_num_threads(), "async_scheduling": True, "async_speculation": on_device,
+                     "host_steps_below": below,
                      "equivalence": {}, "speculation": {},
                      "decode_tok_s": {}}
 

@@ -113,10 +113,15 @@ def tiny_mtp_dir(tiny_v3_path, tmp_path_factory) -> str:
 # ---- DSpark: the engine ------------------------------------------------------------------------------------
 
 def make(path, features=True, **kw) -> LLM:
+    """A tiny engine with DSpark. With async scheduling forced on this CPU, DSpark's speculative steps take
+    the device path (``host_steps_below = 0``) unless a test sets it: the CPU default runs them on the host
+    below 8 requests (``DSpark.step_needs_sync``, ``tests/test_dspark_async.py``)."""
     opts = dict(dtype="float32", block_size=BS, max_num_seqs=16, kv_cache_memory=2 << 20)
     opts.update(kw)
     if features:
         opts.setdefault("features", ["dspark"])
+    if opts.get("async_scheduling") and "dspark" in opts.get("features", ()):
+        opts["dspark"] = {"host_steps_below": 0, **opts.get("dspark", {})}
     return LLM(str(path), **opts)
 
 

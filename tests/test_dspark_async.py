@@ -82,6 +82,30 @@ def test_async_speculation_off_keeps_speculative_steps_synchronous(tiny_mtp, ref
     llm.engine.blocks.check_no_leaks()
 
 
+@pytest.mark.parametrize("draft", ["tiny_draft", "mtp"])
+def test_few_requests_speculate_on_the_host_where_the_forward_runs_inline(tiny_v3_path, tiny_draft, tiny_mtp,
+                                                                         reference, draft):
+    """The CPU runs the forward inline: with async scheduling, while fewer than ``host_steps_below``
+    requests run, DSpark asks for synchronous steps (host draft loop and lengths), from that many on its
+    steps overlap with device drafts. The requests finish at different times, so the steps switch both
+    ways, and every switch keeps the output exact (a draft model's device catch-up after a host step
+    re-reads the last token: the IndexError a zero-length span raised)."""
+    path, opts = (tiny_mtp, {}) if draft == "mtp" else (tiny_v3_path, {"draft": tiny_draft})
+    llm = make(path, dspark={"k": 4, "budget_policy": "fixed", "host_steps_below": 4, **opts},
+               async_scheduling=True, max_num_seqs=8)
+    assert llm.engine.spec.on_device is not None
+    lens = [20 - 2 * (i % 7) for i in range(len(PROMPTS))]  # ragged: the running count falls through 4
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [greedy(n) for n in lens], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r[:n] for r, n in zip(reference, lens)]
+    m = llm.metrics()
+    assert m["spec_proposer_errors"] == 0 and m["dspark_verified"] > 0
+    # both kinds of speculative step ran: synchronous ones (each completes the one in flight) and overlapped ones
+    assert 0 < m["overlapped_steps"] < m["steps"] - 2
+    llm.engine.blocks.check_no_leaks()
+    with pytest.raises(Exception, match="host_steps_below"):
+        make(path, dspark={"host_steps_below": -1, **opts}, async_scheduling=True)
+
+
 def test_async_dspark_under_preemption(tiny_v3_path, reference):
     llm = make(tiny_v3_path, dspark={"draft": tiny_v3_path, "k": 4, "budget_policy": "fixed"}, async_scheduling=True,
                kv_cache_memory=24 * 2 * kv_bytes_per_block(tiny_v3_path, 4))
@@ -178,7 +202,7 @@ def test_dp_ep_2_with_async_dspark_equals_one_rank_without(tmp_path_factory, tmp
     ref = ref_llm.generate(prompts, ps, use_tqdm=False)
     ref_llm.shutdown()
     llm = make_llm(ckpt, dp=2, ep=2, features=["dspark"], async_scheduling=True,
-                   dspark={"draft": str(draft), "k": 3, "budget_policy": "fixed"})
+                   dspark={"draft": str(draft), "k": 3, "budget_policy": "fixed", "host_steps_below": 0})
     try:
         outs = llm.generate(prompts, ps, use_tqdm=False)
         assert_same(outs, ref)
@@ -201,8 +225,8 @@ def test_shipped_mtp_on_the_device_accepts_like_the_host_path_under_a_verify_bud
     ref = _tokens(run(plain, prompts, greedy(24)))
     per_step = []
     for async_scheduling in (False, True):
-        llm = LLM(features=["dspark"], dspark={"k": 4, "budget_policy": "fixed", "verify_budget": 6},
-                  async_scheduling=async_scheduling, **kw)
+        llm = LLM(features=["dspark"], dspark={"k": 4, "budget_policy": "fixed", "verify_budget": 6,
+                                                "host_steps_below": 0}, async_scheduling=async_scheduling, **kw)
         assert _tokens(run(llm, prompts, greedy(24))) == ref
         m = llm.metrics()
         if async_scheduling:

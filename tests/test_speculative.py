@@ -395,7 +395,8 @@ def test_dspark_goes_dormant_when_drafting_does_not_pay(tiny_v3_path, reference,
     from plugins.dspark.policy import LiveCost, StepCost
 
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
-    llm = make(tiny_v3_path, async_scheduling=True, features=["dspark"], dspark={"draft": str(tiny_v3_path), "k": 3})
+    llm = make(tiny_v3_path, async_scheduling=True, features=["dspark"],
+               dspark={"draft": str(tiny_v3_path), "k": 3, "host_steps_below": 0})
     feat = next(f for f in llm.engine.features if f.name == "dspark")
     # a draft step costs a second: drafting never pays
     feat.live = LiveCost(StepCost([1, 1024], [0.01, 0.0101], [1, 1024], [1.0, 1.0]), adapt=False)

@@ -101,7 +101,9 @@ class DeviceDrafter:
             else:  # from the last catch-up's true end (one launch back) or the host's lower bound
                 known = seq.num_known_tokens
                 lo = known if st.dev_launch == launch - 1 and st.done <= known else st.done
-                lo, hi = min(lo, known), seq.num_tokens
+                # (at least the last token's row, which proposes d_1: after a synchronous speculative
+                # step the draft's KV already covers it, and rewriting it writes the same values)
+                lo, hi = min(lo, known, seq.num_tokens - 1), seq.num_tokens
                 st.done = max(st.done, known)
             items.append((i, seq, st, lo, hi))
         return [it for it in items if self._long_span(it)] + [it for it in items if not self._long_span(it)]
@@ -372,16 +374,22 @@ class DeviceDrafter:
         forecast is the running rate (``recent_conf`` None)."""
         st.dev_pending = False
         if m > 0:
-            decided = min(a + 1, m)
-            if self._dec_sum <= 0:  # the running value so far as a prior of ACCEPT_PRIOR drafts, decaying away
-                self._acc_sum, self._dec_sum = self.mean_conf * ACCEPT_PRIOR, ACCEPT_PRIOR
-            self._acc_sum = ACCEPT_DECAY * self._acc_sum + a
-            self._dec_sum = ACCEPT_DECAY * self._dec_sum + decided
-            self.mean_conf = self._acc_sum / self._dec_sum
-            while len(self._depth_dec) < decided:
-                self._depth_dec.append(0.0)
-                self._depth_acc.append(0.0)
-            for j in range(decided):  # per depth: drafts decided there (their earlier ones all accepted)
-                self._depth_dec[j] = ACCEPT_DECAY * self._depth_dec[j] + 1.0
-                self._depth_acc[j] = ACCEPT_DECAY * self._depth_acc[j] + (j < a)
+            self.observe_accepts(m, a)
             st.recent_conf = None
+
+    def observe_accepts(self, m: int, a: int) -> None:
+        """One verification of ``m`` drafts with ``a`` accepted (host or device drafts) into the running
+        accept rate (``mean_conf``: accepted over decided drafts, a ratio of decaying sums) and the
+        per-depth rates (``level_probs``)."""
+        decided = min(a + 1, m)
+        if self._dec_sum <= 0:  # the running value so far as a prior of ACCEPT_PRIOR drafts, decaying away
+            self._acc_sum, self._dec_sum = self.mean_conf * ACCEPT_PRIOR, ACCEPT_PRIOR
+        self._acc_sum = ACCEPT_DECAY * self._acc_sum + a
+        self._dec_sum = ACCEPT_DECAY * self._dec_sum + decided
+        self.mean_conf = self._acc_sum / self._dec_sum
+        while len(self._depth_dec) < decided:
+            self._depth_dec.append(0.0)
+            self._depth_acc.append(0.0)
+        for j in range(decided):  # per depth: drafts decided there (their earlier ones all accepted)
+            self._depth_dec[j] = ACCEPT_DECAY * self._depth_dec[j] + 1.0
+            self._depth_acc[j] = ACCEPT_DECAY * self._depth_acc[j] + (j < a)

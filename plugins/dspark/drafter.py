@@ -155,7 +155,7 @@ class Drafter:
 
     def _worth_speculating(self, scheduled: SchedulerOutput, n_live: int) -> bool | set[str]:
         """Whether drafting for the next step can pay at this batch size at all, given the drafts'
-        running mean confidence and each request's latest first-draft confidence. After 64 skipped
+        running accept rate (``observe_accepts``) and each request's latest first-draft confidence. After 64 skipped
         steps it drafts once anyway to refresh them, waiting twice as long after each such try that
         does not make drafting pay. Such a try drafts for the ``EXPLORE_ROWS`` requests with the
         least draft catch-up (their ids are returned): a sample refreshes the estimates, and the
@@ -377,9 +377,6 @@ class Drafter:
         self.n["depth"] += depth
         tok_m = torch.stack(toks, dim=1).tolist()
         conf_m = torch.stack(confs, dim=1).tolist()
-        produced = [v for i, row in enumerate(conf_m) for v in row[: min(depth, rows.caps[i])]]
-        if produced:
-            self.mean_conf = 0.9 * self.mean_conf + 0.1 * (sum(produced) / len(produced))
         q_m = None if rows.all_greedy else torch.stack(qs, dim=1)  # [R, depth, V]
         log = self.outcome_log is not None
         if log:

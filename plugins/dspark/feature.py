@@ -24,6 +24,10 @@ Enable with ``features=["dspark"]``; configure in its ``[dspark]`` section (vali
     confidence_temperature  float, 1.0    calibration temperature of the confidence head
     verify_budget           int, 0        most draft tokens verified per step over the batch
                                           (0: what the step's token budget leaves)
+    host_steps_below        int, 8        with async scheduling on a platform that runs the forward
+                                          inline (no async overlap, e.g. a CPU): while fewer requests
+                                          run, speculative steps run synchronously (``step_needs_sync``)
+                                          with the host's draft loop and lengths; 0: never
 
 ``DEEPINFER_ENABLE_MTP_VARLEN=0`` turns variable length off (fixed k). A calibration file beside the
 confidence head (``confidence_calibration.json``, ``plugins.dspark.calibration``) maps the head's
@@ -92,7 +96,8 @@ from plugins.dspark.state import KEY, _Rows, _State  # noqa: F401 (_Rows: tests,
 
 logger = logging.getLogger("deepinfer.dspark")
 DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_temperature": 1.0,
-            "verify_budget": 0, "min_confidence": 0.2, "verify_share": 0.75, "calibration": "auto"}
+            "verify_budget": 0, "min_confidence": 0.2, "verify_share": 0.75, "calibration": "auto",
+            "host_steps_below": 8}
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 POLICIES = ("throughput", "budget", "threshold", "fixed")
@@ -127,6 +132,9 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         t = o["confidence_temperature"]
         if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise ConfigError(f"[dspark] confidence_temperature must be a positive number, got {t!r}")
+        hb = o["host_steps_below"]
+        if isinstance(hb, bool) or not isinstance(hb, int) or hb < 0:
+            raise ConfigError(f"[dspark] host_steps_below must be an int >= 0 (0: never), got {hb!r}")
         if isinstance(o["verify_budget"], bool) or o["verify_budget"] < 0:
             raise ConfigError(f"[dspark] verify_budget must be an int >= 0 (0: no limit), got {o['verify_budget']!r}")
         if not o["draft"]:
@@ -137,6 +145,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self.threshold = o["budget_policy"] == "threshold"
         self.budgeted = o["budget_policy"] == "budget"  # always drafts k deep; verifies a share of the slots
         self.engine = None
+        self._host_below: int | None = None  # host_steps_below where it applies (step_needs_sync), else 0
         self._source_plan: tuple | None = None  # (kind, path) of the draft, decided in cache_groups
         self.source = None
         self.head = None
@@ -149,7 +158,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self._room: dict[str, int] = {}  # request id -> drafts whose KV slots the engine reserved
         self.outcome_log: list | None = None  # set to a list to log (features, accepted) per verified draft
         self.last_depth = 0
-        self.mean_conf = 0.6  # running mean of the drafts' confidences (decides whether to draft at all)
+        self.mean_conf = 0.6  # running accept rate of verified drafts (``observe_accepts``; whether to draft at all)
         self._acc_sum = self._dec_sum = 0.0  # device drafts: running sums of accepted and decided drafts
         self._depth_acc: list[float] = []  # the same per depth (``level_probs``)
         self._depth_dec: list[float] = []
@@ -292,6 +301,20 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self._regime = False
         self._pending = None  # the step-time observations resume with contiguous speculative steps
         return False
+
+    @hookimpl
+    def step_needs_sync(self, engine) -> bool:
+        """With async scheduling, where the platform runs the forward inline (``supports_async_overlap``
+        False) nothing overlaps, so at a few requests (``host_steps_below``) a speculative step runs
+        synchronously: the host's draft loop stops when one more draft no longer pays and cuts each
+        request's lengths by its confidences and the measured curve, where the device path must draft
+        ``min(k, budget)`` deep blind and verify the rows the host laid out before the drafts existed
+        (at concurrency 1 on the CPU: 1.29-1.40x plain against 1.27x, ``examples/dspark_bench.py``).
+        From that many requests on the device path's cheap dormancy and one-step explorations win."""
+        if self._host_below is None:
+            self._host_below = 0 if engine.platform.supports_async_overlap() else self.opts["host_steps_below"]
+        return (self._host_below > 0 and self.source is not None
+                and engine.load_stats()["running"] < self._host_below)
 
     @hookimpl
     def step_finished(self, engine, step_stats) -> None:
@@ -453,10 +476,13 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
                 continue
             if st.dev_pending:  # drafted on the device (async): the catch-up keeps its own bounds
                 self.device_verified(st, m, a)
-            elif self.source.needs_hidden:
-                st.done = min(st.done, seq.num_computed_tokens)
-            else:  # draft KV is valid up to the last token, plus the accepted drafts it wrote
-                st.done = seq.num_computed_tokens - a + min(a, st.fed)
+            else:
+                if m > 0:  # (one running accept rate for host and device drafts)
+                    self.observe_accepts(m, a)
+                if self.source.needs_hidden:
+                    st.done = min(st.done, seq.num_computed_tokens)
+                else:  # draft KV is valid up to the last token, plus the accepted drafts it wrote
+                    st.done = seq.num_computed_tokens - a + min(a, st.fed)
             st.verified += m
             st.accepted += a
             self.n["verified"] += m
