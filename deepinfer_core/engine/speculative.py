@@ -74,13 +74,12 @@ class SpecDecoder:
         self._pending_drafts = False  # the last speculative step proposed drafts
         #: async speculative steps (drafts proposed and verified on the device), or None: synchronous ones.
         #: Not with window cache groups: their blocks are freed from the (optimistic) computed count.
-        #: ``async_speculation = false`` keeps them synchronous (plain steps still overlap): where the
-        #: platform runs the forward inline the pipeline hides nothing, and the host's confidence-driven
-        #: draft loop and lengths can beat the device path's at a few requests (README, ``async_speculation``).
+        #: ``async_speculation = false`` keeps them synchronous (plain steps still overlap); a proposer may
+        #: also ask for a synchronous step now and then (``step_needs_sync``, as DSpark does at a few requests
+        #: where the forward runs inline).
         windows = any(g.window is not None for g in engine.cache_layout.groups)
-        wanted = engine.cfg.async_speculation is not False
         self.on_device = (AsyncSpec(engine, self) if proposer.proposes_on_device and engine.async_scheduling
-                          and wanted and not windows else None)
+                          and engine.cfg.async_speculation and not windows else None)
         if engine.async_scheduling and self.on_device is None:
             why = ("with window cache groups" if windows else "which does not propose on the device"
                    if not proposer.proposes_on_device else "async_speculation = false")

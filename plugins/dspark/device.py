@@ -374,19 +374,33 @@ class DeviceDrafter:
         forecast is the running rate (``recent_conf`` None)."""
         st.dev_pending = False
         if m > 0:
-            self.observe_accepts(m, a)
+            self.observe_accepts(m, a, host=False)
             st.recent_conf = None
 
-    def observe_accepts(self, m: int, a: int) -> None:
-        """One verification of ``m`` drafts with ``a`` accepted (host or device drafts) into the running
-        accept rate (``mean_conf``: accepted over decided drafts, a ratio of decaying sums) and the
-        per-depth rates (``level_probs``)."""
+    @property
+    def mean_conf(self) -> float:
+        """The running accept rate (accepted over decided drafts) of the path the coming steps draft on:
+        host drafts are cut by their confidences and accepted more often than the device's, which run
+        as deep as the budget, so each path keeps its own (``observe_accepts``); whether drafting pays
+        at all is forecast from it."""
+        return self._rate[self._host_path]
+
+    @mean_conf.setter
+    def mean_conf(self, value: float) -> None:  # both paths' (a start value, tests)
+        self._rate = {True: float(value), False: float(value)}
+        self._acc, self._dec = {True: 0.0, False: 0.0}, {True: 0.0, False: 0.0}
+
+    def observe_accepts(self, m: int, a: int, host: bool) -> None:
+        """One verification of ``m`` drafts with ``a`` accepted into the running accept rate of its
+        path (a ratio of decaying sums) and, for device drafts, the per-depth rates (``level_probs``)."""
         decided = min(a + 1, m)
-        if self._dec_sum <= 0:  # the running value so far as a prior of ACCEPT_PRIOR drafts, decaying away
-            self._acc_sum, self._dec_sum = self.mean_conf * ACCEPT_PRIOR, ACCEPT_PRIOR
-        self._acc_sum = ACCEPT_DECAY * self._acc_sum + a
-        self._dec_sum = ACCEPT_DECAY * self._dec_sum + decided
-        self.mean_conf = self._acc_sum / self._dec_sum
+        if self._dec[host] <= 0:  # the running value so far as a prior of ACCEPT_PRIOR drafts, decaying away
+            self._acc[host], self._dec[host] = self._rate[host] * ACCEPT_PRIOR, ACCEPT_PRIOR
+        self._acc[host] = ACCEPT_DECAY * self._acc[host] + a
+        self._dec[host] = ACCEPT_DECAY * self._dec[host] + decided
+        self._rate[host] = self._acc[host] / self._dec[host]
+        if host:
+            return
         while len(self._depth_dec) < decided:
             self._depth_dec.append(0.0)
             self._depth_acc.append(0.0)

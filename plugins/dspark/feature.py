@@ -158,8 +158,10 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self._room: dict[str, int] = {}  # request id -> drafts whose KV slots the engine reserved
         self.outcome_log: list | None = None  # set to a list to log (features, accepted) per verified draft
         self.last_depth = 0
-        self.mean_conf = 0.6  # running accept rate of verified drafts (``observe_accepts``; whether to draft at all)
-        self._acc_sum = self._dec_sum = 0.0  # device drafts: running sums of accepted and decided drafts
+        # the coming steps draft on the host (without async speculation always, set in ``engine_started``;
+        # with it, as ``step_needs_sync`` finds each step): whose running accept rate the forecast reads
+        self._host_path = False
+        self.mean_conf = 0.6  # start value of each path's running accept rate (``observe_accepts``)
         self._depth_acc: list[float] = []  # the same per depth (``level_probs``)
         self._depth_dec: list[float] = []
         self.skipped = 0  # consecutive steps without drafting
@@ -203,6 +205,9 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
             raise ConfigError(f"[dspark] the confidence head {head_path}/{conf_mod.FILENAME} reads the target's "
                               "features, which only an MTP draft is fed")
         self._check_trained_for(engine)
+        cfg = engine.cfg
+        overlaps = engine.platform.supports_async_overlap() if cfg.async_scheduling is None else cfg.async_scheduling
+        self._host_path = not (overlaps and cfg.async_speculation)
         self.cost = load_or_measure_cost(engine, self)
         self.live = LiveCost(self.cost)
         logger.info("dspark: draft %s, k=%d, %s length, confidence head %s%s", self.source.kind, self.k,
@@ -313,8 +318,9 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         From that many requests on the device path's cheap dormancy and one-step explorations win."""
         if self._host_below is None:
             self._host_below = 0 if engine.platform.supports_async_overlap() else self.opts["host_steps_below"]
-        return (self._host_below > 0 and self.source is not None
-                and engine.load_stats()["running"] < self._host_below)
+        host = self._host_below > 0 and self.source is not None and engine.load_stats()["running"] < self._host_below
+        self._host_path = host or not engine.cfg.async_speculation
+        return host
 
     @hookimpl
     def step_finished(self, engine, step_stats) -> None:
@@ -477,8 +483,8 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
             if st.dev_pending:  # drafted on the device (async): the catch-up keeps its own bounds
                 self.device_verified(st, m, a)
             else:
-                if m > 0:  # (one running accept rate for host and device drafts)
-                    self.observe_accepts(m, a)
+                if m > 0:
+                    self.observe_accepts(m, a, host=True)
                 if self.source.needs_hidden:
                     st.done = min(st.done, seq.num_computed_tokens)
                 else:  # draft KV is valid up to the last token, plus the accepted drafts it wrote
