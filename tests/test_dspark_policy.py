@@ -76,6 +76,31 @@ def test_live_cost_follows_measured_times():
     assert frozen.verify(4) == base.verify(4) and frozen.overhead(1) == base.overhead(1)
 
 
+def test_step_cycles_run_from_one_step_start_to_the_next(tiny_v3_path, tiny_draft):
+    """The live curve's cycle of a speculative step (what it learns the engine's overhead from) runs from
+    that step's start to the next step's, not into the next step's forward (which made the overhead a
+    whole forward too large)."""
+    llm = make(tiny_v3_path, dspark={"draft": tiny_draft, "k": 3, "budget_policy": "fixed"})
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    starts, cycles = [], []
+    prepare, observe = llm.engine.runner.prepare, feat.live.observe
+
+    def timed_prepare(*a, **kw):
+        batch = prepare(*a, **kw)
+        starts.append(batch.started)
+        return batch
+
+    def recorded(*a, cycle_s=None, **kw):
+        cycles.append((len(starts), cycle_s))  # (the steps prepared so far, its cycle)
+        return observe(*a, cycle_s=cycle_s, **kw)
+    llm.engine.runner.prepare, feat.live.observe = timed_prepare, recorded
+    run(llm, PROMPTS[:2], greedy(16))
+    timed = [(n, c) for n, c in cycles if c is not None]
+    assert len(timed) > 5
+    for n, c in timed:  # observed at the propose after step n (1-based): step n - 1's cycle
+        assert c == pytest.approx(starts[n - 1] - starts[n - 2], abs=1e-9)
+
+
 def test_live_cost_batch32_converges_to_linear_step_times():
     """Concurrency 32: the start-up curve (few requests per point) is concave, 32 -> 64 verified rows
     costing 1.3x, while the real forward grows linearly with rows. The live cost follows the real times

@@ -33,6 +33,7 @@ MEASURED_KEEP_MARGIN = 0.08
 MEASURED_MIN_ROWS = 8
 MEASURED_RESUME_MARGIN = 0.15
 TRIAL_STEPS = 8  # drafting steps of a trial where drafting measured slower before
+TRIAL_MAX_SHORTFALL = 0.1  # no trial where drafting measured more than this much slower than plain decoding
 SMALL_EXPLORE_EVERY = 64  # most skipped steps between exploratory drafts below MEASURED_MIN_ROWS requests
 # fewest skipped steps between exploratory drafts from MEASURED_MIN_ROWS requests on (a step there drafts a
 # few requests but verifies beside the whole batch): doubling while explorations keep losing, up to 4096
@@ -211,10 +212,13 @@ class Drafter:
         self.exploring = self.resumed = False
         self.drafting_run = 0
         if self.skipped >= gap and forecast and R >= MEASURED_MIN_ROWS and self._may_explore(R) and \
-                self.rates.verdict(R) is False and self.resume_after is None:
-            # the forecast says drafting pays but it measured slower here before: a short trial of real
-            # drafting refreshes the measurement (where the forecast says it does not pay either, a trial
-            # would stop after one step of the whole batch, having measured nothing)
+                self.rates.verdict(R) is False and self.rates.verdict(R, -TRIAL_MAX_SHORTFALL) and \
+                self.resume_after is None:
+            # the forecast says drafting pays but it measured a little slower here before: a short trial of
+            # real drafting refreshes the measurement (where the forecast says it does not pay either, a
+            # trial would stop after one step of the whole batch, having measured nothing; where it measured
+            # far slower, 8 steps of the whole batch drafting cost more than the trial can find: the
+            # exploratory steps, which count as drafting ones, refresh the measured rate instead)
             self.skipped, self.exploring, self.resumed, self.trial_left = 0, True, True, TRIAL_STEPS
             self.n["trials"] += 1
             return True

@@ -360,7 +360,9 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self._room = dict(zip((r.request_id for r in requests), max_drafts))  # slots the engine reserved
         if self._pending is not None:  # the previous decode step's times, with its whole cycle
             *obs, start, contiguous, caught = self._pending
-            self.live.observe(*obs, cycle_s=t0 - start if contiguous else None, catchup_rows=caught)
+            # its cycle: from its start to this step's (not to this propose, which would count this
+            # step's forward as the previous step's overhead: about a whole forward too much)
+            self.live.observe(*obs, cycle_s=batch.started - start if contiguous else None, catchup_rows=caught)
             self._pending = None
         scheduled = SchedulerOutput(prefills=batch.scheduled[: batch.num_prefills],
                                     decodes=batch.scheduled[batch.num_prefills :])
