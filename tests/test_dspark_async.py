@@ -106,6 +106,23 @@ def test_few_requests_speculate_on_the_host_where_the_forward_runs_inline(tiny_v
         make(path, dspark={"host_steps_below": -1, **opts}, async_scheduling=True)
 
 
+def test_host_steps_draft_only_below_their_batch_size(tiny_mtp, reference):
+    """A wave of 8 requests arrives at once: its prefill step runs on the host (nothing runs yet), but with
+    8 requests running the device path owns the next steps, so the host path does not draft for them (the
+    next step would verify the whole wave's drafts); it drafts again once fewer than 4 requests run."""
+    llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed", "host_steps_below": 4}, async_scheduling=True,
+               max_num_seqs=8)
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    rows, loop = [], feat._draft_loop
+    feat._draft_loop = lambda r, states, *a: (rows.append(len(states)), loop(r, states, *a))
+    lens = [20 - 2 * (i % 7) for i in range(len(PROMPTS))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [greedy(n) for n in lens], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r[:n] for r, n in zip(reference, lens)]
+    assert rows and max(rows) < 4, rows  # the host drafted only for the tail
+    assert llm.metrics()["spec_proposer_errors"] == 0
+    llm.engine.blocks.check_no_leaks()
+
+
 def test_async_dspark_under_preemption(tiny_v3_path, reference):
     llm = make(tiny_v3_path, dspark={"draft": tiny_v3_path, "k": 4, "budget_policy": "fixed"}, async_scheduling=True,
                kv_cache_memory=24 * 2 * kv_bytes_per_block(tiny_v3_path, 4))

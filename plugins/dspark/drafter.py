@@ -52,6 +52,11 @@ class Drafter:
         n_live = sum(1 for s in scheduled.prefills + scheduled.decodes if not s.seq.is_finished)
         # the "budget" policy drafts every step, like fixed k (the step's verify budget does the cutting)
         allowed = self._worth_speculating(scheduled, n_live) if self.varlen and not self.budgeted else True
+        if self._host_below and n_live >= self._host_below:
+            # a host step where the device path owns the batch size (``step_needs_sync``: e.g. the step that
+            # prefills a wave of requests): drafting here would make the next step verify the whole batch's
+            # drafts, which the device path's own policy would not have asked for
+            allowed = False
         kept = {}  # request_id -> kept hidden states of positions lo..c0-1 (MTP)
         for s in scheduled.prefills + scheduled.decodes:
             seq = s.seq
