@@ -49,6 +49,8 @@ class EngineView(Protocol):
     #: tokens per KV block, and the longest request (prompt + output) the engine accepts
     block_size: int
     max_model_len: int
+    #: steps are pipelined one deep (config ``async_scheduling``, else the platform's default)
+    async_scheduling: bool
     #: stable id of the weights (``engine.model_fingerprint``)
     fingerprint: str
     #: the KV cache groups (the model's and the features' ``cache_groups``), and their tensors

@@ -106,6 +106,26 @@ def test_few_requests_speculate_on_the_host_where_the_forward_runs_inline(tiny_v
         make(path, dspark={"host_steps_below": -1, **opts}, async_scheduling=True)
 
 
+@pytest.mark.parametrize("bad", [-1, True, 2.5, float("nan"), float("inf"), "8", None])
+def test_host_steps_below_rejects_what_is_not_a_count(bad):
+    """``host_steps_below`` takes an int >= 0: negatives, bools, floats (NaN, inf), strings and None are
+    refused with an error that names the key, before any engine is built."""
+    from deepinfer_core.config import ConfigError
+    from plugins.dspark.feature import DSpark
+
+    with pytest.raises(ConfigError, match="host_steps_below"):
+        DSpark({"host_steps_below": bad})
+    assert DSpark({"host_steps_below": 10**9}).opts["host_steps_below"] == 10**9  # huge: every step on the host
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, float("nan")])
+def test_async_speculation_takes_a_bool(tiny_v3_path, bad):
+    from deepinfer_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="async_speculation"):
+        make(tiny_v3_path, features=False, async_scheduling=True, async_speculation=bad)
+
+
 def test_host_steps_draft_only_below_their_batch_size(tiny_mtp, reference):
     """A wave of 8 requests arrives at once: its prefill step runs on the host (nothing runs yet), but with
     8 requests running the device path owns the next steps, so the host path does not draft for them (the

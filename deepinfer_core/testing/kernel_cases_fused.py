@@ -53,13 +53,18 @@ MOE_GATE_VARIANTS = (
 )
 
 
+def _gate_weights(g, E: int, C: int, has_bias: bool, f32: bool, dtype):
+    """A router's (bias or None, gate [E, C]): the gate in float32 or the model dtype."""
+    bias = _randn(g, E, scale=0.05) if has_bias else None
+    gate = _randn(g, E, C, scale=2.0 * C**-0.5)
+    return bias, (gate if f32 else gate.to(dtype))
+
+
 def _cases_moe_gate(g, dtype, bs):
     T, C = 8, 64
     cases = []
     for label, E, k, scoring, has_bias, ng, tg, gs, renorm, scale, S, f32 in MOE_GATE_VARIANTS:
-        bias = _randn(g, E, scale=0.05) if has_bias else None
-        gate = _randn(g, E, C, scale=2.0 * C**-0.5)
-        gate = gate if f32 else gate.to(dtype)
+        bias, gate = _gate_weights(g, E, C, has_bias, f32, dtype)
         rows: list[torch.Tensor] = []
         for _ in range(20):  # tokens whose selection is unambiguous (no near-ties)
             cand = _randn(g, 4 * T, C, dtype=dtype)
@@ -93,9 +98,7 @@ def _cases_add_rms_norm_moe_gate(g, dtype, bs):
     T, C = 8, 64
     cases = []
     for label, E, k, scoring, has_bias, ng, tg, gs, renorm, scale, S, f32 in MOE_GATE_VARIANTS:
-        bias = _randn(g, E, scale=0.05) if has_bias else None
-        gate = _randn(g, E, C, scale=2.0 * C**-0.5)
-        gate = gate if f32 else gate.to(dtype)
+        bias, gate = _gate_weights(g, E, C, has_bias, f32, dtype)
         norm_w = (1 + _randn(g, C, scale=0.1)).to(dtype)
         xs, rs = [], []
         for _ in range(40):

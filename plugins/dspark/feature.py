@@ -145,7 +145,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self.threshold = o["budget_policy"] == "threshold"
         self.budgeted = o["budget_policy"] == "budget"  # always drafts k deep; verifies a share of the slots
         self.engine = None
-        self._host_below: int | None = None  # host_steps_below where it applies (step_needs_sync), else 0
+        self._host_below = 0  # host_steps_below where it applies (``step_needs_sync``), else 0; set at start
         self._source_plan: tuple | None = None  # (kind, path) of the draft, decided in cache_groups
         self.source = None
         self.head = None
@@ -206,8 +206,9 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
                               "features, which only an MTP draft is fed")
         self._check_trained_for(engine)
         cfg = engine.cfg
-        overlaps = engine.platform.supports_async_overlap() if cfg.async_scheduling is None else cfg.async_scheduling
-        self._host_path = not (overlaps and cfg.async_speculation)
+        self._host_path = not (engine.async_scheduling and cfg.async_speculation)
+        inline = engine.async_scheduling and not engine.platform.supports_async_overlap()  # (step_needs_sync)
+        self._host_below = self.opts["host_steps_below"] if inline else 0
         self.cost = load_or_measure_cost(engine, self)
         self.live = LiveCost(self.cost)
         logger.info("dspark: draft %s, k=%d, %s length, confidence head %s%s", self.source.kind, self.k,
@@ -316,8 +317,6 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         ``min(k, budget)`` deep blind and verify the rows the host laid out before the drafts existed
         (at concurrency 1 on the CPU: 1.29-1.40x plain against 1.27x, ``examples/dspark_bench.py``).
         From that many requests on the device path's cheap dormancy and one-step explorations win."""
-        if self._host_below is None:
-            self._host_below = 0 if engine.platform.supports_async_overlap() else self.opts["host_steps_below"]
         host = self._host_below > 0 and self.source is not None and engine.load_stats()["running"] < self._host_below
         self._host_path = host or not engine.cfg.async_speculation
         return host
