@@ -106,6 +106,37 @@ def test_few_requests_speculate_on_the_host_where_the_forward_runs_inline(tiny_v
         make(path, dspark={"host_steps_below": -1, **opts}, async_scheduling=True)
 
 
+def test_a_step_that_only_prefills_overlaps_like_plain_decoding(tiny_mtp):
+    """With no request running yet, a step only prefills: DSpark does not ask for it to run synchronously
+    (nothing to draft), so a wave of 8 takes the same steps as plain decoding from its first one; the
+    synchronous prefill step that ``host_steps_below`` used to ask for left the DSpark engine one forward
+    behind plain decoding's pipeline (the 1.6% that ``dspark_bench.py`` at concurrency 32 read as DSpark's
+    cost). Once a request runs alone, the steps do run synchronously."""
+    def first_tokens(llm) -> tuple[int, int]:
+        seqs = [llm.engine.add_request({"prompt_token_ids": p}, greedy(12)) for p in PROMPTS]
+        steps = 0
+        while any(s.num_output_tokens == 0 for s in seqs):
+            llm.engine.step()
+            steps += 1
+        return steps, llm.engine.stats.overlapped_steps
+
+    plain = make(tiny_mtp, features=False, async_scheduling=True, max_num_seqs=8)
+    spec = make(tiny_mtp, dspark={"k": 3, "host_steps_below": 4}, async_scheduling=True, max_num_seqs=8)
+    assert first_tokens(spec) == first_tokens(plain) == (2, 1)
+    feat = next(f for f in spec.engine.features if f.name == "dspark")
+    assert not feat.step_needs_sync(spec.engine)  # 8 running
+    for llm in (plain, spec):
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    spec.engine.add_request({"prompt_token_ids": PROMPTS[0]}, greedy(4))
+    assert not feat.step_needs_sync(spec.engine)  # it waits: the coming step only prefills
+    spec.engine.step()
+    assert feat.step_needs_sync(spec.engine)  # one request runs: below 4, on the host
+    while spec.engine.has_unfinished():
+        spec.engine.step()
+    spec.engine.blocks.check_no_leaks()
+
+
 @pytest.mark.parametrize("bad", [-1, True, 2.5, float("nan"), float("inf"), "8", None])
 def test_host_steps_below_rejects_what_is_not_a_count(bad):
     """``host_steps_below`` takes an int >= 0: negatives, bools, floats (NaN, inf), strings and None are
@@ -127,9 +158,9 @@ def test_async_speculation_takes_a_bool(tiny_v3_path, bad):
 
 
 def test_host_steps_draft_only_below_their_batch_size(tiny_mtp, reference):
-    """A wave of 8 requests arrives at once: its prefill step runs on the host (nothing runs yet), but with
-    8 requests running the device path owns the next steps, so the host path does not draft for them (the
-    next step would verify the whole wave's drafts); it drafts again once fewer than 4 requests run."""
+    """A wave of 8 requests arrives at once: with 8 requests running the device path owns the steps, so the
+    host path does not draft for them (the next step would verify the whole wave's drafts); it drafts again
+    once fewer than 4 requests run."""
     llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed", "host_steps_below": 4}, async_scheduling=True,
                max_num_seqs=8)
     feat = next(f for f in llm.engine.features if f.name == "dspark")
