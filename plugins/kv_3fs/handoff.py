@@ -16,7 +16,7 @@ import secrets
 from deepinfer_core.config import ConfigError
 from deepinfer_core.kv_transfer import KVTransport, check_key
 from plugins.kv_3fs.confined import ConfinedDir
-from plugins.kv_3fs.store import _default_path
+from plugins.kv_3fs.options import default_path
 
 SUB = "handoff"
 
@@ -82,7 +82,7 @@ class ThreeFSTransport(DirectoryTransport):
 
     def __init__(self, section: dict) -> None:
         section = dict(section)
-        path = section.pop("path", _default_path())
+        path = section.pop("path", default_path())
         if section:
             raise ConfigError(f"[kv_transfer] backend '3fs' knows only 'path', got keys {sorted(section)}")
         if not isinstance(path, str):

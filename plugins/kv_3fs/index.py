@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import struct
 import time
 import zlib
@@ -21,6 +22,7 @@ import numpy as np
 
 from plugins.kv_3fs import record
 from plugins.kv_3fs.confined import ConfinedDir
+from plugins.kv_3fs.fileio import write_all
 from plugins.kv_3fs.record import HEADER_SIZE, RecordError
 
 logger = logging.getLogger("deepinfer.kv_store.3fs")
@@ -65,6 +67,39 @@ def decode(raw: bytes) -> tuple[dict[int, Entry], float] | None:
     rows = np.frombuffer(body, dtype=_ROW)
     return ({int(k): Entry(int(size), float(created), float(atime), float(ttl), float(atime))
              for k, size, created, atime, ttl in rows.tolist()}, saved)
+
+
+def write_snapshot(cdir: ConfinedDir, buffers: list[bytes]) -> None:
+    """Write an ``encode``d snapshot atomically (a unique temporary file, then replaced over ``index.v1``; over
+    a link the link itself is replaced). Raises OSError."""
+    tmp = f"{FILE_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = cdir.open("", tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            write_all(fd, buffers)
+        finally:
+            os.close(fd)
+        cdir.replace("", tmp, FILE_NAME)
+    except OSError:
+        cdir.unlink("", tmp)
+        raise
+
+
+def read_snapshot(cdir: ConfinedDir, root: str) -> tuple[dict[int, Entry], float] | None:
+    """The saved snapshot; None when it is absent, a link (refused), unreadable or unusable (logged)."""
+    try:
+        fd = cdir.open("", FILE_NAME)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    snap = decode(raw)
+    if snap is None:
+        logger.warning("KV store: index snapshot in %s is unusable; rescanning the directory", root)
+    return snap
 
 
 Check = Callable[[record.Header, int, int], None]  # (header, key, file size): raises RecordError when unusable

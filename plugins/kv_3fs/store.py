@@ -43,23 +43,20 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
 from deepinfer_core.config import ConfigError
-from deepinfer_core.engine.transfer import can_pin_memory
 from deepinfer_core.kv_store import KVLayout, KVStore, KVStoreStats
-from deepinfer_core.units import parse_duration, parse_size
 from plugins.kv_3fs import index, record
 from plugins.kv_3fs.confined import ConfinedDir
 from plugins.kv_3fs.fileio import errname, miss_reason, pread_full, write_all
 from plugins.kv_3fs.index import SUFFIX, Entry
+from plugins.kv_3fs.options import StoreOptions
 from plugins.kv_3fs.record import HEADER_SIZE, RecordError
 
 logger = logging.getLogger("deepinfer.kv_store.3fs")
 
-DEFAULT_TTL = {"agent": "3d", "chatbot": "7d"}
 _TAIL = struct.Struct("<dd16sQ")  # created, ttl_seconds, ttl_class, checksum at offset 80 of a header
 
 
@@ -68,81 +65,17 @@ def _longer(a: float, b: float) -> float:
     return 0.0 if a == 0 or b == 0 else max(a, b)
 
 
-def _default_path() -> str:
-    base = os.environ.get("DEEPINFER_CACHE_DIR")
-    return os.path.join(base, "kv") if base else os.path.join("~", ".cache", "deepinfer", "kv")
-
-
 class ThreeFSStore(KVStore):
     """KV blocks as files under ``path`` (see the module docstring). Thread-safe."""
 
     core_api_version = "1.0"
 
-    def __init__(self, path: str | None = None, layout: KVLayout | None = None, capacity_bytes="64GiB",
-                 high_watermark: float = 0.9, low_watermark: float = 0.7, ttl: dict | None = None,
-                 default_class: str = "chatbot", usrbio: str = "auto", io_threads: int | str = "auto",
-                 gc_interval="60s", checksum: str = "auto", fsync: bool = False, pin_memory: bool = False,
-                 touch_interval="60s", negative_cache="2s", usrbio_buffer="64MiB", **unknown) -> None:
-        if unknown:
-            raise ConfigError(f"[kv_store] unknown key(s) {sorted(unknown)} for backend '3fs'; known keys: "
-                              "path, capacity_bytes, high_watermark, low_watermark, ttl, default_class, "
-                              "usrbio, io_threads, gc_interval, checksum, fsync, touch_interval, "
-                              "negative_cache, usrbio_buffer")
-        self.layout = layout
-        self.capacity_bytes = parse_size(capacity_bytes, "capacity_bytes") or None
-        for name, v in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-                raise ConfigError(f"[kv_store] {name} must be a number in [0, 1], got {v!r}")
-        if high_watermark < low_watermark:
-            raise ConfigError(f"[kv_store] high_watermark ({high_watermark}) must not be below low_watermark "
-                              f"({low_watermark})")
-        if high_watermark == 0:
-            raise ConfigError("[kv_store] high_watermark must be > 0")
-        self.high_watermark, self.low_watermark = float(high_watermark), float(low_watermark)
-        if ttl is not None and not isinstance(ttl, dict):
-            raise ConfigError(f"[kv_store] ttl must be a table of traffic class = duration, got {ttl!r}")
-        self.ttl = {cls: parse_duration(v, f"ttl.{cls}") for cls, v in {**DEFAULT_TTL, **(ttl or {})}.items()}
-        for cls in self.ttl:
-            if not isinstance(cls, str) or not cls or len(cls.encode()) > 16 or not cls.isascii():
-                raise ConfigError(f"[kv_store] traffic class names are 1-16 ASCII characters, got {cls!r}")
-        if default_class not in self.ttl:
-            raise ConfigError(f"[kv_store] default_class {default_class!r} has no ttl; "
-                              f"classes: {sorted(self.ttl)}")
-        self.default_class = default_class
-        if io_threads == "auto":  # reading from page cache is memory-bound: threads pay off with spare cores
-            io_threads = min(8, max(1, (os.cpu_count() or 1) // 4))
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise ConfigError(f"[kv_store] io_threads must be 'auto' or an int >= 1, got {io_threads!r}")
-        self.io_threads = io_threads
-        self.gc_interval = parse_duration(gc_interval, "gc_interval")
-        self.touch_interval = parse_duration(touch_interval, "touch_interval")
-        self.negative_cache = parse_duration(negative_cache, "negative_cache")
-        if checksum == "auto":
-            self.checksum_algo = record.default_checksum()
-        elif checksum in ("crc32", "xxh3"):
-            self.checksum_algo = record.CRC32 if checksum == "crc32" else record.XXH3
-            if self.checksum_algo not in record.available_checksums():
-                raise ConfigError("[kv_store] checksum = 'xxh3' needs the 'xxhash' package "
-                                  "(pip install xxhash)")
-        else:
-            raise ConfigError(f"[kv_store] checksum must be 'auto', 'crc32' or 'xxh3', got {checksum!r}")
-        if not isinstance(fsync, bool):
-            raise ConfigError(f"[kv_store] fsync must be true or false, got {fsync!r}")
-        self.fsync = fsync
-        self.pin_memory = bool(pin_memory) and can_pin_memory()
-
-        raw_path = _default_path() if path is None else path
-        if not isinstance(raw_path, (str, os.PathLike)) or not str(raw_path):
-            raise ConfigError(f"[kv_store] path must be a directory path, got {path!r}")
-        self.path = Path(raw_path).expanduser()
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"[kv_store] path {str(self.path)!r} does not exist and cannot be created: "
-                              f"{exc.strerror or exc}") from exc
-        if not self.path.is_dir():
-            raise ConfigError(f"[kv_store] path {str(self.path)!r} is not a directory")
-        self.path = self.path.resolve()  # the store may be reached through links; nothing below it may be one
+    def __init__(self, path: str | None = None, layout: KVLayout | None = None, pin_memory: bool = False,
+                 **options) -> None:
+        """``options``: the ``[kv_store]`` keys of ``options.StoreOptions.parse``; ``pin_memory`` (asked by the
+        host tier when it pins its pool) reads blocks into pinned memory."""
+        self.opts = StoreOptions.parse(path, pin_memory=pin_memory, **options)  # every bad value refused first
+        self.layout, self.path = layout, self.opts.path
         self.fingerprint = layout.model_fingerprint if layout is not None else ""
         self.root = str(self.path / f"v{record.FORMAT_VERSION}" / (self.fingerprint or "any"))
         try:
@@ -176,41 +109,13 @@ class ThreeFSStore(KVStore):
             tmpl = record.pack_header(0, meta, 0, record.CRC32, self.fingerprint, 0.0, 0.0, "")
             self._fixed = (tmpl[0:12], tmpl[24:80],
                            HEADER_SIZE + math.prod(layout.block_shape) * layout.dtype.itemsize)
-        self.usrbio = False
         self._reader = None
-        self._setup_usrbio(usrbio, parse_size(usrbio_buffer, "usrbio_buffer"))
+        if self.opts.usrbio != "off":
+            from plugins.kv_3fs import usrbio
+
+            self._reader = usrbio.open_reader(self.opts.usrbio, str(self.path), self.opts.usrbio_buffer)
+        self.usrbio = self._reader is not None
         self._load_index()
-
-    # ---- setup --------------------------------------------------------------------------
-    def _setup_usrbio(self, mode, buffer_bytes: int) -> None:
-        if mode not in ("auto", "on", "off"):
-            raise ConfigError(f"[kv_store] usrbio must be 'auto', 'on' or 'off', got {mode!r}")
-        if mode == "off":
-            return
-        from plugins.kv_3fs import usrbio
-
-        try:
-            binding = usrbio.load_binding()
-        except usrbio.UsrbioUnavailable as exc:
-            if mode == "on":
-                raise ConfigError(f"[kv_store] usrbio = 'on' but {exc}") from exc
-            return
-        mount = usrbio.mount_point(str(self.path), binding)
-        if mount is None:
-            if mode == "on":
-                raise ConfigError(f"[kv_store] usrbio = 'on' but path {str(self.path)!r} is not on a "
-                                  "3FS mount")
-            return
-        try:
-            self._reader = usrbio.UsrbioReader(binding, mount, buffer_bytes)
-        except Exception as exc:
-            if mode == "on":
-                raise ConfigError(f"[kv_store] usrbio = 'on' but setting up USRBIO on {mount} failed: "
-                                  f"{exc}") from exc
-            logger.warning("KV store: USRBIO setup on %s failed (%s); using POSIX reads", mount, exc)
-            return
-        self.usrbio = True
-        logger.info("KV store %s: USRBIO reads through the 3FS mount %s", self.root, mount)
 
     # ---- paths --------------------------------------------------------------------------
     def _path(self, key: int) -> str:
@@ -227,14 +132,14 @@ class ThreeFSStore(KVStore):
     def ttl_seconds(self, traffic_class: str | None) -> float:
         """Retention of a traffic class (the default class's for None or an unknown class)."""
         if traffic_class is None:
-            return self.ttl[self.default_class]
-        ttl = self.ttl.get(traffic_class)
+            return self.opts.ttl[self.opts.default_class]
+        ttl = self.opts.ttl.get(traffic_class)
         if ttl is None:
             if traffic_class not in self._unknown_classes:
                 self._unknown_classes.add(traffic_class)
                 logger.warning("KV store: unknown traffic class %r; using the default class %r (known: %s)",
-                               traffic_class, self.default_class, ", ".join(sorted(self.ttl)))
-            return self.ttl[self.default_class]
+                               traffic_class, self.opts.default_class, ", ".join(sorted(self.opts.ttl)))
+            return self.opts.ttl[self.opts.default_class]
         return ttl
 
     # ---- KVStore ------------------------------------------------------------------------
@@ -250,7 +155,7 @@ class ThreeFSStore(KVStore):
                 stale = True
             else:
                 seen = self._absent.get(key)
-                if seen is not None and now - seen < self.negative_cache:
+                if seen is not None and now - seen < self.opts.negative_cache:
                     return False
                 stale = False
         if stale:
@@ -266,7 +171,7 @@ class ThreeFSStore(KVStore):
                     self._absent.clear()
                 self._absent[key] = now
             return False
-        entry = Entry(st.st_size, st.st_mtime, st.st_mtime, self.ttl[self.default_class], st.st_mtime)
+        entry = Entry(st.st_size, st.st_mtime, st.st_mtime, self.opts.ttl[self.opts.default_class], st.st_mtime)
         if st.st_size < HEADER_SIZE or entry.expired(now):
             return False
         with self._lock:
@@ -287,10 +192,10 @@ class ThreeFSStore(KVStore):
             return False
         nbytes = block.numel() * block.element_size()
         size = HEADER_SIZE + nbytes
-        if not 1 <= block.dim() <= 3 or (self.capacity_bytes is not None and size > self.capacity_bytes):
+        if not 1 <= block.dim() <= 3 or (self.opts.capacity_bytes is not None and size > self.opts.capacity_bytes):
             return False
         ttl = self.ttl_seconds(ttl_class)
-        cls = ttl_class if ttl_class in self.ttl else self.default_class
+        cls = ttl_class if ttl_class in self.opts.ttl else self.opts.default_class
         now = time.time()
         with self._lock:
             e = self._index.get(key)
@@ -349,7 +254,7 @@ class ThreeFSStore(KVStore):
         result: list[torch.Tensor | None] = [None] * n
         if self._fixed is not None:
             tensors = [t if t is not None else torch.empty(lay.block_shape, dtype=lay.dtype,
-                                                             pin_memory=self.pin_memory) for t in tensors]
+                                                             pin_memory=self.opts.pin_memory) for t in tensors]
             views = [record.payload_view(t) for t in tensors]
 
             def run(idxs):
@@ -358,15 +263,15 @@ class ThreeFSStore(KVStore):
             def run(idxs):
                 for i in idxs:
                     result[i] = self._read(keys[i], ttl_class, tensors[i])
-        if self.io_threads == 1 or n == 1:
+        if self.opts.io_threads == 1 or n == 1:
             run(range(n))
             return result
         if self._pool is None:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kv-3fs-io")
+                    self._pool = ThreadPoolExecutor(self.opts.io_threads, thread_name_prefix="kv-3fs-io")
         # contiguous runs per thread: each thread reads its files in order
-        step = -(-n // min(self.io_threads, n))
+        step = -(-n // min(self.opts.io_threads, n))
         list(self._pool.map(run, [range(i, min(i + step, n)) for i in range(0, n, step)]))
         return result
 
@@ -442,7 +347,7 @@ class ThreeFSStore(KVStore):
                     self._index[key] = e = Entry(fsize, created, now, ttl, now)
                     self._usage += fsize
                 e.atime, e.ttl = now, _longer(e.ttl, ttl)
-                if now - e.touched > self.touch_interval:
+                if now - e.touched > self.opts.touch_interval:
                     e.touched = now
                     touch.append(key)
             self._stats.hits += len(hits)
@@ -464,13 +369,13 @@ class ThreeFSStore(KVStore):
                 hits=s.hits, misses=s.misses, puts=s.puts, evictions=s.evictions, read_bytes=s.read_bytes,
                 write_bytes=s.write_bytes, errors=s.errors + sum(self._write_failures.values()),
                 extra={
-                    "usage_bytes": self._usage, "capacity_bytes": self.capacity_bytes,
+                    "usage_bytes": self._usage, "capacity_bytes": self.opts.capacity_bytes,
                     "blocks": len(self._index),
-                    "high_watermark": self.high_watermark, "low_watermark": self.low_watermark,
+                    "high_watermark": self.opts.high_watermark, "low_watermark": self.opts.low_watermark,
                     "gc_runs": self._gc_runs, "expired": self._expired, "corrupt": dict(self._corrupt),
                     "write_failures": dict(self._write_failures), "read_time_s": self._read_time,
                     "write_time_s": self._write_time, "usrbio": self.usrbio, "path": self.root,
-                    "checksum": "xxh3" if self.checksum_algo == record.XXH3 else "crc32",
+                    "checksum": "xxh3" if self.opts.checksum_algo == record.XXH3 else "crc32",
                     "symlinks_refused": len(self._dir.refused),
                 },
             )
@@ -488,21 +393,26 @@ class ThreeFSStore(KVStore):
 
     # ---- retention ----------------------------------------------------------------------
     @property
+    def capacity_bytes(self) -> int | None:
+        """The store's capacity (the conformance kit's ``capacity_bytes``; None: unbounded)."""
+        return self.opts.capacity_bytes
+
+    @property
     def usage_bytes(self) -> int:
         with self._lock:
             return self._usage
 
     def _make_room(self, incoming: int) -> None:
         now = time.time()
-        cap = self.capacity_bytes
-        over = cap is not None and self._usage + incoming > self.high_watermark * cap
-        if not over and now - self._last_sweep < self.gc_interval:
+        cap = self.opts.capacity_bytes
+        over = cap is not None and self._usage + incoming > self.opts.high_watermark * cap
+        if not over and now - self._last_sweep < self.opts.gc_interval:
             return
         with self._gc_lock:
-            over = cap is not None and self._usage + incoming > self.high_watermark * cap
+            over = cap is not None and self._usage + incoming > self.opts.high_watermark * cap
             if over:
-                self.gc(target=min(self.low_watermark * cap, self.high_watermark * cap - incoming))
-            elif now - self._last_sweep >= self.gc_interval:
+                self.gc(target=min(self.opts.low_watermark * cap, self.opts.high_watermark * cap - incoming))
+            elif now - self._last_sweep >= self.opts.gc_interval:
                 self.gc()
 
     def gc(self, target: float | None = None) -> int:
@@ -540,8 +450,8 @@ class ThreeFSStore(KVStore):
     # ---- writing ------------------------------------------------------------------------
     def _write(self, key: int, block: torch.Tensor, cls: str, ttl: float, now: float) -> bool:
         payload = record.payload_view(block)
-        digest = record.checksum(self.checksum_algo, payload)
-        header = record.pack_header(key, block, digest, self.checksum_algo, self.fingerprint, now, ttl, cls)
+        digest = record.checksum(self.opts.checksum_algo, payload)
+        header = record.pack_header(key, block, digest, self.opts.checksum_algo, self.fingerprint, now, ttl, cls)
         shard, final = self._loc(key)
         tmp = f"{final}.{os.getpid()}.{threading.get_ident():x}.{secrets.token_hex(4)}.tmp"
         try:
@@ -551,7 +461,7 @@ class ThreeFSStore(KVStore):
             fd = self._dir.open(shard, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 write_all(fd, [header, payload])
-                if self.fsync:
+                if self.opts.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -609,7 +519,7 @@ class ThreeFSStore(KVStore):
                 self._index[key] = e = Entry(hdr.file_size, hdr.created, now, ttl)
                 self._usage += hdr.file_size
             e.atime, e.ttl = now, _longer(e.ttl, ttl)
-            touch = now - e.touched > self.touch_interval
+            touch = now - e.touched > self.opts.touch_interval
             if touch:
                 e.touched = now
             self._stats.hits += 1
@@ -633,7 +543,7 @@ class ThreeFSStore(KVStore):
         if (out is not None and tuple(out.shape) == tuple(hdr_shape) and out.dtype == dtype
                 and out.is_contiguous()):
             return out
-        return torch.empty(hdr_shape, dtype=dtype, pin_memory=self.pin_memory)
+        return torch.empty(hdr_shape, dtype=dtype, pin_memory=self.opts.pin_memory)
 
     def _read(self, key: int, ttl_class: str | None = None, out: torch.Tensor | None = None):
         path = self._path(key)
@@ -724,39 +634,17 @@ class ThreeFSStore(KVStore):
             snapshot = index.encode(self._index, now)
         if self._dir.dir_fd() is None:
             return False
-        tmp = f"{index.FILE_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            fd = self._dir.open("", tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-            try:
-                write_all(fd, snapshot)
-            finally:
-                os.close(fd)
-            self._dir.replace("", tmp, index.FILE_NAME)  # over a link: replaces the link itself
+            index.write_snapshot(self._dir, snapshot)
         except OSError as exc:
-            self._dir.unlink("", tmp)
             self._count_write_failure("index_" + errname(exc), exc)
             return False
         self._last_index_save = now
         return True
 
-    def _read_snapshot(self) -> tuple[dict[int, Entry], float] | None:
-        try:
-            fd = self._dir.open("", index.FILE_NAME)
-        except OSError:  # absent, or a link (refused)
-            return None
-        try:
-            with os.fdopen(fd, "rb") as f:
-                raw = f.read()
-        except OSError:
-            return None
-        snap = index.decode(raw)
-        if snap is None:
-            logger.warning("KV store: index snapshot in %s is unusable; rescanning the directory", self.root)
-        return snap
-
     def _load_index(self) -> None:
         t0 = time.perf_counter()
-        snap = self._read_snapshot()
+        snap = index.read_snapshot(self._dir, self.root)
         entries, scanned = index.rebuild(self._dir, self.root, snap, self._check, self._corrupt)
         with self._lock:
             self._index = entries

@@ -12,15 +12,48 @@ The binding is looked up in ``hf3fs_py_usrbio`` (and its ``hf3fs_fuse.io`` wrapp
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 from multiprocessing import shared_memory
+
+logger = logging.getLogger("deepinfer.kv_store.3fs")
 
 _NAMES = ("make_iovec", "make_ioring", "register_fd", "deregister_fd")
 
 
 class UsrbioUnavailable(RuntimeError):
     pass
+
+
+def open_reader(mode: str, path: str, buffer_bytes: int) -> UsrbioReader | None:
+    """The store's ``usrbio`` setting: a reader for ``path`` when it is on a 3FS mount with the binding
+    installed (``auto``: None otherwise, POSIX reads; ``on``: a ``ConfigError`` saying what is missing;
+    ``off``: None)."""
+    from deepinfer_core.config import ConfigError
+
+    if mode == "off":
+        return None
+    try:
+        binding = load_binding()
+    except UsrbioUnavailable as exc:
+        if mode == "on":
+            raise ConfigError(f"[kv_store] usrbio = 'on' but {exc}") from exc
+        return None
+    mount = mount_point(path, binding)
+    if mount is None:
+        if mode == "on":
+            raise ConfigError(f"[kv_store] usrbio = 'on' but path {path!r} is not on a 3FS mount")
+        return None
+    try:
+        reader = UsrbioReader(binding, mount, buffer_bytes)
+    except Exception as exc:
+        if mode == "on":
+            raise ConfigError(f"[kv_store] usrbio = 'on' but setting up USRBIO on {mount} failed: {exc}") from exc
+        logger.warning("KV store: USRBIO setup on %s failed (%s); using POSIX reads", mount, exc)
+        return None
+    logger.info("KV store %s: USRBIO reads through the 3FS mount %s", path, mount)
+    return reader
 
 
 def load_binding():
