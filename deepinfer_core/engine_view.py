@@ -79,4 +79,5 @@ class EngineView(Protocol):
         forward meets the other ranks in the MoE all-to-alls: every rank calls it as often."""
 
     def load_stats(self) -> dict:
-        """Gauges: ``running`` and ``waiting`` requests, ``kv_usage`` (0..1)."""
+        """Gauges: ``running`` and ``waiting`` requests, ``max_running`` (the most that run at once),
+        ``kv_usage`` (0..1)."""

@@ -42,7 +42,7 @@ class _Engine:
         self.running = running
 
     def load_stats(self) -> dict:
-        return {"running": self.running, "waiting": 0, "kv_usage": 0.0}
+        return {"running": self.running, "waiting": 0, "max_running": 64, "kv_usage": 0.0}
 
 
 def _seqs(n: int) -> list:

@@ -426,8 +426,10 @@ class LLMEngine(TokenAccounting):
         return finished
 
     def load_stats(self) -> dict:
-        """Cheap gauges for a serving front end: running and waiting requests, KV-cache usage (0..1)."""
+        """Cheap gauges for a serving front end: running and waiting requests, the most that run at once
+        (the scheduler's ``max_num_seqs``), KV-cache usage (0..1)."""
         return {"running": self.scheduler.num_running(), "waiting": self.scheduler.num_waiting(),
+                "max_running": self.scheduler.budget.max_num_seqs,
                 "kv_usage": 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)}
 
     def probe_forward(self, out: SchedulerOutput, draft_tokens: dict[str, list[int]] | None = None,

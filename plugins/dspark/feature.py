@@ -317,10 +317,13 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         ``min(k, budget)`` deep blind and verify the rows the host laid out before the drafts existed
         (at concurrency 1 on the CPU: 1.29-1.40x plain against 1.27x, ``examples/dspark_bench.py``).
         From that many requests on the device path's cheap dormancy and one-step explorations win.
-        A step with no request running yet only prefills (nothing to draft) and stays asynchronous, so a
-        wave that starts large takes the device path from its first step, as plain decoding's does."""
-        running = engine.load_stats()["running"]
-        host = self._host_below > 0 and self.source is not None and 0 < running < self._host_below
+        A step with no request running yet only prefills: it is counted by the requests it admits, so a
+        wave that starts large takes the device path from its first step, as plain decoding's does (a
+        synchronous prefill left DSpark one forward behind plain decoding's pipeline), and a request
+        that runs alone is prefilled on the host, whose draft then reads the prompt's hidden states."""
+        load = engine.load_stats()
+        coming = load["running"] or min(load["waiting"], load["max_running"])
+        host = self._host_below > 0 and self.source is not None and coming < self._host_below
         self._host_path = host or not engine.cfg.async_speculation
         return host
 
