@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--budget-k", type=int, default=8,
-                    help="[dspark] k of the budget engine (default: --k); deeper drafts let the budget flow further")
+                    help="[dspark] k of the budget engine (0: --k); deeper drafts let the budget flow further")
     ap.add_argument("--share", type=float, default=0.475, help="[dspark] verify_share of the budget engine")
     ap.add_argument("--draft", default="auto")
     ap.add_argument("--threads", type=int, default=1)
