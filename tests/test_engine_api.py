@@ -159,6 +159,7 @@ def test_scheduler_gets_its_admission_by_construction(tiny_v3_path):
     assert sched.admission is not None and not isinstance(sched.admission, AdmitAll)
     seq = eng.add_request({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=1))
     assert sched.num_waiting() == 1 and eng.load_stats()["waiting"] == 1
+    assert eng.load_stats()["max_running"] == sched.budget.max_num_seqs == eng.cfg.max_num_seqs
     sched.remove_waiting(seq)
     assert sched.num_waiting() == 0
     sched.remove_waiting(seq)  # absent: no-op

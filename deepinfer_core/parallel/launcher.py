@@ -187,11 +187,12 @@ class ParallelEngine(RankProcesses):
         return bool(self._seqs) or bool(self._failed_seqs)
 
     def load_stats(self) -> dict:
-        """Running/waiting requests over all ranks and mean KV-cache usage, as of the last step."""
+        """Running/waiting requests over all ranks, the most that run at once (``max_num_seqs`` per rank)
+        and mean KV-cache usage, as of the last step."""
         b = self.balancer
         running = sum(b.running)
         return {"running": running, "waiting": max(0, sum(b.unfinished) - running),
-                "kv_usage": sum(b.kv_usage) / len(b.kv_usage)}
+                "max_running": self.cfg.max_num_seqs * len(b.running), "kv_usage": sum(b.kv_usage) / len(b.kv_usage)}
 
     def step(self) -> list[Sequence]:
         """One lock-step step on every rank; returns the requests that finished in it."""
