@@ -190,6 +190,16 @@ class Proposer(ABC):
         ``requests``; for a proposer's measured step-time curve. Steps with prefill chunks, and
         cycles that are not one step's (a drain, an idle gap, a plain step between), are not reported."""
 
+    def step_drained(self, engine: EngineView, batch: StepBatch) -> None:
+        """An overlapped step without drafts was just completed because the coming step is a
+        synchronous speculative one (host drafting: :meth:`propose` after it sees only that step's
+        rows). A proposer that reads the target's hidden states keeps what it needs of this one here.
+
+        :param engine: the engine.
+        :param batch: the drained step: its ``scheduled`` requests, ``row_starts``, ``computed_before``
+            and, with ``needs_hidden``, every row's final hidden state in ``batch.hidden``.
+        """
+
     def verified(self, engine: EngineView, requests: list[Sequence], num_drafts: list[int],
                  num_accepted: list[int]) -> None:
         """Feedback after verification: how many of each request's drafts were checked and kept."""

@@ -145,6 +145,35 @@ def test_a_request_alone_is_prefilled_on_the_host(tiny_mtp, reference):
     assert counts[1] == counts[0] and counts[0][1] > 0, counts
 
 
+def test_prompts_prefilled_overlapped_reach_the_host_drafts(tiny_mtp):
+    """A wave of 4 under a token budget that admits about one prompt a step (``host_steps_below`` 4): the
+    first step counts 4 coming requests and overlaps, the next two run below 4, on the host. The host draft
+    catches up only on the steps it runs, so the overlapped step's hidden rows are kept when it is drained
+    (``Proposer.step_drained``): the MTP layer's KV of every prompt position then equals the entry from the
+    target's teacher-forced hidden states. Without them the prompts stayed holes in the draft's KV."""
+    bs = 4
+    llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed", "host_steps_below": 4}, async_scheduling=True,
+               max_num_seqs=4, max_num_batched_tokens=32)
+    eng = llm.engine
+    feat = next(f for f in eng.features if f.name == "dspark")
+    seqs = [eng.add_request({"prompt_token_ids": PROMPTS[i]}, greedy(12)) for i in (5, 5, 5, 5)]
+    overlapped = []
+    while min(s.num_output_tokens for s in seqs) < 4:
+        before = eng.stats.overlapped_steps
+        eng.step()
+        overlapped.append(eng.stats.overlapped_steps - before)
+    eng.pipeline.drain()
+    assert overlapped[:3] == [0, 0, 0] and feat.n["proposals"] > 0, overlapped  # an overlapped prefill, then host steps
+    # the two prompts the overlapped step began (the others' last chunks ran in a host step of 4 running requests,
+    # which does not draft, and the device path that takes over from there does not read kept rows: a known gap)
+    for seq in seqs[:2]:
+        got, ref = mtp_kv_and_teacher_forced(eng, feat.source, seq, len(PROMPTS[5]), bs)  # the prompt's positions
+        assert (got - ref).abs().max().item() < 1e-4, seq.request_id
+    while eng.has_unfinished():
+        eng.step()
+    eng.blocks.check_no_leaks()
+
+
 @pytest.mark.parametrize("bad", [-1, True, 2.5, float("nan"), float("inf"), "8", None])
 def test_host_steps_below_rejects_what_is_not_a_count(bad):
     """``host_steps_below`` takes an int >= 0: negatives, bools, floats (NaN, inf), strings and None are

@@ -112,7 +112,9 @@ class StepPipeline:
                    and not (speculate and eng.spec.on_device is None)
                    and not any(eng.pm.hook.step_needs_sync(engine=eng)))
         if not overlap:
-            self.drain()
+            drained = self.drain()
+            if speculate and drained is not None and drained.spec is None and drained.batch.hidden is not None:
+                eng.spec.proposer.step_drained(eng, drained.batch)  # the host drafts next: keep its hidden rows
         return StepPlan(overlap, speculate)
 
     def schedule(self, plan: StepPlan) -> SchedulerOutput:
@@ -148,11 +150,13 @@ class StepPipeline:
             self.engine.stats.overlapped_steps += 1
             self.complete(prev)
 
-    def drain(self) -> None:
-        """Complete the step in flight, if any: afterwards every token is on the host."""
-        if self.inflight is not None:
-            step, self.inflight = self.inflight, None
-            self.complete(step)
+    def drain(self) -> InflightStep | None:
+        """Complete the step in flight, if any (returned): afterwards every token is on the host."""
+        if self.inflight is None:
+            return None
+        step, self.inflight = self.inflight, None
+        self.complete(step)
+        return step
 
     def inflight_seqs(self) -> list[Sequence]:
         return self.inflight.seqs() if self.inflight is not None else []
