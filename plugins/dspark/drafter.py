@@ -143,6 +143,18 @@ class Drafter:
         self._draft_loop(_Rows([it[0] for it in drafting], [it[4] for it in drafting], bs, dev),
                          [it[1] for it in drafting], carry[lr], normed[lr], n_live, target)
 
+    def step_drained(self, engine, batch) -> None:
+        """(``Proposer.step_drained``) An MTP draft keeps the drained step's hidden rows of each request
+        whose draft KV reaches that step's first position, as a host step that does not draft would
+        (``_defer``): e.g. prompts prefilled in an overlapped step before host steps, so the next host
+        catch-up writes their draft KV. A request with a gap before it keeps its gap."""
+        if not self.needs_hidden:
+            return
+        for s, row0, c0 in zip(batch.scheduled, batch.row_starts, batch.computed_before):
+            st = None if s.seq.is_finished else self._state(s.seq)
+            if st is not None and st.done + st.kept_rows == c0:
+                self._defer(st, s.seq.num_computed_tokens, row0, c0, batch.hidden)
+
     @staticmethod
     def _defer(st: _State, computed: int, row0: int, c0: int, hidden: torch.Tensor) -> None:
         """An MTP request that does not draft this step keeps the target's hidden states of the

@@ -396,18 +396,6 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self.t["schedule"] += time.perf_counter() - t1
         return out
 
-    def step_drained(self, engine, batch) -> None:
-        """(``Proposer.step_drained``) An MTP draft keeps the drained step's hidden rows of each request
-        whose draft KV reaches that step's first position, as a host step that does not draft would
-        (``_defer``): e.g. prompts prefilled in an overlapped step before host steps, so the next host
-        catch-up writes their draft KV. A request with a gap before it keeps its gap."""
-        if not self.needs_hidden:
-            return
-        for s, row0, c0 in zip(batch.scheduled, batch.row_starts, batch.computed_before):
-            st = None if s.seq.is_finished else self._state(s.seq)
-            if st is not None and st.done + st.kept_rows == c0:
-                self._defer(st, s.seq.num_computed_tokens, row0, c0, batch.hidden)
-
     def _choose(self, engine, requests: list[Sequence], max_drafts: list[int]) -> list[Draft | None]:
         """The drafts to verify next step: cut to the lengths the policy picks from their
         confidences and the step-time curve (variable length), or as many as fit (fixed)."""
