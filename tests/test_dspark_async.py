@@ -174,6 +174,33 @@ def test_prompts_prefilled_overlapped_reach_the_host_drafts(tiny_mtp):
     eng.blocks.check_no_leaks()
 
 
+@pytest.mark.parametrize("max_kept", [512, 8])
+def test_a_drained_step_survives_aborts_and_prompts_past_the_keep_limit(tiny_mtp, monkeypatch, max_kept):
+    """The same wave, hostile: one request is aborted after the overlapped step (its drained rows are
+    skipped), and with ``MAX_KEPT`` 8 the prompts are longer than what a request may keep (nothing is kept,
+    the draft KV keeps its gap). The other requests finish with plain decoding's greedy output, no proposer
+    error, no KV block leaked, and the engine takes the next request."""
+    from plugins.dspark import drafter
+
+    monkeypatch.setattr(drafter, "MAX_KEPT", max_kept)
+    plain = make(tiny_mtp, features=False, max_num_seqs=4, max_num_batched_tokens=32)
+    want = _tokens(run(plain, [PROMPTS[5], PROMPTS[6]], greedy(12)))
+    llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed", "host_steps_below": 4}, async_scheduling=True,
+               max_num_seqs=4, max_num_batched_tokens=32)
+    eng = llm.engine
+    seqs = [eng.add_request({"prompt_token_ids": PROMPTS[i]}, greedy(12)) for i in (5, 6, 5, 6)]
+    eng.step()  # overlapped: the first prompt and a chunk of the second
+    eng.abort(seqs[1].request_id)
+    while eng.has_unfinished():
+        eng.step()
+    assert seqs[1].finish_reason == "abort"
+    assert [s.output_token_ids for s in seqs[::2]] == [want[0], want[0]]
+    assert seqs[3].output_token_ids == want[1]
+    assert llm.metrics()["spec_proposer_errors"] == 0
+    eng.blocks.check_no_leaks()
+    assert _tokens(run(llm, [PROMPTS[6]], greedy(12))) == [want[1]]
+
+
 @pytest.mark.parametrize("bad", [-1, True, 2.5, float("nan"), float("inf"), "8", None])
 def test_host_steps_below_rejects_what_is_not_a_count(bad):
     """``host_steps_below`` takes an int >= 0: negatives, bools, floats (NaN, inf), strings and None are

@@ -216,6 +216,31 @@ def test_parsers_and_bad_config(tmp_path):
         store_at(blocker / "kv")
 
 
+@pytest.mark.parametrize("kw, needle", [
+    (dict(high_watermark=float("nan")), "high_watermark"),
+    (dict(low_watermark=float("inf")), "low_watermark"),
+    (dict(high_watermark=True), "high_watermark"),
+    (dict(low_watermark=-0.1), "low_watermark"),
+    (dict(high_watermark=0), "high_watermark"),
+    (dict(io_threads=2.5), "io_threads"),
+    (dict(io_threads=True), "io_threads"),
+    (dict(fsync="yes"), "fsync"),
+    (dict(negative_cache="-1s"), "negative_cache"),
+    (dict(gc_interval=float("nan")), "gc_interval"),
+    (dict(usrbio_buffer="-5MiB"), "usrbio_buffer"),
+    (dict(ttl=["3d"]), "ttl"),
+    (dict(ttl={"a" * 17: "1d"}), "traffic class"),
+    (dict(capacity_bytes=float("inf")), "capacity_bytes"),
+])
+def test_a_refused_option_opens_nothing(tmp_path, kw, needle):
+    """Every option is checked before the store touches its path (``options.StoreOptions.parse``): a NaN,
+    an infinity, a bool, a negative or a wrong type is refused naming its key, and no directory is created."""
+    path = tmp_path / "store"
+    with pytest.raises(ConfigError, match=needle):
+        store_at(path, **kw)
+    assert not path.exists()
+
+
 def test_ttl_by_traffic_class(tmp_path):
     s = store_at(tmp_path, ttl={"agent": "0.4s", "chatbot": "1h"}, gc_interval="0s")
     s.put(1, block(1), ttl_class="agent")
