@@ -52,7 +52,7 @@ from train_tiny import load_corpus, to_deepseek_state_dict, write_config  # noqa
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.engine.fingerprint import model_fingerprint  # noqa: E402
 from deepinfer_core.models.loader import EMBEDDED_MODEL, SafetensorsReader  # noqa: E402
-from plugins.dspark.confidence import EXTRA_FEATURES, FILENAME, TARGET_FEATURES  # noqa: E402
+from plugins.dspark.confidence import EXTRA_FEATURES, FILENAME, LEGACY_FEATURES, TARGET_FEATURES  # noqa: E402
 from plugins.dspark.head_fit import (  # noqa: E402
     calibration,
     cut_trade,
@@ -63,6 +63,7 @@ from plugins.dspark.head_fit import (  # noqa: E402
     outcomes,
     predict,
 )
+from plugins.dspark.lookup import FEATURES as LOOKUP_FEATURES  # noqa: E402
 
 TOPK = 16
 MAX_DIR_BYTES = 10 * 1024 * 1024
@@ -271,6 +272,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--init-mtp", type=Path, default=None,
                    help="--kind mtp: start from this MTP dir's mtp.safetensors (fine-tune) instead of layer 0")
     p.add_argument("--depth3", type=float, default=0.0, help="--kind mtp: weight of the depth-3 loss term")
+    p.add_argument("--target-features", action="store_true",
+                   help="--kind mtp: the head also reads the target's features (costs its LM head over a row per step)")
+    p.add_argument("--no-lookup-features", action="store_true",
+                   help="the head does not read the lookup features (plugins.dspark.lookup)")
+    p.add_argument("--six-draft-scalars", action="store_true",
+                   help="the head reads the six basic scalars of the draft's distribution (LEGACY_FEATURES), not "
+                        "the 19 of EXTRA_FEATURES: about 50 us less per draft step on a CPU, for 0.005 of log-loss")
     p.add_argument("--head-only", action="store_true",
                    help="keep the draft already in --out and fit its confidence head again (phases 3-4)")
     return p.parse_args()
@@ -349,18 +357,20 @@ def main() -> None:
     torch.set_num_threads(1)
     n_fit = len(outcome_prompts) * 3 // 4
     fit_o = outcomes(log_outcomes(tmp, outcome_prompts[:n_fit], 96, args.max_num_seqs))
-    use_target = fit_o.target is not None  # an MTP draft logs the target's confidence features
+    use_target = args.target_features and fit_o.target is not None  # an MTP draft logs the target's features
+    use_lookup = not args.no_lookup_features
+    names = LEGACY_FEATURES if args.six_draft_scalars else EXTRA_FEATURES
     log(f"outcomes: {int(fit_o.decided.sum())} decided draft positions, accept rate "
-        f"{float(fit_o.y[fit_o.decided].mean()):.3f}, target features {use_target}", t0)
+        f"{float(fit_o.y[fit_o.decided].mean()):.3f}, target features {use_target}, lookup features {use_lookup}", t0)
     g = torch.Generator().manual_seed(args.seed)
     steps = int(fit_o.step.max()) + 1
     val = torch.isin(fit_o.step, torch.randperm(steps, generator=g)[: steps // 5])  # by verification step
     scores = {}
     for l2 in (1e-4, 1e-3, 1e-2, 1e-1):
-        scores[l2] = log_loss(fit_head(fit_o.subset(~val), l2, use_target), fit_o.subset(val))
+        scores[l2] = log_loss(fit_head(fit_o.subset(~val), l2, use_target, use_lookup, names), fit_o.subset(val))
     l2 = min(scores, key=scores.get)
     log(f"confidence head L2 {l2} (validation log-loss {scores})", t0)
-    head = fit_head(fit_o, l2, use_target)
+    head = fit_head(fit_o, l2, use_target, use_lookup, names)
     temp_o = outcomes(log_outcomes(tmp, outcome_prompts[n_fit:], 96, args.max_num_seqs))
     temp = fit_temperature(head, temp_o)
     head = fold_temperature(head, temp)
@@ -387,7 +397,8 @@ def main() -> None:
         "torch_version": torch.__version__,
         "target": str(target_dir),
         "target_fingerprint": target_fingerprint,
-        "confidence_head_features": ["hidden", *EXTRA_FEATURES, *(TARGET_FEATURES if use_target else ())],
+        "confidence_head_features": ["hidden", *names, *(TARGET_FEATURES if use_target else ()),
+                                     *(LOOKUP_FEATURES if use_lookup else ())],
         "confidence_head_l2": l2,
         "confidence_head_validation_logloss": scores,
         "confidence_head_temperature": temp,

@@ -145,6 +145,31 @@ def test_a_request_alone_is_prefilled_on_the_host(tiny_mtp, reference):
     assert counts[1] == counts[0] and counts[0][1] > 0, counts
 
 
+def test_dormant_below_host_steps_hands_every_step_to_the_host_path(tiny_mtp):
+    """Below ``host_steps_below`` (the forward runs inline, nothing overlaps) a dormant DSpark still asks
+    for speculative steps, so that the host path's forecast decides every step, with each request's last
+    first-draft confidence drifting back to the running mean while it does not draft. Before, dormant
+    steps waited for the exploration gap: at concurrency 1 on the embedded model one unsure first draft
+    kept a request from drafting for the rest of its 64 tokens (131 dormant steps in a round). From
+    ``host_steps_below`` requests on, dormant steps stay plain overlapped steps until the gap."""
+    llm = make(tiny_mtp, dspark={"k": 3, "host_steps_below": 8}, async_scheduling=True, max_num_seqs=16)
+    feat = next(f for f in llm.engine.features if f.name == "dspark")
+    seqs = [llm.engine.add_request({"prompt_token_ids": PROMPTS[3]}, greedy(40))]
+    while seqs[0].num_output_tokens < 2:
+        llm.engine.step()
+    feat.skipped = 5
+    assert feat.active(llm.engine) is True and feat.skipped == 5  # the host path counts the skipped steps
+    seqs += [llm.engine.add_request({"prompt_token_ids": p}, greedy(40)) for p in PROMPTS[:8]]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        llm.engine.step()
+    assert llm.engine.load_stats()["running"] == 9
+    feat.skipped = 5
+    assert feat.active(llm.engine) is False and feat.skipped == 6
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.blocks.check_no_leaks()
+
+
 def test_prompts_prefilled_overlapped_reach_the_host_drafts(tiny_mtp):
     """A wave of 4 under a token budget that admits about one prompt a step (``host_steps_below`` 4): the
     first step counts 4 coming requests and overlaps, the next two run below 4, on the host. The host draft

@@ -1,7 +1,7 @@
 """The confidence head: per draft position, the probability that the target accepts the draft
 token given that every earlier draft token was accepted.
 
-    logit = w_h . h + w_x . x(q, d, greedy) + w_t . f_T + b
+    logit = w_h . h + w_x . x(q, d, greedy) + w_t . f_T + w_l . f_L + b
     confidence = sigmoid(logit / confidence_temperature)
 
 ``h`` is the draft's final normalised hidden state at the position that proposed d (the input of
@@ -20,6 +20,11 @@ head), and the fraction of the request's drafts the target accepted at its last 
 flag for "none yet"). How predictable the text is just before the drafts is something the draft's
 own distribution sees only in part.
 
+``f_L`` (``plugins.dspark.lookup.FEATURES``, optional) says whether the draft agrees with what the
+request's own text predicts (the tokens that followed the latest earlier occurrence of its last 1-4
+tokens): per draft position, per n, whether that continuation reaches it, agrees there, and agrees
+all the way to it.
+
 A single linear layer, trained by ``examples/train_dspark_draft.py`` (logistic regression on logged
 accept/reject outcomes of the target, temperature fitted on other prompts) and stored as
 safetensors next to the draft (``confidence_head.safetensors``; the feature names in its metadata).
@@ -35,6 +40,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from plugins.dspark import lookup as lookup_mod
 
 FILENAME = "confidence_head.safetensors"
 LEGACY_FEATURES = ("draft_logprob", "draft_prob", "draft_entropy", "greedy", "greedy_x_logprob", "greedy_x_prob")
@@ -81,16 +88,35 @@ def target_features(target_logits: torch.Tensor, prev_frac: torch.Tensor) -> tor
                         torch.where(none, torch.zeros_like(prev_frac), prev_frac), none.float()), dim=-1)
 
 
+def _optional_weights(path: Path, meta: dict, tensors: dict, kind: str, expected: tuple[str, ...],
+                      device) -> torch.Tensor | None:
+    """``w_<kind>`` of a head whose metadata lists ``<kind>_features`` (None when it lists none),
+    checked against the feature names this code computes."""
+    listed = meta.get(f"{kind}_features")
+    if not listed:
+        return None
+    names = tuple(listed.split(","))
+    if names != expected:
+        raise ValueError(f"{path}: confidence head {kind} features {names} != {expected}")
+    w = tensors.get(f"w_{kind}")
+    if w is None:
+        raise ValueError(f"{path}: the metadata lists {kind}_features, the file has no w_{kind}")
+    if w.shape != (len(names),):
+        raise ValueError(f"{path}: w_{kind} has shape {tuple(w.shape)}, expected ({len(names)},)")
+    return w.float().to(device)
+
+
 class ConfidenceHead:
     def __init__(self, w_hidden: torch.Tensor | None, w_extra: torch.Tensor | None, bias: float,
                  temperature: float = 1.0, w_target: torch.Tensor | None = None,
-                 names: tuple[str, ...] = EXTRA_FEATURES) -> None:
+                 names: tuple[str, ...] = EXTRA_FEATURES, w_lookup: torch.Tensor | None = None) -> None:
         self.w_hidden = w_hidden  # [C] float32, or None for the fallback
         self.w_extra = w_extra  # [len(names)] float32
         self.bias = float(bias)
         self.temperature = float(temperature)
         self.w_target = w_target  # [len(TARGET_FEATURES)] float32, or None: no target features
         self.names = names
+        self.w_lookup = w_lookup  # [len(lookup.FEATURES)] float32, or None: no lookup features
 
     @property
     def trained(self) -> bool:
@@ -100,6 +126,11 @@ class ConfidenceHead:
     def uses_target(self) -> bool:
         """The head reads the target's features (only an MTP draft is fed them)."""
         return self.w_target is not None
+
+    @property
+    def uses_lookup(self) -> bool:
+        """The head reads the lookup features (``plugins.dspark.lookup``)."""
+        return self.w_lookup is not None
 
     @classmethod
     def fallback(cls, temperature: float = 1.0) -> ConfidenceHead:
@@ -112,9 +143,6 @@ class ConfidenceHead:
         names = tuple(meta.get("extra_features", "").split(",")) if meta.get("extra_features") else ()
         if names not in (EXTRA_FEATURES, LEGACY_FEATURES):
             raise ValueError(f"{path}: confidence head features {names} != {EXTRA_FEATURES}")
-        tnames = tuple(meta["target_features"].split(",")) if meta.get("target_features") else None
-        if tnames is not None and tnames != TARGET_FEATURES:
-            raise ValueError(f"{path}: confidence head target features {tnames} != {TARGET_FEATURES}")
         t = load_file(str(path))
         w = t["w_hidden"].float()
         if w.shape != (hidden_size,):
@@ -124,13 +152,9 @@ class ConfidenceHead:
         if we.shape != (len(names),):
             raise ValueError(f"{path}: w_extra has shape {tuple(we.shape)}, expected ({len(names)},)")
         dev = device or "cpu"
-        wt = None
-        if tnames is not None:
-            wt = t["w_target"].float()
-            if wt.shape != (len(TARGET_FEATURES),):
-                raise ValueError(f"{path}: w_target has shape {tuple(wt.shape)}, expected ({len(TARGET_FEATURES)},)")
-            wt = wt.to(dev)
-        return cls(w.to(dev), we.to(dev), float(t["bias"].item()), temperature, wt, names)
+        wt = _optional_weights(path, meta, t, "target", TARGET_FEATURES, dev)
+        wl = _optional_weights(path, meta, t, "lookup", lookup_mod.FEATURES, dev)
+        return cls(w.to(dev), we.to(dev), float(t["bias"].item()), temperature, wt, names, wl)
 
     def save(self, path: Path, **meta: str) -> None:
         tensors = {"w_hidden": self.w_hidden.float().contiguous().cpu(),
@@ -140,25 +164,36 @@ class ConfidenceHead:
         if self.uses_target:
             tensors["w_target"] = self.w_target.float().contiguous().cpu()
             info["target_features"] = ",".join(TARGET_FEATURES)
+        if self.uses_lookup:
+            tensors["w_lookup"] = self.w_lookup.float().contiguous().cpu()
+            info["lookup_features"] = ",".join(lookup_mod.FEATURES)
         save_file(tensors, str(path), metadata={**info, **{k: str(v) for k, v in meta.items()}})
 
     def target_term(self, target_feats: torch.Tensor) -> torch.Tensor | None:
         """The per-row logit term of the target features ([R]); None when the head reads none."""
         return None if self.w_target is None else target_feats.float() @ self.w_target
 
+    def lookup_term(self, feats: torch.Tensor | None) -> torch.Tensor | None:
+        """The per-row logit term of the lookup features ([..., len(lookup.FEATURES)] -> [...]); None
+        when the head reads none."""
+        return None if self.w_lookup is None or feats is None else feats.float() @ self.w_lookup
+
     def logit(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor,
-              logq2: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
-        """``target``: the per-row ``target_term`` (None: the head reads no target features)."""
+              logq2: torch.Tensor | None = None, target: torch.Tensor | None = None,
+              lookup: torch.Tensor | None = None) -> torch.Tensor:
+        """``target``, ``lookup``: the per-row ``target_term`` and ``lookup_term`` (None: not read)."""
         if self.w_hidden is None:
             q = logq.exp().clamp(1e-6, 1 - 1e-6)
             return torch.log(q) - torch.log1p(-q)
         extra = extra_features(self.names, logq, entropy, greedy, logq2)
         z = hidden.float() @ self.w_hidden + extra @ self.w_extra + self.bias
-        return z if target is None else z + target
+        z = z if target is None else z + target
+        return z if lookup is None else z + lookup
 
     def __call__(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor,
-                 logq2: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.sigmoid(self.logit(hidden, logq, entropy, greedy, logq2, target) / self.temperature)
+                 logq2: torch.Tensor | None = None, target: torch.Tensor | None = None,
+                 lookup: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.logit(hidden, logq, entropy, greedy, logq2, target, lookup) / self.temperature)
 
     def per_row(self, greedy: torch.Tensor, target: torch.Tensor | None = None) -> tuple | None:
         """The greedy flag and the target term folded into per-row coefficients, computed once per
@@ -177,8 +212,10 @@ class ConfidenceHead:
         return coef, c, g[:, None] * w[9:][None, :]
 
     def fast(self, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor, greedy: torch.Tensor,
-             rows: tuple | None, logq2: torch.Tensor | None = None) -> torch.Tensor:
-        """``self(...)`` in fewer ops, with ``rows = self.per_row(greedy, target)`` computed once per step."""
+             rows: tuple | None, logq2: torch.Tensor | None = None, lookup: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """``self(...)`` in fewer ops, with ``rows = self.per_row(greedy, target)`` computed once per step
+        (``lookup``: this depth's ``lookup_term``, None: not read)."""
         if rows is None:
             return self(hidden, logq, entropy, greedy, logq2)
         logq = logq.float()
@@ -187,10 +224,10 @@ class ConfidenceHead:
             a_lq, a_q, c = rows
             z = torch.addmv(c, hidden.float(), self.w_hidden)
             z = z + logq.clamp(min=-30.0) * a_lq + q * a_q + entropy.float() * self.w_extra[2]
-            return torch.sigmoid(z / self.temperature)
+            return torch.sigmoid((z if lookup is None else z + lookup) / self.temperature)
         coef, c, bins = rows
         lq2 = logq2.float().clamp(min=-30.0)
         x = torch.stack((logq.clamp(min=-30.0), q, entropy.float(), (q - lq2.exp()).clamp(min=0.0), lq2), -1)
         z = torch.addmv(c, hidden.float(), self.w_hidden) + (x * coef).sum(-1)
         z = z + bins.gather(1, (q * Q_BINS).long().clamp(0, Q_BINS - 1)[:, None])[:, 0]
-        return torch.sigmoid(z / self.temperature)
+        return torch.sigmoid((z if lookup is None else z + lookup) / self.temperature)

@@ -30,6 +30,7 @@ from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, Prefil
 from deepinfer_core.proposer import DeviceDraft, StepHidden
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 from plugins.dspark import confidence as conf_mod
+from plugins.dspark import lookup as lookup_mod
 from plugins.dspark.drafter import DECODE_SPAN
 from plugins.dspark.lean import context_slot_table
 from plugins.dspark.state import _Rows
@@ -69,6 +70,7 @@ class DeviceDrafter:
         h_rows = (up.add([q.block_table + [0] * (width - len(q.block_table)) for q in seqs], torch.int32),
                   up.add(caps), up.add([q.params.temperature <= 0 for q in seqs], torch.bool))
         h_frac = up.add([st.prev_frac for _, _, st, _, _ in items], torch.float32) if mtp else None
+        h_look = self._lookup_parts(up, seqs) if self.head.uses_lookup else None
         t = up.send()
         with torch.inference_mode():
             catchup = self._catchup_mtp if mtp else self._catchup_model
@@ -77,7 +79,13 @@ class DeviceDrafter:
             rows = _Rows.from_tensors(seqs, caps, engine.block_size, t[h_rows[0]], num_tokens[sel], t[h_rows[1]],
                                       t[h_rows[2]])
             frac = t[h_frac] if mtp else None
-            tok, c = self._device_loop(rows, carry, normed, prev_last, frac)
+            cont = None
+            if h_look is not None:  # the lookup window: host-known tokens, then the step in flight's
+                win, n_win, w0 = (t[i] for i in h_look)
+                hist = torch.cat([win, torch.full_like(pending[sel], -1)], 1)
+                hist.scatter_(1, n_win[:, None] + torch.arange(pending.shape[1], device=dev)[None, :], pending[sel])
+                cont = lookup_mod.continuations(hist, num_tokens[sel] - w0, K)
+            tok, c = self._device_loop(rows, carry, normed, prev_last, frac, cont)
             tokens[sel, : tok.shape[1]] = tok
             conf[sel, : c.shape[1]] = c
         for _, _, st, _, _ in items:
@@ -107,6 +115,15 @@ class DeviceDrafter:
                 st.done = max(st.done, known)
             items.append((i, seq, st, lo, hi))
         return [it for it in items if self._long_span(it)] + [it for it in items if not self._long_span(it)]
+
+    @staticmethod
+    def _lookup_parts(up: Upload, seqs: list) -> tuple[int, int, int]:
+        """Queue each request's last ``lookup.WINDOW`` host-known tokens (-1 padded), their count and
+        the position of the first (the tokens in flight go after them on the device)."""
+        w0 = [max(0, q.num_known_tokens - lookup_mod.WINDOW) for q in seqs]
+        wins = [q.token_ids[a : q.num_known_tokens] for a, q in zip(w0, seqs)]
+        W = max(len(w) for w in wins)
+        return up.add([w + [-1] * (W - len(w)) for w in wins]), up.add([len(w) for w in wins]), up.add(w0)
 
     @staticmethod
     def _long_span(item: tuple) -> bool:
@@ -258,10 +275,11 @@ class DeviceDrafter:
         return carry[last], normed[last], prev[last]
 
     def _device_loop(self, rows: _Rows, carry: torch.Tensor, normed: torch.Tensor, prev_last: torch.Tensor | None,
-                     frac: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     frac: torch.Tensor | None, cont: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft steps from the catch-up's proposing rows: tokens and confidences [R, K]
         (``prev_last``, ``frac``: the target's hidden state there and each request's last accepted
-        fraction, for a confidence head that reads the target's features)."""
+        fraction, for a confidence head that reads the target's features; ``cont``: the lookup
+        continuations [R, N, K], for one that reads the lookup features)."""
         src = self.source
         K = max(rows.caps)
         target = None
@@ -281,10 +299,12 @@ class DeviceDrafter:
         normed, top, ent = (torch.stack(x, 1).flatten(0, 1) for x in zip(*feats))  # [R * K, ...], row-major
         greedy = rows.greedy.repeat_interleave(K)
         term = None if target is None else self.head.target_term(target).repeat_interleave(K)
-        c = self.head.fast(normed, top[:, 0], ent, greedy, self.head.per_row(greedy, term), top[:, 1]).view(-1, K)
+        toks = torch.stack(toks, 1)
+        lk = None if cont is None else self.head.lookup_term(lookup_mod.features(cont, toks)).flatten()
+        c = self.head.fast(normed, top[:, 0], ent, greedy, self.head.per_row(greedy, term), top[:, 1], lk).view(-1, K)
         if self.calib is not None:  # the per-depth calibration (``plugins.dspark.calibration``)
             c = torch.stack([self._calibrated(c[:, d], d + 1) for d in range(K)], 1)
-        return torch.stack(toks, 1), c
+        return toks, c
 
     def draft_slots(self, engine, requests, slots: list[int]) -> list[int]:
         """Async steps (``Proposer.draft_slots``), before scheduling: whether drafting pays at this batch

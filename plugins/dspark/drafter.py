@@ -13,6 +13,7 @@ from deepinfer_core.proposer import MAX_K
 from deepinfer_core.scheduler import SchedulerOutput
 from plugins.dspark import confidence as conf_mod
 from plugins.dspark.lean import context_slot_table
+from plugins.dspark.lookup import LookupRows
 from plugins.dspark.policy import async_can_pay, budget_settled, worth_drafting
 from plugins.dspark.state import KEY, _Rows, _State
 
@@ -304,23 +305,25 @@ class Drafter:
         return AttentionMetadata(num_pre, torch.tensor(slots, dtype=torch.long, device=dev), prefill, decode)
 
     def _pick(self, rows: _Rows, logits: torch.Tensor, normed: torch.Tensor, depth: int):
-        """Draft token, draft distribution (sampled rows), confidence and features at one depth."""
+        """Draft token, draft distribution (sampled rows), confidence and features (log q(d), entropy,
+        log q(top-2), lookup features or None) at one depth."""
         if rows.head_rows is None:
             rows.head_rows = (self.head.per_row(rows.greedy),)
         if rows.all_greedy:  # the draft tokens, log q(d), log q(top-2) and entropy from one log-softmax
             logp = torch.log_softmax(logits.float(), dim=-1)
-            top, greedy_tok = logp.topk(2, dim=-1)
-            greedy_tok, logq, logq2 = greedy_tok[:, 0], top[:, 0], top[:, 1]
+            top, tok = logp.topk(2, dim=-1)
+            tok, logq, logq2 = tok[:, 0], top[:, 0], top[:, 1]
             ent = -(logp.exp() * logp).sum(-1)
-            c = self._calibrated(self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2), depth)
-            return greedy_tok, None, c, (logq, ent, logq2)
-        greedy_tok = logits.argmax(-1)
-        q = filtered_probs(logits, rows.params)
-        sampled = draw(q, stream(rows.seeds, STREAM_DRAFT), rows.base + (depth - 1))
-        tok = torch.where(rows.greedy, greedy_tok, sampled)
-        logq, ent, logq2 = conf_mod.draft_stats(logits, tok)
-        c = self._calibrated(self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2), depth)
-        return tok, q, c, (logq, ent, logq2)
+            q = None
+        else:
+            greedy_tok = logits.argmax(-1)
+            q = filtered_probs(logits, rows.params)
+            sampled = draw(q, stream(rows.seeds, STREAM_DRAFT), rows.base + (depth - 1))
+            tok = torch.where(rows.greedy, greedy_tok, sampled)
+            logq, ent, logq2 = conf_mod.draft_stats(logits, tok)
+        term, lk = (None, None) if rows.lookup is None else rows.lookup.step(depth, tok)
+        c = self.head.fast(normed, logq, ent, rows.greedy, rows.head_rows[0], logq2, term)
+        return tok, q, self._calibrated(c, depth), (logq, ent, logq2, lk)
 
     def _calibrated(self, conf: torch.Tensor, depth: int) -> torch.Tensor:
         return conf if self.calib is None else self.calib.apply(conf, depth)
@@ -355,9 +358,13 @@ class Drafter:
         R = len(states)
         K = max(rows.caps)
         rows.head_rows = (self.head.per_row(rows.greedy, None if target is None else self.head.target_term(target)),)
+        log = self.outcome_log is not None
+        if self.head.uses_lookup or log:
+            rows.lookup = LookupRows([s.token_ids for s in rows.seqs], K, self.head.w_lookup, normed.device, log)
         logits = src.logits(normed)
         tok, q, c, feats = self._pick(rows, logits, normed, 1)
-        toks, qs, confs, hs, lqs, ents, lq2s = [tok], [q], [c], [normed], [feats[0]], [feats[1]], [feats[2]]
+        toks, qs, confs, hs, lqs, ents, lq2s, lks = [tok], [q], [c], [normed], [feats[0]], [feats[1]], [feats[2]], \
+            [feats[3]]
         cum = c.tolist()
         cum_hist = [cum]
         expected = R + sum(cum)
@@ -382,11 +389,12 @@ class Drafter:
             toks.append(tok)
             qs.append(q)
             confs.append(c)
-            if self.outcome_log is not None:
+            if log:
                 hs.append(normed)
                 lqs.append(feats[0])
                 ents.append(feats[1])
                 lq2s.append(feats[2])
+                lks.append(feats[3])
             c_list = c.tolist()
             cum = [a * b if depth <= rows.caps[i] else 0.0 for i, (a, b) in enumerate(zip(cum, c_list))]
             cum_hist.append(cum)
@@ -399,10 +407,9 @@ class Drafter:
         tok_m = torch.stack(toks, dim=1).tolist()
         conf_m = torch.stack(confs, dim=1).tolist()
         q_m = None if rows.all_greedy else torch.stack(qs, dim=1)  # [R, depth, V]
-        log = self.outcome_log is not None
         if log:
             h_m, lq_m, ent_m = torch.stack(hs, 1), torch.stack(lqs, 1), torch.stack(ents, 1)
-            lq2_m = torch.stack(lq2s, 1)
+            lq2_m, lk_m = torch.stack(lq2s, 1), torch.stack(lks, 1)
         for i, (seq, st) in enumerate(zip(rows.seqs, states)):
             n = min(depth, rows.caps[i])
             st.drafts = tok_m[i][:n]
@@ -414,4 +421,4 @@ class Drafter:
             st.recent_conf = conf_m[i][0]
             if log:
                 st.feats = (h_m[i, :n].float().cpu(), lq_m[i, :n].cpu(), ent_m[i, :n].cpu(), lq2_m[i, :n].cpu(),
-                            None if target is None else target[i].cpu())
+                            None if target is None else target[i].cpu(), lk_m[i, :n].cpu())

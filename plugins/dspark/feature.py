@@ -293,13 +293,19 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self._regime = True
         if self.skipped == 0:
             return True
+        running = engine.load_stats()["running"]
+        if self._host_below and running < min(self._host_below, MEASURED_MIN_ROWS):
+            # host steps (the forward runs inline, so nothing overlaps and a dormant step saves nothing):
+            # the host path decides every step (``_worth_speculating``), where each request's last
+            # confidence drifts back to the mean while it does not draft. Dormant here, one unlucky first
+            # draft kept a request of 64 tokens from drafting for the rest of it (the exploration gap)
+            return True
         self.skipped += 1
         self.n["skipped_steps"] += 1
         if self.resume_after is not None and self.skipped > self.resume_after:  # a plain-rate probe ends
             self.resume_after = None
             return True
         if self.resume_after is None:
-            running = engine.load_stats()["running"]
             if self.skipped > self.explore_gap(running):
                 if self._may_explore(running):
                     return True
@@ -504,16 +510,17 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
             if m > 0:
                 st.prev_frac = a / m
             if self.outcome_log is not None and st.feats is not None:
-                h, lq, ent, lq2, tf = st.feats
+                h, lq, ent, lq2, tf, lk = st.feats
                 n_log = min(a + 1, m)
                 # (hidden, log q, entropy of all verified positions, greedy, confidences and outcomes of
                 #  the positions the target decided, the last token then the draft tokens, P_1..P_m, accepted
                 #  count, log q of the top-2 token per verified position, the target's confidence features
-                #  at the last verified position (MTP, else None))
+                #  at the last verified position (MTP, else None), the lookup features per verified position)
                 first = seq.num_computed_tokens - a  # index of d_1
                 self.outcome_log.append((h[:m], lq[:m], ent[:m], seq.params.temperature <= 0,
                                          st.conf[:n_log], [1.0] * min(a, n_log) + [0.0] * (n_log - min(a, n_log)),
-                                         seq.token_ids[first - 1 : first] + st.drafts[:m], st.cum[:m], a, lq2[:m], tf))
+                                         seq.token_ids[first - 1 : first] + st.drafts[:m], st.cum[:m], a, lq2[:m], tf,
+                                         lk[:m]))
             st.drafts, st.q, st.feats = [], None, None
             self._request_metrics(seq, st)
 

@@ -23,6 +23,7 @@ class Outcomes:
     hidden: torch.Tensor  # [N, C]
     raw: torch.Tensor  # [N, 4]: log q(d), H(q), greedy, log q(top-2)
     target: torch.Tensor | None  # [N, len(TARGET_FEATURES)] or None (no target features logged)
+    lookup: torch.Tensor | None  # [N, len(lookup.FEATURES)] or None (no lookup features logged)
     y: torch.Tensor  # [N] 1.0 accepted
     decided: torch.Tensor  # [N] bool
     step: torch.Tensor  # [N]
@@ -35,9 +36,12 @@ class Outcomes:
 
 def outcomes(records: list) -> Outcomes:
     """Every verified position of the logged records (the record layout: ``DSpark.verified``)."""
-    hs, raw, tf, ys, dec, step, depth, acc = [], [], [], [], [], [], [], []
-    for i, (h, lq, ent, greedy, _, _, _, cum, a, lq2, t) in enumerate(records):
+    hs, raw, tf, lks, ys, dec, step, depth, acc = [], [], [], [], [], [], [], [], []
+    for i, rec in enumerate(records):
+        h, lq, ent, greedy, _, _, _, cum, a, lq2, t = rec[:11]
+        lk = rec[11] if len(rec) > 11 else None
         m = len(cum)
+        lks.append(None if lk is None else lk[:m].float())
         hs.append(h[:m].float())
         raw.append(torch.stack((lq[:m].float(), ent[:m].float(), torch.full((m,), float(greedy)), lq2[:m].float()), -1))
         tf.append(None if t is None else t.float()[None].expand(m, -1))
@@ -48,21 +52,27 @@ def outcomes(records: list) -> Outcomes:
         depth.append(j)
         acc.append(torch.full((m,), a))
     target = torch.cat(tf) if tf and all(t is not None for t in tf) else None
-    return Outcomes(torch.cat(hs), torch.cat(raw), target, torch.cat(ys), torch.cat(dec), torch.cat(step),
+    lookup = torch.cat(lks) if lks and all(x is not None for x in lks) else None
+    return Outcomes(torch.cat(hs), torch.cat(raw), target, lookup, torch.cat(ys), torch.cat(dec), torch.cat(step),
                     torch.cat(depth), torch.cat(acc))
 
 
-def _inputs(o: Outcomes, use_target: bool) -> torch.Tensor:
-    x = [o.hidden, extra_features(EXTRA_FEATURES, o.raw[:, 0], o.raw[:, 1], o.raw[:, 2] > 0.5, o.raw[:, 3])]
+def _inputs(o: Outcomes, use_target: bool, use_lookup: bool, names: tuple[str, ...] = EXTRA_FEATURES) -> torch.Tensor:
+    x = [o.hidden, extra_features(names, o.raw[:, 0], o.raw[:, 1], o.raw[:, 2] > 0.5, o.raw[:, 3])]
     if use_target:
         x.append(o.target)
+    if use_lookup:
+        x.append(o.lookup)
     return torch.cat(x, dim=-1).double()
 
 
-def fit_head(o: Outcomes, l2: float, use_target: bool) -> ConfidenceHead:
-    """Logistic regression (standardised inputs, L2 ``l2``) on the decided positions."""
+def fit_head(o: Outcomes, l2: float, use_target: bool, use_lookup: bool = False,
+             names: tuple[str, ...] = EXTRA_FEATURES) -> ConfidenceHead:
+    """Logistic regression (standardised inputs, L2 ``l2``) on the decided positions; ``use_target``,
+    ``use_lookup``: also on the logged target and lookup features; ``names``: the draft scalars
+    (``EXTRA_FEATURES``, or the six ``LEGACY_FEATURES``: fewer ops per draft step)."""
     d = o.subset(o.decided)
-    X = _inputs(d, use_target)
+    X = _inputs(d, use_target, use_lookup, names)
     mu, sd = X.mean(0), X.std(0).clamp(min=1e-6)
     Z = (X - mu) / sd
     w = torch.zeros(X.shape[1], dtype=torch.float64, requires_grad=True)
@@ -79,15 +89,19 @@ def fit_head(o: Outcomes, l2: float, use_target: bool) -> ConfidenceHead:
     opt.step(closure)
     w_raw = w.detach() / sd
     b_raw = float(b.detach() - (w.detach() * mu / sd).sum())
-    C, E = d.hidden.shape[1], len(EXTRA_FEATURES)
-    wt = w_raw[C + E :].float() if use_target else None
-    return ConfidenceHead(w_raw[:C].float(), w_raw[C : C + E].float(), b_raw, w_target=wt)
+    C, E = d.hidden.shape[1], len(names)
+    T = d.target.shape[1] if use_target else 0
+    wt = w_raw[C + E : C + E + T].float() if use_target else None
+    wl = w_raw[C + E + T :].float() if use_lookup else None
+    return ConfidenceHead(w_raw[:C].float(), w_raw[C : C + E].float(), b_raw, w_target=wt, names=names, w_lookup=wl)
 
 
 def predict(head: ConfidenceHead, o: Outcomes) -> torch.Tensor:
     """The head's confidence at every position of ``o``."""
     term = head.target_term(o.target) if head.uses_target else None
-    return head(o.hidden, o.raw[:, 0], o.raw[:, 1], o.raw[:, 2] > 0.5, o.raw[:, 3], term)
+    if head.uses_lookup and o.lookup is None:
+        raise ValueError("the confidence head reads lookup features, the outcomes logged none")
+    return head(o.hidden, o.raw[:, 0], o.raw[:, 1], o.raw[:, 2] > 0.5, o.raw[:, 3], term, head.lookup_term(o.lookup))
 
 
 def log_loss(head: ConfidenceHead, o: Outcomes) -> float:
@@ -109,7 +123,8 @@ def fit_temperature(head: ConfidenceHead, o: Outcomes) -> float:
 def fold_temperature(head: ConfidenceHead, temp: float) -> ConfidenceHead:
     """The same head with ``temp`` folded into its weights (temperature 1)."""
     wt = None if head.w_target is None else head.w_target / temp
-    return ConfidenceHead(head.w_hidden / temp, head.w_extra / temp, head.bias / temp, 1.0, wt, head.names)
+    wl = None if head.w_lookup is None else head.w_lookup / temp
+    return ConfidenceHead(head.w_hidden / temp, head.w_extra / temp, head.bias / temp, 1.0, wt, head.names, wl)
 
 
 def calibration(head: ConfidenceHead, o: Outcomes, bins: int = 10) -> dict:

@@ -7,6 +7,7 @@ import torch
 from deepinfer_core.engine.rejection import SamplingRows
 from deepinfer_core.engine.sequence import Sequence
 from plugins.dspark.lean import context_slot_table
+from plugins.dspark.lookup import LookupRows
 
 KEY = "dspark"  # seq.feature_state key
 
@@ -27,7 +28,7 @@ class _State:
         self.q: torch.Tensor | None = None  # draft distributions [n, V] (sampled requests)
         self.base_len = -1
         self.fed = 0  # drafts whose draft KV was written (valid when accepted)
-        self.feats = None  # (hidden, logq, entropy, logq top-2, target features) when logged
+        self.feats = None  # (hidden, logq, entropy, logq top-2, target features, lookup features) when logged
         self.verified = self.accepted = self.decode_steps = 0
         self.recent_conf: float | None = None  # its last first-draft confidence (is its text predictable now?)
         # MTP: the target's hidden states of positions done, done + 1, ... computed in steps without
@@ -61,6 +62,7 @@ class _Rows:
         self.row_idx = torch.arange(R, device=device)
         self.base_max = max(s.num_tokens for s in seqs)
         self.head_rows: tuple | None = None  # the confidence head's per-row coefficients, once computed
+        self.lookup: LookupRows | None = None  # the host draft loop's lookup features (plugins.dspark.lookup)
         self._ctx: torch.Tensor | None = None
 
     @classmethod
@@ -77,7 +79,7 @@ class _Rows:
         rows.greedy_list = [s.params.temperature <= 0 for s in seqs]
         rows.all_greedy, rows.seeds, rows.params = True, None, None
         rows.base_max = max(s.num_tokens for s in seqs)  # the host's lengths: upper bounds
-        rows.head_rows, rows._ctx = None, None
+        rows.head_rows, rows._ctx, rows.lookup = None, None, None
         return rows
 
     @property
