@@ -133,8 +133,9 @@ def test_engine_confidences_with_lookup_equal_offline_head(tiny_v3_path, mtp_wit
 def test_device_lookup_reads_the_tokens_in_flight(tiny_v3_path, mtp_with_lookup_head):
     """Async scheduling: each device draft's continuations equal the host's on the request's true
     tokens at that step (host-known plus in flight), and greedy output is unchanged."""
+    prompts = PROMPTS + [([7, 11, 13] * 100)[:290]]  # past the lookup window: the device's window starts later
     plain = make(tiny_v3_path, features=False)
-    ref = [o.outputs[0].token_ids for o in run(plain, PROMPTS, greedy(24))]
+    ref = [o.outputs[0].token_ids for o in run(plain, prompts, greedy(24))]
     llm = make(tiny_v3_path, dspark={"draft": mtp_with_lookup_head, "k": 4, "budget_policy": "fixed"},
                async_scheduling=True)
     assert llm.engine.spec.on_device is not None
@@ -148,12 +149,13 @@ def test_device_lookup_reads_the_tokens_in_flight(tiny_v3_path, mtp_with_lookup_
         return loop(rows, carry, normed, prev_last, frac, cont)
 
     feat._device_loop = spy
-    outs = run(llm, PROMPTS, greedy(24))
+    outs = run(llm, prompts, greedy(24))
     assert [o.outputs[0].token_ids for o in outs] == ref
-    full = {tuple(p): p + o.outputs[0].token_ids for p, o in zip(PROMPTS, outs)}
+    full = {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, outs)}
     assert len(seen) > 5
     for prompts, lengths, cont in seen:
         for i, (p, n) in enumerate(zip(prompts, lengths)):
             assert cont[i].tolist() == lookup.continuations_host(full[tuple(p)][:n], cont.shape[2])
     assert any(bool((c >= 0).any()) for _, _, c in seen)
+    assert any(n > lookup.WINDOW for _, lengths, _ in seen for n in lengths)  # the long prompt drafted
     llm.engine.blocks.check_no_leaks()
