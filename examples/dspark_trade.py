@@ -9,10 +9,10 @@ step, and their change against fixed k. The issue's target: >= 25% fewer verifie
 accepted (DeepSeek's reference: 5.00 -> 3.3 verified, 3.29 -> 3.20 accepted). Both engines' greedy
 outputs are compared token by token.
 
-    python examples/dspark_trade.py        # 5 seeds x 128 prompts, concurrency 32, budget k = 8, share 0.48
+    python examples/dspark_trade.py        # 5 seeds x 128 prompts, concurrency 32, budget k = 8, share 0.486
 
 The defaults are the configuration the README's figures come from: the budget engine drafts up to 8 deep
-(deeper than fixed k, so the budget can flow to easy text) and verifies 0.48 of its offered slots.
+(deeper than fixed k, so the budget can flow to easy text) and verifies 0.486 of its offered slots.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--budget-k", type=int, default=8,
                     help="[dspark] k of the budget engine (0: --k); deeper drafts let the budget flow further")
-    ap.add_argument("--share", type=float, default=0.48, help="[dspark] verify_share of the budget engine")
+    ap.add_argument("--share", type=float, default=0.486, help="[dspark] verify_share of the budget engine")
     ap.add_argument("--draft", default="auto")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)

@@ -66,19 +66,45 @@ def test_lookup_features_by_hand():
     # n=1: the last 6 before the end is at 4 -> 8, 5, 6; n=2: 5, 6 at 3..4 -> the same; n=3, 4: none
     assert cont == [[8, 5, 6], [8, 5, 6], [-1, -1, -1], [-1, -1, -1]]
     assert lookup.continuations_host([1, 2, 1], 3) == [[2, 1, -1], [-1] * 3, [-1] * 3, [-1] * 3]  # not past the end
-    f = lookup.features(torch.tensor([cont]), torch.tensor([[8, 5, 7]])).view(3, len(lookup.NGRAMS), 3)
+    N = len(lookup.NGRAMS)
+    assert len(lookup.FEATURES) == 3 * N + 1
+    f = lookup.features(torch.tensor([cont]), torch.tensor([[8, 5, 7]]))[0, :, : 3 * N].view(3, N, 3)
     assert f[:, 0].tolist() == [[1, 1, 1], [1, 1, 1], [1, 0, 0]]  # n=1: has, agree, run per depth
     assert f[:, 2].sum() == 0 and f[:, 3].sum() == 0
-    f2 = lookup.features(torch.tensor([cont]), torch.tensor([[9, 5, 6]])).view(3, len(lookup.NGRAMS), 3)
-    assert f2[:, 0].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 0]]  # agreeing after a miss is no run
+    f2 = lookup.features(torch.tensor([cont]), torch.tensor([[9, 5, 6]]))[0]
+    assert f2[:, : 3 * N].view(3, N, 3)[:, 0].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 0]]  # a miss ends the run
+    assert f2[:, -1].sum() == 0  # no override given
     w = torch.randn(len(lookup.FEATURES))
     rows = lookup.LookupRows([toks], 3, w, "cpu", log=True)
     per_depth = [rows.step(d + 1, torch.tensor([t])) for d, t in enumerate([9, 5, 6])] + \
         [rows.step(4, torch.tensor([6]))]  # past the continuation's length: no continuation there
-    feats = torch.stack([f for _, f in per_depth[:3]], 1)  # [1, 3, 3N]
-    assert torch.equal(feats[0], f2.flatten(1))
-    torch.testing.assert_close(torch.cat([t for t, _ in per_depth[:3]]), f2.flatten(1) @ w)  # the logit term
+    feats = torch.stack([f for _, f in per_depth[:3]], 1)  # [1, 3, len(FEATURES)]
+    assert torch.equal(feats[0], f2)
+    torch.testing.assert_close(torch.cat([t for t, _ in per_depth[:3]]), f2 @ w)  # the logit term
     assert per_depth[3][1].sum() == 0 and float(per_depth[3][0]) == 0.0
+
+
+def test_drafts_follow_the_four_gram_run():
+    """``lookup_drafts``: while the 4-gram run goes on, each draft is its token (an override where the
+    draft's argmax differs), then the argmax again; rows that do not follow keep their argmax."""
+    toks = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4]  # the last 4 tokens occurred at 0..3: the run is 5, 6, 1, 2, 3, 4
+    w = torch.randn(len(lookup.FEATURES))
+    rows = lookup.LookupRows([toks, toks], 8, w, "cpu", log=True, follow=[True, False])
+    got, overs, feats = [], [], []
+    for depth, argmax in enumerate([9, 6, 7, 2, 3, 4, 8, 8], start=1):
+        tok = rows.follow(depth, torch.tensor([argmax, argmax]))
+        got.append(tok.tolist())
+        overs.append(list(rows.overridden))
+        feats.append(rows.step(depth, tok)[1])
+    assert [g[0] for g in got] == [5, 6, 1, 2, 3, 4, 8, 8]  # the run ends after 6 tokens
+    assert [g[1] for g in got] == [9, 6, 7, 2, 3, 4, 8, 8]
+    assert [o[0] for o in overs] == [True, False, True, False, False, False, False, False]
+    assert not any(o[1] for o in overs)
+    f = torch.stack(feats, 1)  # [2, 8, len(FEATURES)]
+    assert f[0, :, -1].tolist() == [1, 0, 1, 0, 0, 0, 0, 0]
+    dev = lookup.features(torch.tensor([lookup.continuations_host(toks, 8)]), torch.tensor([[g[0] for g in got]]),
+                          torch.tensor([[o[0] for o in overs]]))
+    assert torch.equal(dev[0], f[0])  # the device's features of the same drafts
 
 
 def test_lookup_head_round_trip_and_bad_names(tmp_path):
@@ -105,7 +131,7 @@ def test_lookup_head_round_trip_and_bad_names(tmp_path):
         ConfidenceHead.load(tmp_path / "names.safetensors", 8, 1.0)
     save_file({**base, "w_lookup": torch.ones(3)}, str(tmp_path / "shape.safetensors"),
               metadata={**meta, "lookup_features": ",".join(lookup.FEATURES)})
-    with pytest.raises(ValueError, match=r"w_lookup has shape \(3,\), expected \(12,\)"):
+    with pytest.raises(ValueError, match=r"w_lookup has shape \(3,\), expected \(13,\)"):
         ConfidenceHead.load(tmp_path / "shape.safetensors", 8, 1.0)
     save_file(base, str(tmp_path / "missing.safetensors"),
               metadata={**meta, "lookup_features": ",".join(lookup.FEATURES)})
@@ -116,11 +142,12 @@ def test_lookup_head_round_trip_and_bad_names(tmp_path):
 def test_engine_confidences_with_lookup_equal_offline_head(tiny_v3_path, mtp_with_lookup_head):
     """Host path: the confidences the engine used equal the head applied offline to the logged features,
     and the lookup features were there to read (repeating prompts)."""
+    ref = [o.outputs[0].token_ids for o in run(make(tiny_v3_path, features=False), PROMPTS, greedy(16))]
     llm = make(tiny_v3_path, dspark={"draft": mtp_with_lookup_head, "k": 4, "budget_policy": "fixed"})
     feat = next(f for f in llm.engine.features if f.name == "dspark")
-    assert feat.head.uses_lookup
+    assert feat.head.uses_lookup and feat.lookup_drafts
     feat.outcome_log = []
-    run(llm, PROMPTS, greedy(16))
+    assert [o.outputs[0].token_ids for o in run(llm, PROMPTS, greedy(16))] == ref  # drafts follow runs: exact
     o = outcomes(feat.outcome_log)
     assert o.lookup is not None and o.lookup.shape[1] == len(lookup.FEATURES)
     assert float(o.lookup[:, 0].sum()) > 0 and float(o.lookup[:, 0].sum()) < len(o.lookup)  # some continuations
@@ -128,6 +155,21 @@ def test_engine_confidences_with_lookup_equal_offline_head(tiny_v3_path, mtp_wit
     decided = torch.cat([torch.arange(len(r[7])) < len(r[4]) for r in feat.outcome_log])
     torch.testing.assert_close(predict(feat.head, o)[decided], logged, atol=1e-5, rtol=1e-4)
     llm.engine.blocks.check_no_leaks()
+
+
+def test_lookup_drafts_only_with_a_head_fitted_on_them(tiny_v3_path, mtp_with_lookup_head, tiny_mtp_dir):
+    from deepinfer_core.config import ConfigError
+
+    def follows(**opts) -> bool:
+        llm = make(tiny_v3_path, dspark={"k": 3, **opts})
+        return next(f for f in llm.engine.features if f.name == "dspark").lookup_drafts
+
+    assert follows(draft=mtp_with_lookup_head)
+    assert not follows(draft=mtp_with_lookup_head, lookup_drafts=False)
+    assert not follows(draft=tiny_mtp_dir)  # no trained head: q(d) would read an overridden draft as unlikely
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="lookup_drafts expects bool"):
+            make(tiny_v3_path, dspark={"draft": mtp_with_lookup_head, "lookup_drafts": bad})
 
 
 def test_device_lookup_reads_the_tokens_in_flight(tiny_v3_path, mtp_with_lookup_head):
@@ -146,7 +188,11 @@ def test_device_lookup_reads_the_tokens_in_flight(tiny_v3_path, mtp_with_lookup_
 
     def spy(rows, carry, normed, prev_last, frac, cont=None):
         seen.append(([s.prompt_token_ids for s in rows.seqs], rows.base.tolist(), cont.clone()))
-        return loop(rows, carry, normed, prev_last, frac, cont)
+        toks, conf = loop(rows, carry, normed, prev_last, frac, cont)
+        run = cont[:, lookup.FOLLOW, : toks.shape[1]]
+        going = (run >= 0).long().cumprod(1).bool()
+        assert torch.equal(toks[going], run[going])  # the drafts follow the 4-gram run while it goes on
+        return toks, conf
 
     feat._device_loop = spy
     outs = run(llm, prompts, greedy(24))

@@ -23,7 +23,8 @@ own distribution sees only in part.
 ``f_L`` (``plugins.dspark.lookup.FEATURES``, optional) says whether the draft agrees with what the
 request's own text predicts (the tokens that followed the latest earlier occurrence of its last 1-4
 tokens): per draft position, per n, whether that continuation reaches it, agrees there, and agrees
-all the way to it.
+all the way to it; and whether the draft there is a run token that replaced the draft's argmax
+(``lookup_drafts``).
 
 A single linear layer, trained by ``examples/train_dspark_draft.py`` (logistic regression on logged
 accept/reject outcomes of the target, temperature fitted on other prompts) and stored as

@@ -70,7 +70,7 @@ class DeviceDrafter:
         h_rows = (up.add([q.block_table + [0] * (width - len(q.block_table)) for q in seqs], torch.int32),
                   up.add(caps), up.add([q.params.temperature <= 0 for q in seqs], torch.bool))
         h_frac = up.add([st.prev_frac for _, _, st, _, _ in items], torch.float32) if mtp else None
-        h_look = self._lookup_parts(up, seqs) if self.head.uses_lookup else None
+        h_look = self._lookup_parts(up, seqs) if self.head.uses_lookup or self.lookup_drafts else None
         t = up.send()
         with torch.inference_mode():
             catchup = self._catchup_mtp if mtp else self._catchup_model
@@ -287,12 +287,21 @@ class DeviceDrafter:
             target = conf_mod.target_features(src.logits(prev_last), frac)
         toks, feats = [], []
         tok = None
+        # ``lookup_drafts``: the drafts follow each request's 4-gram run while it goes on (point masses)
+        follow = cont[:, lookup_mod.FOLLOW] if cont is not None and self.lookup_drafts else None
+        going = None if follow is None else torch.ones_like(follow[:, 0], dtype=torch.bool)
+        overs = []
         for depth in range(1, K + 1):
             if depth > 1:
                 carry, normed = self._ar_step(rows, tok, carry if src.needs_hidden else None, depth)
             logp = torch.log_softmax(src.logits(normed).float(), dim=-1)
             top, idx = logp.topk(2, dim=-1)
             tok = idx[:, 0]
+            if follow is not None:
+                going &= follow[:, depth - 1] >= 0
+                overs.append(going & (follow[:, depth - 1] != tok))
+                tok = torch.where(going, follow[:, depth - 1], tok)
+                top = torch.stack((logp.gather(1, tok[:, None])[:, 0], top[:, 1]), -1)
             toks.append(tok)
             feats.append((normed, top, -(logp.exp() * logp).sum(-1)))
         # the confidences of every depth at once (no early stop on the device: none is needed sooner)
@@ -300,7 +309,9 @@ class DeviceDrafter:
         greedy = rows.greedy.repeat_interleave(K)
         term = None if target is None else self.head.target_term(target).repeat_interleave(K)
         toks = torch.stack(toks, 1)
-        lk = None if cont is None else self.head.lookup_term(lookup_mod.features(cont, toks)).flatten()
+        over = torch.stack(overs, 1) if overs else None
+        lk = None if cont is None or not self.head.uses_lookup else \
+            self.head.lookup_term(lookup_mod.features(cont, toks, over)).flatten()
         c = self.head.fast(normed, top[:, 0], ent, greedy, self.head.per_row(greedy, term), top[:, 1], lk).view(-1, K)
         if self.calib is not None:  # the per-depth calibration (``plugins.dspark.calibration``)
             c = torch.stack([self._calibrated(c[:, d], d + 1) for d in range(K)], 1)

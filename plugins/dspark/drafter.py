@@ -315,8 +315,14 @@ class Drafter:
             tok, logq, logq2 = tok[:, 0], top[:, 0], top[:, 1]
             ent = -(logp.exp() * logp).sum(-1)
             q = None
+            if rows.lookup is not None:
+                tok = rows.lookup.follow(depth, tok)
+                if any(rows.lookup.overridden):
+                    logq = logp.gather(1, tok[:, None])[:, 0]
         else:
             greedy_tok = logits.argmax(-1)
+            if rows.lookup is not None:  # greedy rows only: a sampled row's draft is drawn from q
+                greedy_tok = rows.lookup.follow(depth, greedy_tok)
             q = filtered_probs(logits, rows.params)
             sampled = draw(q, stream(rows.seeds, STREAM_DRAFT), rows.base + (depth - 1))
             tok = torch.where(rows.greedy, greedy_tok, sampled)
@@ -359,8 +365,10 @@ class Drafter:
         K = max(rows.caps)
         rows.head_rows = (self.head.per_row(rows.greedy, None if target is None else self.head.target_term(target)),)
         log = self.outcome_log is not None
-        if self.head.uses_lookup or log:
-            rows.lookup = LookupRows([s.token_ids for s in rows.seqs], K, self.head.w_lookup, normed.device, log)
+        if self.head.uses_lookup or log or self.lookup_drafts:
+            follow = rows.greedy_list if self.lookup_drafts else None
+            rows.lookup = LookupRows([s.token_ids for s in rows.seqs], K, self.head.w_lookup, normed.device, log,
+                                     follow)
         logits = src.logits(normed)
         tok, q, c, feats = self._pick(rows, logits, normed, 1)
         toks, qs, confs, hs, lqs, ents, lq2s, lks = [tok], [q], [c], [normed], [feats[0]], [feats[1]], [feats[2]], \

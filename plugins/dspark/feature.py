@@ -28,6 +28,13 @@ Enable with ``features=["dspark"]``; configure in its ``[dspark]`` section (vali
                                           inline (no async overlap, e.g. a CPU): while fewer requests
                                           run, speculative steps run synchronously (``step_needs_sync``)
                                           with the host's draft loop and lengths; 0: never
+    lookup_drafts           bool, true    where a request's text repeats, its drafts follow the tokens
+                                          after the latest earlier occurrence of its last 4 tokens
+                                          (``plugins.dspark.lookup``) instead of the draft's argmax,
+                                          for as long as that run goes (greedy requests on the host
+                                          path; every request on the device path, whose drafts are
+                                          point masses); only with a confidence head that reads the
+                                          lookup features (fitted on such drafts)
 
 ``DEEPINFER_ENABLE_MTP_VARLEN=0`` turns variable length off (fixed k). A calibration file beside the
 confidence head (``confidence_calibration.json``, ``plugins.dspark.calibration``) maps the head's
@@ -97,7 +104,7 @@ from plugins.dspark.state import KEY, _Rows, _State  # noqa: F401 (_Rows: tests,
 logger = logging.getLogger("deepinfer.dspark")
 DEFAULTS = {"draft": "auto", "k": 5, "budget_policy": "throughput", "confidence_temperature": 1.0,
             "verify_budget": 0, "min_confidence": 0.2, "verify_share": 0.75, "calibration": "auto",
-            "host_steps_below": 8}
+            "host_steps_below": 8, "lookup_drafts": True}
 DEFAULT_DRAFT = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_draft"
 DEFAULT_MTP = Path(deepinfer_core.__file__).resolve().parent / "assets" / "default_mtp"  # preferred when present
 POLICIES = ("throughput", "budget", "threshold", "fixed")
@@ -144,6 +151,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
         self.varlen = o["budget_policy"] != "fixed" and varlen_enabled()
         self.threshold = o["budget_policy"] == "threshold"
         self.budgeted = o["budget_policy"] == "budget"  # always drafts k deep; verifies a share of the slots
+        self.lookup_drafts = False  # ``lookup_drafts`` where the head reads the lookup features (engine_started)
         self.engine = None
         self._host_below = 0  # host_steps_below where it applies (``step_needs_sync``), else 0; set at start
         self._source_plan: tuple | None = None  # (kind, path) of the draft, decided in cache_groups
@@ -193,6 +201,10 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
                                                      temp, engine.device)
         else:
             self.head = conf_mod.ConfidenceHead.fallback(temp)
+        # drafts follow the lookup runs only for a head fitted on such drafts (one that reads the lookup
+        # features, among them where a run token replaced the argmax): another head reads an overridden
+        # draft's low q(d) as a likely rejection
+        self.lookup_drafts = self.opts["lookup_drafts"] and self.head.uses_lookup
         if head_path is not None and (Path(head_path) / calib_mod.FILENAME).is_file():
             try:  # checked whenever it is there, read by the policies that rank drafts by probability
                 calib = Calibration.load(Path(head_path) / calib_mod.FILENAME)
