@@ -226,6 +226,12 @@ def test_async_llm_engine_failure_fails_every_request_and_refuses_new_ones():
     real_step, calls = engine.step, []
 
     def failing_step():
+        # no real step until both requests are in the engine (on a loaded machine the core could
+        # otherwise run three steps of the first before the second arrives: CI saw the second add fail)
+        if not calls:
+            load = engine.load_stats()
+            if load["running"] + load["waiting"] < 2:
+                return []
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device lost")
@@ -235,7 +241,7 @@ def test_async_llm_engine_failure_fails_every_request_and_refuses_new_ones():
     llm = AsyncLLM(engine)
 
     async def main():
-        # both sent before the core's first step, so both are queued before the third step fails
+        # both queued before the third step fails (``failing_step`` holds the steps until both are in)
         streams = await asyncio.gather(*(llm.add(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
                                          for _ in range(2)))
         last = []
