@@ -6,6 +6,8 @@
 #   .gpu/tlcache.tar.xz  every TileLang kernel the GPU tests and benchmarks use, compiled here
 #                        without a GPU (examples/kernel_warm.py)
 # Then each device call carries those four paths and starts with `source examples/device/setup.sh`.
+# Tracked files plus that carry exceed one call's 64 MiB: a call that needs none of the big assets
+# runs between `bash examples/device/slim.sh` and `bash examples/device/slim.sh restore`.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 mkdir -p .gpu
