@@ -66,6 +66,12 @@ def test_lookup_features_by_hand():
     # n=1: the last 6 before the end is at 4 -> 8, 5, 6; n=2: 5, 6 at 3..4 -> the same; n=3, 4: none
     assert cont == [[8, 5, 6], [8, 5, 6], [-1, -1, -1], [-1, -1, -1]]
     assert lookup.continuations_host([1, 2, 1], 3) == [[2, 1, -1], [-1] * 3, [-1] * 3, [-1] * 3]  # not past the end
+    for short in ([], [7], [7, 7]):  # nothing or too little to look back on: no run, and the device agrees
+        want = lookup.continuations_host(short, 2)
+        assert all(c == [-1, -1] for c in want[1:]) and (len(short) < 2 or want[0] == [7, -1])
+        if short:
+            got = lookup.continuations(torch.tensor([short + [0, 0]]), torch.tensor([len(short)]), 2)
+            assert got[0].tolist() == want
     N = len(lookup.NGRAMS)
     assert len(lookup.FEATURES) == 3 * N + 1
     f = lookup.features(torch.tensor([cont]), torch.tensor([[8, 5, 7]]))[0, :, : 3 * N].view(3, N, 3)
