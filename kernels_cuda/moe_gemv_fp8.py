@@ -1,0 +1,332 @@
+"""Weight-streaming fused MoE with FP8 block-scaled experts for decode: ``moe_gemv``'s two launches over
+e4m3 weights (``fused_moe_fp8`` when rows per expert are few).
+
+The tensor-core FP8 pipeline (``fp8_gemm.moe_fp8_steps``: align, gather + quantise, gemm1, quantise,
+gemm2, combine; 64-row tiles) spends a decode step on six launches and pipeline fill while the job is to
+stream each selected expert's e4m3 weights once. Here, as ``moe_gemv``:
+
+1. ``moe_up_fp8``: grid (I / BN columns, NS slots); the CTA of slot s takes expert e = ids[s] unless an
+   earlier slot holds e, lists every slot of e, and loads the gate and up rows of its BN columns (16 e4m3
+   per 16-byte load, all in flight). Then, per chunk of ``MB`` listed rows, its threads quantise those
+   rows of x into shared memory exactly as ``quantize_act_fp8`` (a 128-channel group on 8 lanes: amax by
+   shuffles, IEEE division, e4m3 round-to-nearest-even) and each column's ``RT`` threads dot them with the
+   rows: per 16 values a float32 sum scaled by ``s_x * w_scale`` (the block promotion), reduced over the
+   lanes; gate and up are rounded to x's dtype, SiLU(gate) * up computed in float32 and rounded once to
+   H[slot, n] (the reference's rounding points).
+2. ``moe_down_fp8``: grid (C / BN columns, tokens). The CTA first quantises its token's K hidden rows
+   into shared memory (the reference's per-128 quantisation of the hidden before the second GEMM, so no
+   separate launch), then a warp per output column c dots each slot's quantised row with row c of
+   W2[ids[slot]] (scaled per 128 block), rounds the slot's result to x's dtype (the reference's
+   ``fp8_linear`` output), multiplies by the routing weight in float32 and sums the K slots in slot order;
+   out[t, c] is cast once. Slots of another rank's experts (ids < 0 or >= E) load nothing and add nothing.
+
+Deterministic (fixed reduction orders; the shared counter only orders the row list). Its float32 sums
+are ordered differently from the tensor-core pipeline's, so results differ by rounding between paths.
+"""
+
+import torch
+
+from kernels_cuda import _tl
+from kernels_cuda.fp8_gemv import FP8, GROUP, quant_group_macro
+
+#: tokens up to this take this path (``moe_gemv.MAX_TOKENS``'s rule for bf16 weights; not yet measured for FP8)
+MAX_TOKENS = 8
+THREADS = 256
+VEC = 16  # e4m3 values per 16-byte load
+
+
+def m_bucket(n: int) -> int:
+    """Rows per chunk of the up kernel: the token count rounded up to 1, 2, 4 or 8."""
+    return next(b for b in (1, 2, 4, 8) if min(n, 8) <= b)
+
+
+def split(width: int, threads: int = THREADS) -> tuple[int, int]:
+    """(RT threads per column, BN columns per CTA): at most 8 vectors of a row per thread (a warp for 2048,
+    two for V3's 7168)."""
+    rt = 32
+    while rt < threads and -(-width // (rt * VEC)) > 8:
+        rt *= 2
+    return rt, threads // rt
+
+
+def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str):
+    T = _tl.language()
+    NT, NS = T.dynamic("NT"), T.dynamic("NS")
+    step = RT * VEC
+    iters = C // step
+    NW = RT // 32
+    CB, NTH, TV = C // GROUP, RT * BN, MB * C // VEC
+    assert C % step == 0 and I % BN == 0 and RT % 32 == 0
+    quant_group = quant_group_macro(T)
+
+    @T.prim_func
+    def moe_up_fp8(X: T.Tensor((NT, C), dtype), W13: T.Tensor((E, 2 * I, C), FP8),
+                   S13: T.Tensor((E, 2 * I // GROUP, CB), "float32"), Ids: T.Tensor((NS,), id_dtype),
+                   H: T.Tensor((NS, I), dtype)):
+        with T.Kernel(I // BN, NS, threads=(RT, BN)) as (bn, s):
+            tk = T.get_thread_binding(0)
+            tn = T.get_thread_binding(1)
+            T.annotate_min_blocks_per_sm(2)
+            lin = tn * RT + tk
+            n = bn * BN + tn
+            rows = T.alloc_shared((NTH,), "int32")
+            cnt = T.alloc_shared((1,), "int32")
+            first = T.alloc_shared((1,), "int32")
+            part = T.alloc_shared((BN, NW, 2 * MB), "float32")
+            q_s = T.alloc_shared((MB, C), FP8)
+            sx_s = T.alloc_shared((MB, CB), "float32")
+            w_g = T.alloc_local((iters, VEC), FP8)
+            w_u = T.alloc_local((iters, VEC), FP8)
+            s_g = T.alloc_local((iters,), "float32")
+            s_u = T.alloc_local((iters,), "float32")
+            xb = T.alloc_local((VEC,), dtype)
+            xf = T.alloc_local((VEC,), "float32")
+            qf = T.alloc_local((VEC,), "float32")
+            qv = T.alloc_local((VEC,), FP8)
+            sc = T.alloc_local((1,), "float32")
+            pg = T.alloc_local((1,), "float32")
+            pu = T.alloc_local((1,), "float32")
+            acc_g = T.alloc_local((MB,), "float32")
+            acc_u = T.alloc_local((MB,), "float32")
+            g = T.alloc_local((1,), "float32")
+            u = T.alloc_local((1,), "float32")
+            nr = T.alloc_local((1,), "int32")
+            mine = T.alloc_local((1,), "int32")
+            e = T.cast(Ids[s], "int32")
+            if lin == 0:
+                cnt[0] = 0
+                first[0] = 1
+            T.sync_threads()
+            if lin < NS:
+                if T.cast(Ids[lin], "int32") == e:
+                    if lin < s:
+                        first[0] = 0  # an earlier slot's CTA owns this expert
+                    else:
+                        pos = T.atomic_add(cnt[0], 1, return_prev=True)
+                        rows[pos] = lin
+            T.sync_threads()
+            nr[0] = cnt[0]
+            mine[0] = first[0]
+            if (e >= 0) & (e < E) & (mine[0] == 1):
+                for it in T.unroll(iters):  # the gate and up rows of column n: all loads in flight
+                    k0 = it * step + tk * VEC
+                    for v in T.vectorized(VEC):
+                        w_g[it, v] = W13[e, n, k0 + v]
+                    for v in T.vectorized(VEC):
+                        w_u[it, v] = W13[e, I + n, k0 + v]
+                    s_g[it] = S13[e, n // GROUP, k0 // GROUP]
+                    s_u[it] = S13[e, (I + n) // GROUP, k0 // GROUP]
+                for ch in T.serial(T.ceildiv(nr[0], MB)):
+                    # the chunk's rows of x, quantised into shared memory (rows past the count repeat the last)
+                    for j in T.serial(T.ceildiv(TV, NTH)):
+                        idx = T.min(j * NTH + lin, TV - 1)
+                        m = idx // (C // VEC)
+                        kv = idx % (C // VEC)
+                        tok = rows[T.min(ch * MB + m, nr[0] - 1)] // K
+                        for v in T.vectorized(VEC):
+                            xb[v] = X[tok, kv * VEC + v]
+                        for v in T.unroll(VEC):
+                            xf[v] = T.cast(xb[v], "float32")
+                        quant_group(xf, qf, sc)
+                        if j * NTH + lin < TV:
+                            for v in T.unroll(VEC):
+                                qv[v] = T.cast(qf[v], FP8)
+                            for v in T.vectorized(VEC):
+                                q_s[m, kv * VEC + v] = qv[v]
+                            if kv % (GROUP // VEC) == 0:
+                                sx_s[m, kv // (GROUP // VEC)] = sc[0]
+                    T.sync_threads()
+                    for m in T.unroll(MB):
+                        acc_g[m] = 0.0
+                        acc_u[m] = 0.0
+                        for it in T.unroll(iters):
+                            k0 = it * step + tk * VEC
+                            for v in T.vectorized(VEC):
+                                qv[v] = q_s[m, k0 + v]
+                            pg[0] = 0.0
+                            pu[0] = 0.0
+                            for v in T.unroll(VEC):
+                                qf[v] = T.cast(qv[v], "float32")
+                                pg[0] += qf[v] * T.cast(w_g[it, v], "float32")
+                                pu[0] += qf[v] * T.cast(w_u[it, v], "float32")
+                            acc_g[m] += pg[0] * (sx_s[m, k0 // GROUP] * s_g[it])
+                            acc_u[m] += pu[0] * (sx_s[m, k0 // GROUP] * s_u[it])
+                    for m in T.unroll(MB):
+                        acc_g[m] = T.warp_reduce_sum(acc_g[m])
+                        acc_u[m] = T.warp_reduce_sum(acc_u[m])
+                    if NW > 1:  # the column's warps add their sums through shared memory, in warp order
+                        if tk % 32 == 0:
+                            for m in T.unroll(MB):
+                                part[tn, tk // 32, m] = acc_g[m]
+                                part[tn, tk // 32, MB + m] = acc_u[m]
+                        T.sync_threads()
+                        if tk == 0:
+                            for m in T.unroll(MB):
+                                acc_g[m] = part[tn, 0, m]
+                                acc_u[m] = part[tn, 0, MB + m]
+                                for w in T.serial(NW - 1):
+                                    acc_g[m] += part[tn, w + 1, m]
+                                    acc_u[m] += part[tn, w + 1, MB + m]
+                    if tk == 0:
+                        for m in T.serial(MB):
+                            if ch * MB + m < nr[0]:
+                                # gate and up as the reference's fp8_linear outputs (x's dtype), then SiLU * up
+                                g[0] = T.cast(T.cast(acc_g[m], dtype), "float32")
+                                u[0] = T.cast(T.cast(acc_u[m], dtype), "float32")
+                                H[rows[ch * MB + m], n] = T.cast(g[0] / (1.0 + T.exp(-g[0])) * u[0], dtype)
+                    T.sync_threads()  # q_s and part are rewritten by the next chunk
+
+    return moe_up_fp8
+
+
+def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str):
+    """One token per CTA, one warp per output column (``RT`` = 32)."""
+    T = _tl.language()
+    NT, NS = T.dynamic("NT"), T.dynamic("NS")
+    RT = 32
+    step = RT * VEC
+    iters = -(-I // step)
+    IB, CB, NTH, TV = I // GROUP, -(-C // GROUP), RT * BN, K * I // VEC
+    assert I % GROUP == 0 and C % BN == 0
+    quant_group = quant_group_macro(T)
+
+    @T.prim_func
+    def moe_down_fp8(H: T.Tensor((NS, I), dtype), W2: T.Tensor((E, C, I), FP8),
+                     S2: T.Tensor((E, CB, IB), "float32"), Ids: T.Tensor((NT, K), id_dtype),
+                     Wt: T.Tensor((NT, K), wt_dtype), Out: T.Tensor((NT, C), dtype)):
+        with T.Kernel(C // BN, NT, threads=(RT, BN)) as (bc, t):
+            tk = T.get_thread_binding(0)
+            tn = T.get_thread_binding(1)
+            T.annotate_min_blocks_per_sm(2)
+            lin = tn * RT + tk
+            c = bc * BN + tn
+            q_s = T.alloc_shared((K, I), FP8)
+            sh_s = T.alloc_shared((K, IB), "float32")
+            xb = T.alloc_local((VEC,), dtype)
+            xf = T.alloc_local((VEC,), "float32")
+            qf = T.alloc_local((VEC,), "float32")
+            qv = T.alloc_local((VEC,), FP8)
+            w_loc = T.alloc_local((VEC,), FP8)
+            sc = T.alloc_local((1,), "float32")
+            p = T.alloc_local((1,), "float32")
+            dot = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            # the token's K hidden rows, quantised per 128 channels into shared memory (another rank's slots
+            # are quantised too, from a row nobody wrote, and never used)
+            for j in T.serial(T.ceildiv(TV, NTH)):
+                idx = T.min(j * NTH + lin, TV - 1)
+                slot = idx // (I // VEC)
+                kv = idx % (I // VEC)
+                for v in T.vectorized(VEC):
+                    xb[v] = H[t * K + slot, kv * VEC + v]
+                for v in T.unroll(VEC):
+                    xf[v] = T.cast(xb[v], "float32")
+                quant_group(xf, qf, sc)
+                if j * NTH + lin < TV:
+                    for v in T.unroll(VEC):
+                        qv[v] = T.cast(qf[v], FP8)
+                    for v in T.vectorized(VEC):
+                        q_s[slot, kv * VEC + v] = qv[v]
+                    if kv % (GROUP // VEC) == 0:
+                        sh_s[slot, kv // (GROUP // VEC)] = sc[0]
+            T.sync_threads()
+            acc[0] = 0.0
+            for j in T.unroll(K):
+                e = T.cast(Ids[t, j], "int32")
+                ok = (e >= 0) & (e < E)
+                ee = T.max(T.min(e, E - 1), 0)
+                dot[0] = 0.0
+                for it in T.unroll(iters):
+                    k0 = T.min(it * step + tk * VEC, I - VEC)
+                    live = ok & (it * step + tk * VEC < I)
+                    for v in T.vectorized(VEC):
+                        w_loc[v] = T.if_then_else(live, W2[ee, c, k0 + v], T.cast(0, FP8))
+                    for v in T.vectorized(VEC):
+                        qv[v] = q_s[j, k0 + v]
+                    p[0] = 0.0
+                    for v in T.unroll(VEC):
+                        p[0] += T.cast(qv[v], "float32") * T.cast(w_loc[v], "float32")
+                    dot[0] += T.if_then_else(live, p[0] * (sh_s[j, k0 // GROUP] * S2[ee, c // GROUP, k0 // GROUP]),
+                                             0.0)
+                dot[0] = T.warp_reduce_sum(dot[0])
+                # the slot's output as the reference's fp8_linear (x's dtype), times its routing weight
+                acc[0] += T.if_then_else(ok, T.cast(Wt[t, j], "float32") * T.cast(T.cast(dot[0], dtype), "float32"),
+                                         0.0)
+            if tk == 0:
+                Out[t, c] = T.cast(acc[0], dtype)
+
+    return moe_down_fp8
+
+
+_up = _tl.kernel_cache(build_up_fp8)
+_down = _tl.kernel_cache(build_down_fp8)
+
+_IDS = {torch.int64: "int64", torch.int32: "int32"}
+
+
+def applies(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+            weights: torch.Tensor, ids: torch.Tensor, max_tokens: int = MAX_TOKENS) -> bool:
+    """Whether ``fused_moe_fp8`` takes this path: 1..``MAX_TOKENS`` tokens of 2-byte activations, e4m3 experts with
+    128x128 tile scales, C and I multiples of 128 (C also of a column's 16-byte vectors), at most ``THREADS`` slots
+    (the slot scan), contiguous 16-byte aligned weights, a down CTA's quantised hidden rows within 48 KB."""
+    NT, C = x.shape
+    if not (1 <= NT <= max_tokens) or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    fp8 = torch.float8_e4m3fn
+    if w13.dtype != fp8 or w2.dtype != fp8 or ids.dtype not in _IDS or ids.dim() != 2:
+        return False
+    if weights.dtype not in (x.dtype, torch.float32) or weights.shape != ids.shape or ids.shape[0] != NT:
+        return False
+    E, two_i, C1 = w13.shape
+    I = two_i // 2
+    if C1 != C or w2.shape != (E, C, I) or NT * ids.shape[1] > THREADS or C % GROUP or I % GROUP:
+        return False
+    rt, _ = split(C)
+    if C % (rt * VEC) or ids.shape[1] * I > 48 * 1024:
+        return False
+    if tuple(w13_scale.shape) != (E, two_i // GROUP, C // GROUP) or tuple(w2_scale.shape) != (E, -(-C // GROUP),
+                                                                                              I // GROUP):
+        return False
+    if not (w13.is_contiguous() and w2.is_contiguous()) or w13.data_ptr() % 16 or w2.data_ptr() % 16:
+        return False
+    return x.is_cuda or _tl.dry_run()
+
+
+def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids):
+    """The two launches as (name, thunk) pairs plus the output thunk (and the hidden, for the tests):
+    ``applies`` must hold."""
+    NT, C = x.shape
+    E, two_i, _ = w13.shape
+    I, K = two_i // 2, ids.shape[1]
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    ids, weights = ids.contiguous(), weights.contiguous()
+    s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    dt, id_dt = _tl.tl_dtype(x.dtype), _IDS[ids.dtype]
+    h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
+    out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
+    k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt)
+    k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, _tl.tl_dtype(weights.dtype))
+    flat = ids.view(-1)
+    steps = [("up_fp8", lambda: k1(x, w13, s13, flat, h)), ("down_fp8", lambda: k2(h, w2, s2, ids, weights, out))]
+    return steps, (lambda: out), h
+
+
+def fused_moe_fp8_small(x, w13, w13_scale, w2, w2_scale, weights, ids) -> torch.Tensor:
+    """``fused_moe_fp8`` in two launches (``applies`` must hold)."""
+    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids)
+    for _, step in steps:
+        step()
+    return finish()
+
+
+def representative_kernels():
+    E, C, I = 66, 2048, 1408  # V2-Lite: 64 routed + 2 shared experts, top-6 + 2
+    return [
+        ("moe_up_fp8 V2-Lite MB1", lambda: build_up_fp8(E, C, I, 8, 1, *split(C), "bfloat16", "int64")),
+        ("moe_down_fp8 V2-Lite", lambda: build_down_fp8(E, C, I, 8, 8, "bfloat16", "int64", "float32")),
+        ("moe_up_fp8 V3 MB8", lambda: build_up_fp8(257, 7168, 2048, 9, 8, *split(7168), "bfloat16", "int64")),
+        ("moe_down_fp8 V3 bf16 weights", lambda: build_down_fp8(257, 7168, 2048, 9, 8, "bfloat16", "int64",
+                                                                "bfloat16")),
+    ]

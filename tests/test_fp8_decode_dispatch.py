@@ -1,0 +1,95 @@
+"""``fp8_linear`` and ``fused_moe_fp8`` of the CUDA backend take the weight-streaming decode kernels at <= 8 rows
+(``kernels_cuda.fp8_gemv``, ``kernels_cuda.moe_gemv_fp8``) and the GEMM paths above, or with
+``DEEPINFER_FP8_GEMV=0`` (CPU, dry run: kernels are traced, not compiled or run; ``_tl.dry_launch_hook``
+names each launch)."""
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def dry(monkeypatch):
+    from kernels_cuda import _tl
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
+    monkeypatch.setattr(_tl, "compile_kernel", lambda *a, **k: None)
+    launched: list[str] = []
+    monkeypatch.setattr(_tl, "dry_launch_hook", launched.append)
+    yield launched
+
+
+def _dense(M: int, N: int = 256, K: int = 1024):
+    x = torch.randn(M, K).to(torch.bfloat16)
+    return x, torch.randn(N, K).to(FP8), torch.rand(-(-N // 128), K // 128)
+
+
+@pytest.mark.parametrize("M", [1, 5, 8, 9])
+def test_fp8_linear_rows_rule(dry, M):
+    from kernels_cuda.fp8_gemm import fp8_linear
+
+    x, w, s = _dense(M)
+    assert fp8_linear(x, w, s).shape == (M, 256)
+    assert dry == (["build_fp8_gemv"] if M <= 8 else ["build_act_quant"]), dry
+
+
+def test_fp8_linear_gemv_switch(dry, monkeypatch):
+    from kernels_cuda.fp8_gemm import GEMV_ENV, fp8_linear
+
+    monkeypatch.setenv(GEMV_ENV, "0")
+    fp8_linear(*_dense(1))
+    assert dry == ["build_act_quant"], dry
+
+
+def test_fp8_gemv_applies(dry):
+    from kernels_cuda.fp8_gemv import applies
+
+    x, w, s = _dense(2)
+    assert applies(x, w, s)
+    assert not applies(x.float(), w, s)  # float32 activations: the reference
+    assert not applies(x[:, :1000], w[:, :1000], s)  # K not a multiple of 128
+    assert not applies(torch.cat((x, x)).view(2, 2, -1)[:, 0], w, s)  # strided rows
+    assert not applies(x, w.to(torch.bfloat16), s)
+    assert not applies(torch.randn(9, 1024).to(torch.bfloat16), w, s)
+
+
+def _moe(T: int, E: int = 6, C: int = 512, I: int = 256, k: int = 3, ids=None):
+    x = torch.randn(T, C).to(torch.bfloat16)
+    w13, s13 = torch.randn(E, 2 * I, C).to(FP8), torch.rand(E, 2 * I // 128, C // 128)
+    w2, s2 = torch.randn(E, C, I).to(FP8), torch.rand(E, C // 128, I // 128)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if ids is None else ids
+    return x, w13, s13, w2, s2, torch.rand(T, k).to(torch.bfloat16), ids
+
+
+@pytest.mark.parametrize("T", [1, 8, 9])
+def test_fused_moe_fp8_tokens_rule(dry, T):
+    from kernels_cuda.fp8_gemm import fused_moe_fp8
+
+    assert fused_moe_fp8(*_moe(T)).shape == (T, 512)
+    if T <= 8:
+        assert dry == ["build_up_fp8", "build_down_fp8"], dry
+    else:
+        assert "build_up_fp8" not in dry and len(dry) == 6, dry
+
+
+def test_fused_moe_fp8_small_takes_other_ranks_ids(dry):
+    """ids < 0 or >= E stay on the two-launch path (their slots are skipped in the kernels)."""
+    from kernels_cuda.fp8_gemm import fused_moe_fp8
+
+    fused_moe_fp8(*_moe(2, ids=torch.tensor([[-1, 0, 6], [7, 2, 2]])))
+    assert dry == ["build_up_fp8", "build_down_fp8"], dry
+
+
+def test_moe_gemv_fp8_applies(dry):
+    from kernels_cuda.moe_gemv_fp8 import applies
+
+    args = _moe(2)
+    assert applies(*args)
+    x, w13, s13, w2, s2, wt, ids = _moe(2, C=384)  # a column's 16-byte vectors do not tile 384
+    assert not applies(x, w13, s13, w2, s2, wt, ids)
+    x, w13, s13, w2, s2, wt, ids = args
+    assert not applies(x, w13.to(torch.bfloat16), s13, w2, s2, wt, ids)
+    assert not applies(x, w13, s13[:, :1], w2, s2, wt, ids)
