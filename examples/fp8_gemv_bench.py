@@ -99,8 +99,8 @@ def bench_dense(Ms: list[int], dry: bool, read_GBps: float) -> dict:
 
 
 #: fp8_gemv tile configurations tried by --sweep at one row: (RN, KS, CH); BNW = 8 / KS warps along N
-SWEEP = [(8, 1, 2), (8, 2, 2), (8, 4, 1), (4, 2, 4), (4, 4, 2), (16, 1, 1), (16, 2, 1)]
-SWEEP_SHAPES = ("v2lite_q_kv_a", "v2lite_o_proj", "v3_q_b", "v3_o_proj")
+SWEEP = [(4, 4, 2), (8, 4, 1), (16, 1, 1), (16, 2, 1), (16, 4, 1), (16, 8, 1)]
+SWEEP_SHAPES = ("v2lite_q_kv_a", "v2lite_o_proj", "v3_q_b", "v3_o_proj", "v3_shared_w13", "v3_dense_w13")
 
 
 def bench_sweep(dry: bool, read_GBps: float) -> dict:

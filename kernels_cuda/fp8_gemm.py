@@ -4,9 +4,9 @@
   s[K/128, Mp]), one scale per token and 128 channels (``max(amax, 1e-4) / 448``, bit-equal to the
   reference); rows M..Mp (padding up to the GEMM's BM) are written as zeros, so the GEMMs never read past
   what was written.
-* ``fp8_linear``: at 1..8 rows the weight-streaming ``fp8_gemv`` (one launch, the activations quantised
-  in registers); above, ``act_quant`` + cuBLAS's blockwise ``torch._scaled_mm`` where this torch has it
-  (faster at every measured size, docs/fp8.md), else ``act_quant`` + ``fp8_gemm``.
+* ``fp8_linear``: at one row (two on a small weight) the weight-streaming ``fp8_gemv`` (one launch, the
+  activations quantised in registers); above, ``act_quant`` + cuBLAS's blockwise ``torch._scaled_mm`` where
+  this torch has it (faster at every measured size, docs/fp8.md), else ``act_quant`` + ``fp8_gemm``.
 * ``fp8_gemm``: C[Mp, N] = sum over 128-wide k blocks of (q_a . q_b) * s_a[row, kb] * s_b[n / 128, kb]:
   each k block runs one e4m3 wgmma chain into a fresh float32 fragment, which is scaled and added to the
   float32 accumulator (DeepGEMM's promotion: the tensor cores' reduced-precision FP8 accumulation never
@@ -14,7 +14,7 @@
 * ``fused_moe_fp8``: ``kernels_cuda.moe``'s align and combine around FP8 stages: gather + quantise the
   rows in expert order, grouped gemm1 (gate and up with their tile scales, SiLU in float32 on the
   x.dtype-rounded halves, as the reference), quantise the hidden, grouped gemm2 scattered to slots;
-  at decode (up to 8 tokens, ``moe_gemv_fp8.applies``) the two weight-streaming launches of ``moe_gemv_fp8``.
+  at decode (up to 2 tokens, ``moe_gemv_fp8.applies``) the two weight-streaming launches of ``moe_gemv_fp8``.
 
 Shapes the kernels take: K (and for MoE, C and I) a multiple of 128, N a multiple of 64 (V2/V3: every
 projection). Other shapes, float32 activations and empty batches run the reference.
@@ -157,7 +157,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
 
         return ref(x, w, w_scale)
     x2, ws = x2.contiguous(), w_scale.float().contiguous()
-    if M <= fp8_gemv.MAX_ROWS and gemv_enabled() and fp8_gemv.applies(x2, w, ws):  # decode: stream W, one launch
+    if fp8_gemv.faster_than_gemm(M, N, K) and gemv_enabled() and fp8_gemv.applies(x2, w, ws):  # decode: one launch
         return fp8_gemv.fp8_gemv(x2, w, ws).view(*lead, N)
     # cuBLAS's blockwise FP8 GEMM behind our act_quant wherever this torch has it: on the H200 it was
     # 1.7-3.9x the TileLang fp8_gemm at 512 and 4096 tokens; at 64 faster on 6 of 9 V3 shapes (docs/fp8.md)

@@ -30,6 +30,18 @@ GROUP = 128
 VEC = 16  # e4m3 values per 16-byte load of W (and activation values per lane per step)
 LANES_PER_GROUP = GROUP // VEC  # 8 lanes hold one 128-channel group
 MAX_ROWS = 8
+LARGE = 32 << 20  # weight elements from which one row takes 16 rows per thread
+
+#: weights up to this many bytes take the GEMV at 2 rows (``faster_than_gemm``)
+SMALL_WEIGHT = 8 << 20
+
+
+def faster_than_gemm(M: int, N: int, K: int) -> bool:
+    """Whether ``fp8_linear`` of M rows takes this GEMV rather than act_quant + ``_scaled_mm`` (measured on the H200,
+    docs/h200/s10: at one row faster on V2-Lite's projections and most of V3's; at two rows only on weights up
+    to 8 MB (V2-Lite's q+kv_a 8.9 against 13.1 us, V3's kv_a 9.8 / 18.3; V3's shared w2 16.3 / 13.8); at 8
+    rows 2-40x slower everywhere (the FMAs and divisions on the CUDA cores))."""
+    return M == 1 or (M == 2 and N * K <= SMALL_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -46,9 +58,11 @@ class Fp8GemvConfig:
 
 def gemv_config(N: int, K: int, MB: int, sms: int) -> Fp8GemvConfig:
     """About 16 warps per SM in flight (K split across warps when N alone does not give them), at most 16
-    W vectors per thread in registers. Each quantised activation vector (16 IEEE divisions) serves ``RN``
-    rows: 8 at one row (the divisions would otherwise cost as much as the FMAs), fewer as rows add FMAs."""
-    RN = 8 if MB == 1 else 4 if MB <= 4 else 2
+    W vectors per thread in registers; at one row and a large weight 16 rows per thread (each quantised
+    activation vector, 16 IEEE divisions, serves ``RN`` rows)."""
+    if MB == 1 and N * K >= LARGE:  # measured on the H200 (docs/h200/s10): V3's o_proj 41.9 us against 56.8 (RN 8)
+        return Fp8GemvConfig(16, 2 if K >= 8192 else 1, 4 if K >= 8192 else 8, 1)
+    RN = 4 if MB <= 4 else 2  # (RN 4 KS 4 at V2-Lite's q+kv_a and o_proj: 5.67 / 3.63 us, RN 8: 6.32 / 3.81)
     warps_n = -(-N // RN)
     KS = 1
     while KS < 8 and warps_n * KS < 16 * sms and (KS * 2) * 32 * VEC <= K:

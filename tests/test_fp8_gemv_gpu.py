@@ -32,11 +32,12 @@ def test_fp8_gemv_real_shapes(case):
     w, s = fp8_weight(g, N, K)
     assert fp8_gemv.applies(x, w, s)
     out = fp8_gemv.fp8_gemv(x, w, s)
-    via = fp8_gemm.fp8_linear(x, w, s)  # the dispatch takes the GEMV at <= 8 rows
+    via = fp8_gemm.fp8_linear(x, w, s)  # the dispatch takes the GEMV where it measured faster
     if DRY:
         return
     close(out, ref(x, w, s), case[0])
-    assert torch.equal(via, out), case[0]
+    if fp8_gemv.faster_than_gemm(M, N, K):
+        assert torch.equal(via, out), case[0]
 
 
 @pytest.mark.skipif(DRY, reason="runs kernels")
@@ -104,7 +105,7 @@ def test_fused_moe_fp8_small_real_shapes(case, routing):
     w2, s2 = fp8_weight(g, E, C, I)
     ids = _routing(routing, T, E, k)
     weights = torch.rand(T, k, device=DEV).to(torch.bfloat16)
-    assert moe_gemv_fp8.applies(x, w13, s13, w2, s2, weights, ids)
+    assert moe_gemv_fp8.applies(x, w13, s13, w2, s2, weights, ids, max_tokens=8)
     steps, finish, h = moe_gemv_fp8.moe_fp8_small_steps(x, w13, s13, w2, s2, weights, ids)
     for _, step in steps:
         step()
@@ -113,7 +114,8 @@ def test_fused_moe_fp8_small_real_shapes(case, routing):
     if DRY:
         return
     what = f"{name} {routing}"
-    assert torch.equal(via, out), what
+    if T <= moe_gemv_fp8.MAX_TOKENS:  # the dispatch takes the two launches
+        assert torch.equal(via, out), what
     ok = (ids >= 0) & (ids < E)
     h_ref = torch.zeros_like(h)
     y_ref = torch.zeros(T, C, dtype=torch.float32, device=DEV)
@@ -143,9 +145,9 @@ def test_fused_moe_fp8_small_all_remote_and_empty():
     E, C, I = 66, 2048, 1408
     w13, s13 = fp8_weight(g, E, 2 * I, C)
     w2, s2 = fp8_weight(g, E, C, I)
-    x = randn(g, 3, C)
-    ids = torch.tensor([[-1, E, E + 5, -7]] * 3, device=DEV)
-    weights = torch.rand(3, 4, device=DEV).to(torch.bfloat16)
+    x = randn(g, 2, C)
+    ids = torch.tensor([[-1, E, E + 5, -7]] * 2, device=DEV)
+    weights = torch.rand(2, 4, device=DEV).to(torch.bfloat16)
     assert bool((fused_moe_fp8(x, w13, s13, w2, s2, weights, ids) == 0).all())
     empty = fused_moe_fp8(x[:0], w13, s13, w2, s2, weights[:0], ids[:0])
     assert empty.shape == (0, C)
