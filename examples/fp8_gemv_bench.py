@@ -154,6 +154,9 @@ def bench_moe(dry: bool, read_GBps: float) -> dict:
             nbytes //= len(calls)
             new = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2]) for c in calls]
             row = {"moe_gemv_fp8": _fig(_time(new, dry), nbytes, read_GBps)}
+            if T <= moe_gemv_fp8.MAX_TOKENS and name == "v2lite":  # a variant: 4 CTAs per SM's registers
+                var = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2], 4) for c in calls]
+                row["moe_gemv_fp8 min_blocks 4"] = _fig(_time(var, dry), nbytes, read_GBps)
 
             steps = [fp8_gemm.moe_fp8_steps(c[0], w13, s13, w2, s2, c[1], c[2])[0] for c in calls]
             row["tensor_core_pipeline"] = _fig(_time([f for st in steps for _, f in st], dry) * len(steps[0]),

@@ -30,7 +30,6 @@ GROUP = 128
 VEC = 16  # e4m3 values per 16-byte load of W (and activation values per lane per step)
 LANES_PER_GROUP = GROUP // VEC  # 8 lanes hold one 128-channel group
 MAX_ROWS = 8
-LARGE = 32 << 20  # weight elements from which one row takes 16 rows per thread
 
 #: weights up to this many bytes take the GEMV at 2 rows (``faster_than_gemm``)
 SMALL_WEIGHT = 8 << 20
@@ -57,16 +56,21 @@ class Fp8GemvConfig:
 
 
 def gemv_config(N: int, K: int, MB: int, sms: int) -> Fp8GemvConfig:
-    """About 16 warps per SM in flight (K split across warps when N alone does not give them), at most 16
-    W vectors per thread in registers; at one row and a large weight 16 rows per thread (each quantised
-    activation vector, 16 IEEE divisions, serves ``RN`` rows)."""
-    if MB == 1 and N * K >= LARGE:  # measured on the H200 (docs/h200/s10): V3's o_proj 41.9 us against 56.8 (RN 8)
-        return Fp8GemvConfig(16, 2 if K >= 8192 else 1, 4 if K >= 8192 else 8, 1)
-    RN = 4 if MB <= 4 else 2  # (RN 4 KS 4 at V2-Lite's q+kv_a and o_proj: 5.67 / 3.63 us, RN 8: 6.32 / 3.81)
+    """At one row on weights over 4 M values: 16 rows per thread (each quantised activation vector, 16 IEEE
+    divisions, serves 16 rows), K split across warps until about 800 warps run and a warp's K is at most 4096
+    (measured on the H200, docs/h200/s10: V3's o_proj 43.0 us against 56.8 with 8 rows and no split, the dense
+    w13 89.7 against 114.0, the shared w13 14.3 against 22.1; V2-Lite's q+kv_a 5.5 against 5.8 with 4 rows).
+    Otherwise 4 rows per thread (2 from 5 rows) and about 16 warps per SM; at most 16 W vectors per thread."""
+    big = MB == 1 and N * K > 4 << 20
+    RN = 16 if big else 4 if MB <= 4 else 2
     warps_n = -(-N // RN)
     KS = 1
-    while KS < 8 and warps_n * KS < 16 * sms and (KS * 2) * 32 * VEC <= K:
-        KS *= 2
+    if big:
+        while KS < 8 and (warps_n * KS < 800 or K // KS > 4096) and (KS * 2) * 32 * VEC <= K:
+            KS *= 2
+    else:
+        while KS < 8 and warps_n * KS < 16 * sms and (KS * 2) * 32 * VEC <= K:
+            KS *= 2
     BNW = max(1, 8 // KS)
     iters = -(-K // (KS * 32 * VEC))
     CH = max(1, min(iters, 16 // RN))

@@ -29,11 +29,10 @@ import torch
 from kernels_cuda import _tl
 from kernels_cuda.fp8_gemv import FP8, GROUP, quant_group_macro
 
-#: tokens up to this take this path. Measured on the H200 at V2-Lite (docs/h200/s10, first kernels), against the
+#: tokens up to this take this path. Measured on the H200 at V2-Lite (docs/h200/s10, round 1), against the
 #: six-launch pipeline: 1 token 45.8 / 78.3 us, 2: 99.6 / 112.0, 4: 223.1 / 150.3, 8: 590.3 / 234.5 (so up to 2)
 MAX_TOKENS = 2
 THREADS = 256
-DOWN_THREADS = 128
 VEC = 16  # e4m3 values per 16-byte load
 
 
@@ -43,37 +42,24 @@ def m_bucket(n: int) -> int:
 
 
 def split(width: int, threads: int = THREADS) -> tuple[int, int]:
-    """(RT threads per column, BN columns per CTA): about 8 vectors of a row per thread (a row of 128 bytes in
-    flight per thread: 16 threads for 2048, 64 for V3's 7168). With 32 threads per column, V2-Lite's loads in
-    flight were half the bf16 kernel's, and the kernels took as long as it for half the bytes."""
-    rt = 16
+    """(RT threads per column, BN columns per CTA): at most 8 vectors of a row per thread (a warp for 2048,
+    two for V3's 7168)."""
+    rt = 32
     while rt < threads and -(-width // (rt * VEC)) > 8:
         rt *= 2
     return rt, threads // rt
 
 
-def lane_sum_macro(T, RT: int):
-    """A macro: the sum over a column's ``RT`` lanes (a power of two <= 32, contiguous lanes of one warp) in every
-    one of them; all lanes of the warp must call it."""
-    log = RT.bit_length() - 1
-
-    @T.macro
-    def lane_sum(v):
-        for j in T.unroll(log):
-            v[0] += T.shfl_xor(v[0], RT >> (j + 1))
-
-    return lane_sum
-
-
-def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str):
+def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str,
+                 min_blocks: int = 2):
+    """``min_blocks``: CTAs per SM the register budget must allow."""
     T = _tl.language()
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
     step = RT * VEC
     iters = C // step
-    NW = max(1, RT // 32)
-    LOG = min(RT, 32).bit_length() - 1
+    NW = RT // 32
     CB, NTH, TV = C // GROUP, RT * BN, MB * C // VEC
-    assert C % step == 0 and I % BN == 0 and (RT % 32 == 0 or 32 % RT == 0) and RT % 8 == 0
+    assert C % step == 0 and I % BN == 0 and RT % 32 == 0
     quant_group = quant_group_macro(T)
 
     @T.prim_func
@@ -83,7 +69,7 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
         with T.Kernel(I // BN, NS, threads=(RT, BN)) as (bn, s):
             tk = T.get_thread_binding(0)
             tn = T.get_thread_binding(1)
-            T.annotate_min_blocks_per_sm(2)
+            T.annotate_min_blocks_per_sm(min_blocks)
             lin = tn * RT + tk
             n = bn * BN + tn
             rows = T.alloc_shared((NTH,), "int32")
@@ -135,7 +121,7 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
                     s_u[it] = S13[e, (I + n) // GROUP, k0 // GROUP]
                 for ch in T.serial(T.ceildiv(nr[0], MB)):
                     # the chunk's rows of x, quantised into shared memory (rows past the count repeat the last)
-                    for j in T.unroll(-(-TV // NTH)):  # (unrolled: every load in flight together)
+                    for j in T.serial(T.ceildiv(TV, NTH)):
                         idx = T.min(j * NTH + lin, TV - 1)
                         m = idx // (C // VEC)
                         kv = idx % (C // VEC)
@@ -169,9 +155,8 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
                             acc_g[m] += pg[0] * (sx_s[m, k0 // GROUP] * s_g[it])
                             acc_u[m] += pu[0] * (sx_s[m, k0 // GROUP] * s_u[it])
                     for m in T.unroll(MB):
-                        for j in T.unroll(LOG):  # the column's lanes of this warp
-                            acc_g[m] += T.shfl_xor(acc_g[m], min(RT, 32) >> (j + 1))
-                            acc_u[m] += T.shfl_xor(acc_u[m], min(RT, 32) >> (j + 1))
+                        acc_g[m] = T.warp_reduce_sum(acc_g[m])
+                        acc_u[m] = T.warp_reduce_sum(acc_u[m])
                     if NW > 1:  # the column's warps add their sums through shared memory, in warp order
                         if tk % 32 == 0:
                             for m in T.unroll(MB):
@@ -197,12 +182,12 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
     return moe_up_fp8
 
 
-def build_down_fp8(E: int, C: int, I: int, K: int, RT: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str):
-    """One token per CTA, ``RT`` lanes of a warp per output column (``RT`` <= 32)."""
+def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str,
+                   min_blocks: int = 2):
+    """One token per CTA, one warp per output column (``RT`` = 32); ``min_blocks`` as ``build_up_fp8``."""
     T = _tl.language()
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
-    assert RT <= 32
-    lane_sum = lane_sum_macro(T, RT)
+    RT = 32
     step = RT * VEC
     iters = -(-I // step)
     IB, CB, NTH, TV = I // GROUP, -(-C // GROUP), RT * BN, K * I // VEC
@@ -216,7 +201,7 @@ def build_down_fp8(E: int, C: int, I: int, K: int, RT: int, BN: int, dtype: str,
         with T.Kernel(C // BN, NT, threads=(RT, BN)) as (bc, t):
             tk = T.get_thread_binding(0)
             tn = T.get_thread_binding(1)
-            T.annotate_min_blocks_per_sm(2)
+            T.annotate_min_blocks_per_sm(min_blocks)
             lin = tn * RT + tk
             c = bc * BN + tn
             q_s = T.alloc_shared((K, I), FP8)
@@ -232,7 +217,7 @@ def build_down_fp8(E: int, C: int, I: int, K: int, RT: int, BN: int, dtype: str,
             acc = T.alloc_local((1,), "float32")
             # the token's K hidden rows, quantised per 128 channels into shared memory (another rank's slots
             # are quantised too, from a row nobody wrote, and never used)
-            for j in T.unroll(-(-TV // NTH)):  # (unrolled: every load in flight together)
+            for j in T.serial(T.ceildiv(TV, NTH)):
                 idx = T.min(j * NTH + lin, TV - 1)
                 slot = idx // (I // VEC)
                 kv = idx % (I // VEC)
@@ -267,7 +252,7 @@ def build_down_fp8(E: int, C: int, I: int, K: int, RT: int, BN: int, dtype: str,
                         p[0] += T.cast(qv[v], "float32") * T.cast(w_loc[v], "float32")
                     dot[0] += T.if_then_else(live, p[0] * (sh_s[j, k0 // GROUP] * S2[ee, c // GROUP, k0 // GROUP]),
                                              0.0)
-                lane_sum(dot)
+                dot[0] = T.warp_reduce_sum(dot[0])
                 # the slot's output as the reference's fp8_linear (x's dtype), times its routing weight
                 acc[0] += T.if_then_else(ok, T.cast(Wt[t, j], "float32") * T.cast(T.cast(dot[0], dtype), "float32"),
                                          0.0)
@@ -301,7 +286,7 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
     if C1 != C or w2.shape != (E, C, I) or NT * ids.shape[1] > THREADS or C % GROUP or I % GROUP:
         return False
     rt, _ = split(C)
-    if C % (rt * VEC) or split(I, DOWN_THREADS)[0] > 32 or ids.shape[1] * I > 48 * 1024:
+    if C % (rt * VEC) or ids.shape[1] * I > 48 * 1024:
         return False
     if tuple(w13_scale.shape) != (E, two_i // GROUP, C // GROUP) or tuple(w2_scale.shape) != (E, -(-C // GROUP),
                                                                                               I // GROUP):
@@ -311,9 +296,9 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
     return x.is_cuda or _tl.dry_run()
 
 
-def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids):
+def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2):
     """The two launches as (name, thunk) pairs plus the output thunk (and the hidden, for the tests):
-    ``applies`` must hold."""
+    ``applies`` must hold. ``min_blocks``: both kernels' CTAs per SM (``examples/fp8_gemv_bench.py`` tries 4)."""
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
@@ -325,16 +310,16 @@ def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids):
     dt, id_dt = _tl.tl_dtype(x.dtype), _IDS[ids.dtype]
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
-    k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt)
-    k2 = _down(E, C, I, K, *split(I, DOWN_THREADS), dt, id_dt, _tl.tl_dtype(weights.dtype))
+    k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt, min_blocks)
+    k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, _tl.tl_dtype(weights.dtype), min_blocks)
     flat = ids.view(-1)
     steps = [("up_fp8", lambda: k1(x, w13, s13, flat, h)), ("down_fp8", lambda: k2(h, w2, s2, ids, weights, out))]
     return steps, (lambda: out), h
 
 
-def fused_moe_fp8_small(x, w13, w13_scale, w2, w2_scale, weights, ids) -> torch.Tensor:
+def fused_moe_fp8_small(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2) -> torch.Tensor:
     """``fused_moe_fp8`` in two launches (``applies`` must hold)."""
-    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids)
+    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks)
     for _, step in steps:
         step()
     return finish()
@@ -344,9 +329,8 @@ def representative_kernels():
     E, C, I = 66, 2048, 1408  # V2-Lite: 64 routed + 2 shared experts, top-6 + 2
     return [
         ("moe_up_fp8 V2-Lite MB1", lambda: build_up_fp8(E, C, I, 8, 1, *split(C), "bfloat16", "int64")),
-        ("moe_down_fp8 V2-Lite", lambda: build_down_fp8(E, C, I, 8, *split(I, DOWN_THREADS), "bfloat16", "int64",
-                                                        "float32")),
+        ("moe_down_fp8 V2-Lite", lambda: build_down_fp8(E, C, I, 8, 8, "bfloat16", "int64", "float32")),
         ("moe_up_fp8 V3 MB8", lambda: build_up_fp8(257, 7168, 2048, 9, 8, *split(7168), "bfloat16", "int64")),
-        ("moe_down_fp8 V3 bf16 weights", lambda: build_down_fp8(257, 7168, 2048, 9, *split(2048, DOWN_THREADS),
-                                                                "bfloat16", "int64", "bfloat16")),
+        ("moe_down_fp8 V3 bf16 weights", lambda: build_down_fp8(257, 7168, 2048, 9, 8, "bfloat16", "int64",
+                                                                "bfloat16")),
     ]
