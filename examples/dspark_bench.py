@@ -15,7 +15,11 @@ DSpark's speculative steps overlap too (drafted on the device: ``async_speculati
    that the noise of a shared machine hits all engines alike (``--timing waves``: whole waves
    alternate instead, as before). One untimed warm-up round (``--warmup-rounds``), then ``--rounds``
    timed rounds (default 5); each round's dspark / plain ratios are reported, and their median per
-   concurrency (``decode_tok_s.c*.round_ratios`` and ``median_ratio`` in the JSON).
+   concurrency (``decode_tok_s.c*.round_ratios`` and ``median_ratio`` in the JSON). At concurrency
+   c > 1 a round is one closed wave of c requests, which lasts as long as its slowest request;
+   ``--arrival stream`` runs ``--stream-factor`` x c requests through c slots instead (finished requests
+   replaced at once, as in serving), timed whole, and reports the throughput between the c-th and the
+   (n - c)-th completion too (``stream_decode_rates``; ``plugins/dspark/README.md``, tenth session).
 
     python examples/dspark_bench.py                      # 64 prompts, concurrency 1 and 32
     python examples/dspark_bench.py --json out.json
@@ -128,6 +132,49 @@ def interleaved_decode_rates(llms: dict[str, LLM], prompts, params: SamplingPara
     return {n: (t[0], t[1]) for n, t in totals.items()}
 
 
+def stream_decode_rates(llms: dict[str, LLM], prompts, params: SamplingParams, concurrency: int,
+                        outputs: dict | None = None, steady: dict | None = None) -> dict[str, tuple[int, float]]:
+    """Per engine (output tokens, seconds) of a whole stream: every engine gets all of ``prompts`` at
+    once and runs ``concurrency`` of them at a time, the next one admitted as soon as a slot frees
+    (vLLM's ``--max-concurrency``, or its offline throughput run with ``max_num_seqs``), every request to
+    its end: the same work for every engine. The engines step in turn as in
+    :func:`interleaved_decode_rates`, each step timed alone.
+
+    ``steady``, when given, receives per engine (tokens, seconds) between the ``concurrency``-th and the
+    (n - ``concurrency``)-th completion (each engine's own step time as its clock; tokens: the requests
+    completed in between). In a stream that lasts, that is the throughput of serving, without the
+    first wave and the drain. Counting the tokens emitted in the steps that start with requests waiting
+    is biased instead: when nothing waits any more, an engine whose requests finish at different times
+    has half-done requests in flight, while one whose requests run in lockstep has just admitted a wave.
+    ``outputs``, when given, receives each engine's output token ids per request."""
+    for llm in llms.values():
+        llm.engine.scheduler.budget.max_num_seqs = concurrency
+    seqs = {n: [llm.engine.add_request({"prompt_token_ids": p}, params) for p in prompts] for n, llm in llms.items()}
+    clock = {n: 0.0 for n in llms}
+    done_at = {n: [] for n in llms}  # (clock, tokens) of each engine's 1st, 2nd, ... completion
+    running = {n: list(ss) for n, ss in seqs.items()}
+    names, r = list(llms), 0
+    while names:
+        order = names[(r // 2) % len(names):] + names[: (r // 2) % len(names)]
+        for n in (order if r % 2 == 0 else order[::-1]):
+            t = time.perf_counter()
+            llms[n].engine.step()
+            clock[n] += time.perf_counter() - t
+            done_at[n] += [(clock[n], s.num_output_tokens) for s in running[n] if s.is_finished]
+            running[n] = [s for s in running[n] if not s.is_finished]
+        names = [n for n in names if llms[n].engine.has_unfinished()]
+        r += 1
+    for llm in llms.values():
+        llm.engine.blocks.check_no_leaks()
+    if outputs is not None:
+        outputs.update({n: [list(s.output_token_ids) for s in ss] for n, ss in seqs.items()})
+    lo, hi = concurrency, len(prompts) - concurrency
+    if steady is not None and hi > lo:
+        for n, d in done_at.items():
+            steady[n] = (sum(tok for _, tok in d[lo:hi]), d[hi - 1][0] - d[lo - 1][0])
+    return {n: (sum(s.num_output_tokens for s in seqs[n]), clock[n]) for n in llms}
+
+
 def spec_metrics(llm: LLM) -> dict:
     m = llm.metrics()
     keys = ("dspark_verified_per_step", "dspark_mean_accepted_len", "dspark_accept_rate", "dspark_tokens_per_step",
@@ -167,6 +214,10 @@ def main(argv=None) -> None:
     ap.add_argument("--rate-prompts", type=int, default=8, help="requests per decode-rate round at concurrency 1")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (the engines interleaved within each)")
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds before the timed ones")
+    ap.add_argument("--arrival", choices=("wave", "stream"), default="wave",
+                    help="concurrency > 1: one closed wave of c requests (the --timing modes), or a stream of "
+                         "--stream-factor x c requests through c slots, timed whole (stream_decode_rates)")
+    ap.add_argument("--stream-factor", type=int, default=4, help="requests per slot of a stream")
     ap.add_argument("--timing", choices=("interleaved", "waves"), default="interleaved",
                     help="decode-rate timing: the engines step in turn (each step timed), or whole waves alternate")
     ap.add_argument("--threads", type=int, default=1)
@@ -231,15 +282,28 @@ def main(argv=None) -> None:
     #    wave by wave (--timing waves); one request at a time at concurrency 1
     for c in concs:
         ps = prompts[: args.rate_prompts] if c == 1 else prompts[:c]
+        stream = c > 1 and args.arrival == "stream"
+        if stream:  # prompts of their own (the equivalence set stays as it was)
+            ps = heldout_prompts(engines["plain"].tokenizer, args.stream_factor * c, args.seed + 7919 * c)
         totals = {n: [0, 0.0] for n in engines}
         per_round = {n: [] for n in engines}
+        steady_rounds: dict[str, list[float]] = {}  # streams: the steady completion rate per round
         for r in range(-args.warmup_rounds, args.rounds):
             if r == 0:  # the warm-up rounds are over: count from here
                 for llm in engines.values():
                     if feature(llm):
                         feature(llm).reset_metrics()
             round_tot = {n: [0, 0.0] for n in engines}
-            for w in range(0, len(ps), c):
+            if stream:
+                outs, steady = {}, {}
+                round_tot = {n: list(v) for n, v in stream_decode_rates(engines, ps, greedy, c, outs, steady).items()}
+                if r >= 0:
+                    for n, (tk, sec) in steady.items():
+                        steady_rounds.setdefault(n, []).append(tk / sec)
+                same = {n: sum(a == b for a, b in zip(outs["plain"], outs[n])) for n in ("fixed", "varlen")}
+                results["equivalence"].setdefault(f"c{c}_stream", []).append(
+                    {n: f"{v}/{len(ps)}" for n, v in same.items()})
+            for w in range(0, len(ps) if not stream else 0, c):
                 if args.timing == "interleaved":
                     for name, (n, s) in interleaved_decode_rates(engines, ps[w : w + c], greedy, c).items():
                         round_tot[name][0] += n
@@ -268,6 +332,9 @@ def main(argv=None) -> None:
             "round_ratios": ratios,  # per timed round: dspark / plain decode tok/s
             "median_ratio": {n: round(statistics.median(v), 3) for n, v in ratios.items()},
             "warmup_rounds": args.warmup_rounds,
+            "arrival": "stream" if stream else "wave", "requests": len(ps),
+            **({"steady_round_ratios": {n: [round(a / b, 3) for a, b in zip(steady_rounds[n], steady_rounds["plain"])]
+                                        for n in ("fixed", "varlen")}} if steady_rounds else {}),
             # what the varlen engine did in the timed steps (drafting or dormant)
             "varlen_spec": {k: v for k, v in spec_metrics(engines["varlen"]).items()
                             if k in ("decode_steps", "verified_per_step", "tokens_per_step")}
@@ -286,6 +353,9 @@ def main(argv=None) -> None:
         print(f"\n-- concurrency {c}")
         print(f"greedy outputs identical to plain: fixed {results['equivalence'][f'c{c}']['fixed']}, "
               f"varlen {results['equivalence'][f'c{c}']['varlen']}")
+        for r, eq in enumerate(results["equivalence"].get(f"c{c}_stream", [])):
+            print(f"stream round {r - args.warmup_rounds}: greedy outputs identical to plain: fixed {eq['fixed']}, "
+                  f"varlen {eq['varlen']}")
         s = results["speculation"][f"c{c}"]
         for name in ("fixed", "varlen"):
             m = s[name]
@@ -304,6 +374,8 @@ def main(argv=None) -> None:
               f"varlen {d['varlen']:.1f} ({d['speedup_varlen']:.2f}x); varlen in the timed steps: {d['varlen_spec']}")
         for name in ("fixed", "varlen"):
             print(f"{name} / plain per round: {d['round_ratios'][name]}  median {d['median_ratio'][name]:.3f}")
+            if "steady_round_ratios" in d:
+                print(f"{name} / plain per round, steady completions: {d['steady_round_ratios'][name]}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     for llm in engines.values():

@@ -86,6 +86,7 @@ from deepinfer_core.proposer import MAX_K, Draft, Proposer
 from deepinfer_core.scheduler import SchedulerOutput
 from plugins.dspark import calibration as calib_mod
 from plugins.dspark import confidence as conf_mod
+from plugins.dspark import metrics
 from plugins.dspark.calibrate import load_or_measure_cost
 from plugins.dspark.calibration import Calibration
 from plugins.dspark.device import EXPLORE_VERIFY_EVERY, DeviceDrafter
@@ -556,51 +557,11 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
 
     @hookimpl
     def collect_metrics(self, engine) -> dict | None:
-        if self.source is None:
-            return None
-        n = self.n
-        steps = max(n["decode_steps"], 1)
-        return {
-            "dspark_draft": self.source.kind, "dspark_varlen": self.varlen, "dspark_k": self.k,
-            "dspark_accept_rate": n["accepted"] / n["verified"] if n["verified"] else 0.0,
-            "dspark_mean_accepted_len": n["accepted"] / steps,
-            "dspark_verified_per_step": n["verified"] / steps,
-            "dspark_tokens_per_step": (n["accepted"] + n["decode_steps"]) / steps,
-            "dspark_decode_steps": n["decode_steps"], "dspark_verified": n["verified"],
-            "dspark_accepted": n["accepted"],
-            "dspark_mean_draft_depth": n["depth"] / n["proposals"] if n["proposals"] else 0.0,
-            "dspark_proposals": n["proposals"], "dspark_draft_depth_total": n["depth"],
-            "dspark_steps_without_drafts": n["skipped_steps"],
-            "dspark_blocked_explorations": n["blocked_explorations"], "dspark_measured_vetoes": n["measured_vetoes"],
-            "dspark_plain_probes": n["plain_probes"], "dspark_trials": n["trials"],
-            "dspark_async_vetoes": n["async_vetoes"],
-            "dspark_draft_time": self.t["draft"], "dspark_verify_time": self.t["verify"],
-            "dspark_schedule_time": self.t["schedule"],
-            "dspark_cost_verify_scale": self.live.verify_scale, "dspark_cost_draft_scale": self.live.draft_scale,
-            "dspark_cost_extra_overhead": self.live.extra_overhead_s,
-        }
+        return None if self.source is None else metrics.collect(self)
 
     @hookimpl
     def merge_metrics(self, per_rank: list[dict]) -> dict | None:
-        """Sum the ranks' counters and times; rates from the sums; cost corrections averaged."""
-        ranks = [m for m in per_rank if "dspark_decode_steps" in m]
-        if not ranks:
-            return None
-        out = dict(ranks[0])
-        out = {k: v for k, v in out.items() if k.startswith("dspark_")}
-        for key in ("decode_steps", "verified", "accepted", "steps_without_drafts", "blocked_explorations",
-                    "measured_vetoes", "plain_probes", "trials", "proposals",
-                    "draft_depth_total", "draft_time", "verify_time", "schedule_time", "async_vetoes"):
-            out[f"dspark_{key}"] = sum(m.get(f"dspark_{key}", 0) for m in ranks)
-        for key in ("cost_verify_scale", "cost_draft_scale", "cost_extra_overhead"):
-            out[f"dspark_{key}"] = sum(m[f"dspark_{key}"] for m in ranks) / len(ranks)
-        steps, ver, acc = max(out["dspark_decode_steps"], 1), out["dspark_verified"], out["dspark_accepted"]
-        out.update(dspark_accept_rate=acc / ver if ver else 0.0, dspark_mean_accepted_len=acc / steps,
-                   dspark_verified_per_step=ver / steps,
-                   dspark_tokens_per_step=(acc + out["dspark_decode_steps"]) / steps,
-                   dspark_mean_draft_depth=(out["dspark_draft_depth_total"] / out["dspark_proposals"]
-                                            if out["dspark_proposals"] else 0.0))
-        return out
+        return metrics.merge(per_rank)
 
     def reset_metrics(self) -> None:
         for key in self.n:
