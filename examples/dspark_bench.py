@@ -96,6 +96,21 @@ def decode_rate(llm: LLM, prompts, params: SamplingParams, concurrency: int) -> 
     return tokens, seconds
 
 
+def steps_in_turn(llms: dict[str, LLM]):
+    """Step the engines in turn until none has work left, yielding (name, seconds of that step): the
+    order rotated, and reversed every other round, so that each engine follows every other one
+    equally often (a step after another engine's larger step runs on colder caches)."""
+    names, r = list(llms), 0
+    while names:
+        order = names[(r // 2) % len(names):] + names[: (r // 2) % len(names)]
+        for n in (order if r % 2 == 0 else order[::-1]):
+            t = time.perf_counter()
+            llms[n].engine.step()
+            yield n, time.perf_counter() - t
+        names = [n for n in names if llms[n].engine.has_unfinished()]
+        r += 1
+
+
 def interleaved_decode_rates(llms: dict[str, LLM], prompts, params: SamplingParams, concurrency: int
                              ) -> dict[str, tuple[int, float]]:
     """Per engine (decode tokens, seconds), the engines stepping in turn: every engine runs the same
@@ -114,17 +129,8 @@ def interleaved_decode_rates(llms: dict[str, LLM], prompts, params: SamplingPara
             while any(s.num_output_tokens == 0 for s in seqs[n]):
                 llm.engine.step()
         start = {n: sum(s.num_output_tokens for s in ss) for n, ss in seqs.items()}
-        names, r = list(llms), 0
-        while names:
-            # rotated, and reversed every other round: each engine follows every other one equally often
-            # (a step after another engine's larger step runs on colder caches)
-            order = names[(r // 2) % len(names):] + names[: (r // 2) % len(names)]
-            for n in (order if r % 2 == 0 else order[::-1]):
-                t = time.perf_counter()
-                llms[n].engine.step()
-                totals[n][1] += time.perf_counter() - t
-            names = [n for n in names if llms[n].engine.has_unfinished()]
-            r += 1
+        for n, seconds in steps_in_turn(llms):
+            totals[n][1] += seconds
         for n, ss in seqs.items():
             totals[n][0] += sum(s.num_output_tokens for s in ss) - start[n]
     for llm in llms.values():
@@ -153,17 +159,10 @@ def stream_decode_rates(llms: dict[str, LLM], prompts, params: SamplingParams, c
     clock = {n: 0.0 for n in llms}
     done_at = {n: [] for n in llms}  # (clock, tokens) of each engine's 1st, 2nd, ... completion
     running = {n: list(ss) for n, ss in seqs.items()}
-    names, r = list(llms), 0
-    while names:
-        order = names[(r // 2) % len(names):] + names[: (r // 2) % len(names)]
-        for n in (order if r % 2 == 0 else order[::-1]):
-            t = time.perf_counter()
-            llms[n].engine.step()
-            clock[n] += time.perf_counter() - t
-            done_at[n] += [(clock[n], s.num_output_tokens) for s in running[n] if s.is_finished]
-            running[n] = [s for s in running[n] if not s.is_finished]
-        names = [n for n in names if llms[n].engine.has_unfinished()]
-        r += 1
+    for n, seconds in steps_in_turn(llms):
+        clock[n] += seconds
+        done_at[n] += [(clock[n], s.num_output_tokens) for s in running[n] if s.is_finished]
+        running[n] = [s for s in running[n] if not s.is_finished]
     for llm in llms.values():
         llm.engine.blocks.check_no_leaks()
     if outputs is not None:
