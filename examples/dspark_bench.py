@@ -228,6 +228,8 @@ def main(argv=None) -> None:
     ap.add_argument("--async-spec", choices=("on", "off"), default="on",
                     help="async_speculation of the DSpark engines")
     args = ap.parse_args(argv)
+    if args.stream_factor < 1:
+        ap.error(f"--stream-factor must be >= 1 (requests per slot of a stream), got {args.stream_factor}")
     torch.set_num_threads(args.threads)
     concs = [int(c) for c in args.concurrency.split(",")]
     # async scheduling on for all three (on a CPU it is off by default): DSpark's speculative steps
