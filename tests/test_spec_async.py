@@ -115,6 +115,24 @@ class DeviceFlaky(DevicePrevious):
         if DeviceFlaky.calls % 3 == 1:
             return DeviceDraft(last_tokens[:, None])  # one column: too few
         return super().propose_on_device(engine, requests, max_drafts, last_tokens, num_tokens, pending)
+
+
+class DeviceBadConfidences(DevicePrevious):
+    """Confidences of one dimension, too few columns, a NaN ``min_confidence``, all NaN, in turn."""
+    name = "device_bad_conf"
+
+    def propose_on_device(self, engine, requests, max_drafts, last_tokens, num_tokens, pending):
+        DeviceBadConfidences.calls += 1
+        R, K = len(requests), max(max_drafts)
+        toks = last_tokens[:, None].expand(-1, K).clone()
+        mode = DeviceBadConfidences.calls % 4
+        if mode == 0:
+            return DeviceDraft(toks, torch.full((R,), 0.9))
+        if mode == 1:
+            return DeviceDraft(toks, torch.full((R, max(K - 1, 0)), 0.9))
+        if mode == 2:
+            return DeviceDraft(toks, torch.full((R, K), 0.9), min_confidence=float("nan"))
+        return DeviceDraft(toks, torch.full((R, K), float("nan")))
 '''
 
 
@@ -123,7 +141,7 @@ def device_proposers(tmp_path_factory):
     """A third-party package registering device proposers through entry_points.txt alone."""
     yield from proposer_package_on_path(tmp_path_factory.mktemp("device_proposers"), "device_proposers", PROPOSERS, {
         "device_previous": "DevicePrevious", "device_oracle": "DeviceOracle", "device_flaky": "DeviceFlaky",
-        "device_sometimes": "DeviceSometimes"})
+        "device_sometimes": "DeviceSometimes", "device_bad_conf": "DeviceBadConfidences"})
 
 
 def make(path, async_on=True, **kw) -> LLM:
@@ -340,6 +358,19 @@ def test_a_failing_device_proposer_loses_only_its_drafts(tiny_v3_path, device_pr
     errors = [r.getMessage() for r in caplog.records]
     for what in ("raised ValueError: draft kernel fell over", "must return a DeviceDraft with tokens of shape"):
         assert any("proposer DeviceFlaky" in e and what in e for e in errors), (what, errors)
+
+
+def test_malformed_device_confidences_lose_only_their_drafts(tiny_v3_path, device_proposers, plain_ref, caplog):
+    """Confidences of the wrong shape and a NaN cut are named (one of one dimension failed every
+    request of the step before); NaN confidences draft nothing (the device cannot be asked)."""
+    llm = make(tiny_v3_path, speculative={"proposer": "device_bad_conf", "k": 2})
+    with caplog.at_level("ERROR", logger="deepinfer.speculative"):
+        outs = run(llm, PROMPTS, mixed_params())
+    assert tokens(outs) == tokens(plain_ref)
+    assert llm.engine.metrics()["spec_proposer_errors"] > 0
+    errors = [r.getMessage() for r in caplog.records]
+    for what in ("DeviceDraft confidences must be a tensor of shape", "min_confidence must be a number in [0, 1]"):
+        assert any("proposer DeviceBadConfidences" in e and what in e for e in errors), (what, errors)
 
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},

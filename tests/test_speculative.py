@@ -104,6 +104,37 @@ class Flaky(Proposer):
         out = [Draft([r.token_ids[-1]]) for r in requests]
         out[0] = Draft([10**9])
         return out
+
+
+class BadProbs(Proposer):
+    """Drafts the last token with distributions that are wrong in turn: not finite, negative, 0 at the
+    draft token, not summing to 1, integer."""
+    name = "bad_probs"
+    core_api_version = "1.0"
+    calls = 0
+
+    def propose(self, engine, requests, max_drafts, batch):
+        import torch
+
+        BadProbs.calls += 1
+        V, mode = engine.model_config.vocab_size, BadProbs.calls % 5
+        out = []
+        for r, m in zip(requests, max_drafts):
+            toks = [r.token_ids[-1]] * m
+            q = torch.full((m, V), 1.0 / V)
+            if mode == 0:
+                q[0, 3] = float("nan")
+            elif mode == 1:
+                q[:, 0], q[:, 1] = -0.5, 0.5 + 1.0 / V
+            elif mode == 2:
+                q[torch.arange(m), torch.tensor(toks)] = 0.0
+                q /= q.sum(-1, keepdim=True)
+            elif mode == 3:
+                q *= 1.5
+            else:
+                q = torch.ones(m, V, dtype=torch.long)
+            out.append(Draft(toks, probs=q))
+        return out
 '''
 
 
@@ -113,7 +144,7 @@ def proposer_package(tmp_path_factory):
     entry_points.txt registers three proposers (what pip would write)."""
     yield from proposer_package_on_path(tmp_path_factory.mktemp("toy_proposers"), "toy_proposers", PROPOSERS, {
         "previous_token": "PreviousToken", "oracle": "Oracle", "too_long": "TooLong", "sometimes": "Sometimes",
-        "flaky": "Flaky", "reserving": "Reserving"})
+        "flaky": "Flaky", "reserving": "Reserving", "bad_probs": "BadProbs"})
 
 
 def make(path, **kw) -> LLM:
@@ -251,6 +282,24 @@ def test_a_proposer_breaking_its_contract_loses_its_drafts_not_the_requests(tiny
         assert m["spec_verified"] > 0  # the valid drafts of the good calls were still verified
         for what in ("raised ValueError: draft model fell over", "must return a list of", "invalid draft"):
             assert any("proposer Flaky" in e and what in e for e in errors), (what, errors)
+
+
+def test_draft_distributions_that_are_not_distributions_are_refused(tiny_v3_path, proposer_package, caplog):
+    """Rejection sampling against a wrong q biases the samples without a sign (a q of 0 at the draft
+    token accepted every draft): such drafts are dropped, named, and the sampled requests decode as
+    without speculation, token for token."""
+    ps = [SamplingParams(temperature=0.9, seq_seed=11 + i, max_tokens=8, ignore_eos=True) for i in range(len(PROMPTS))]
+    want = tokens(run(make(tiny_v3_path), ps))
+    llm = make(tiny_v3_path, speculative={"proposer": "bad_probs", "k": 3})
+    with caplog.at_level("ERROR", logger="deepinfer.speculative"):
+        outs = run(llm, ps)
+    assert tokens(outs) == want
+    m = llm.engine.metrics()
+    assert m["spec_verified"] == 0 and m["spec_proposer_errors"] >= 5
+    errors = [r.getMessage() for r in caplog.records]
+    for what in ("not finite", "a negative value", "probability 0 at its own draft token", "whose sum is not 1",
+                 "not floating point"):
+        assert any("proposer BadProbs" in e and what in e for e in errors), (what, errors)
 
 
 def test_bad_speculative_config_is_named(tiny_v3_path, proposer_package):

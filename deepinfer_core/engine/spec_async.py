@@ -298,9 +298,14 @@ class AsyncSpec:
                     or got.tokens.dim() != 2 or got.tokens.shape[0] != len(seqs) or got.tokens.shape[1] < Kp):
                 raise TypeError(f"propose_on_device() must return a DeviceDraft with tokens of shape "
                                 f"[{len(seqs)}, >= {Kp}], got {got!r}")
-            if got.confidences is not None and tuple(got.confidences.shape[:1]) != (len(seqs),):
-                raise TypeError(f"DeviceDraft confidences must have {len(seqs)} rows, got "
-                                f"{tuple(got.confidences.shape)}")
+            c = got.confidences
+            if c is not None and (not isinstance(c, torch.Tensor) or c.dim() != 2 or c.shape[0] != len(seqs)
+                                  or c.shape[1] < Kp):
+                raise TypeError(f"DeviceDraft confidences must be a tensor of shape [{len(seqs)}, >= {Kp}], got "
+                                f"{tuple(getattr(c, 'shape', ())) or type(c).__name__}")
+            mc = got.min_confidence
+            if isinstance(mc, bool) or not isinstance(mc, (int, float)) or not 0.0 <= mc <= 1.0:
+                raise ValueError(f"DeviceDraft min_confidence must be a number in [0, 1], got {mc!r}")
         except Exception as exc:  # noqa: BLE001  (a proposer's bug costs its drafts, not the requests)
             spec.broken(f"propose_on_device() raised {type(exc).__name__}: {exc}", exc)
             none = torch.zeros(len(seqs), K, dtype=torch.long, device=dev)

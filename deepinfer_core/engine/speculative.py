@@ -35,6 +35,8 @@ from deepinfer_core.proposer import GROUP, MAX_K, Draft, Proposer
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger("deepinfer.speculative")
+# a draft distribution's row sum may be this far from 1 (a low-precision softmax); rows are renormalised
+PROBS_SUM_TOL = 1e-2
 
 
 def load_proposer(section: dict) -> tuple[Proposer, int]:
@@ -222,7 +224,8 @@ class SpecDecoder:
     def _draft_probs(seq: Sequence, draft: list[int], vocab: int, dev) -> torch.Tensor:
         """q rows of a request's drafts: the proposer's distributions, else point masses."""
         if seq.spec_probs is not None:
-            return seq.spec_probs[: len(draft)].to(dev, torch.float32)
+            q = seq.spec_probs[: len(draft)].to(dev, torch.float32)
+            return q / q.sum(-1, keepdim=True)
         q = torch.zeros(len(draft), vocab, device=dev)
         q[torch.arange(len(draft), device=dev), torch.tensor(draft, device=dev)] = 1.0
         return q
@@ -317,13 +320,33 @@ class SpecDecoder:
                 self.broken(f"request {seq.request_id} got an invalid draft {d!r}; expected a Draft of at most "
                              f"{m} token ids in [0, {V})")
                 continue
-            if d.probs is not None and tuple(d.probs.shape) != (len(d.tokens), V):
-                self.broken(f"request {seq.request_id}: draft probs of shape {tuple(d.probs.shape)}, expected "
-                             f"{(len(d.tokens), V)}")
+            if d.probs is not None and (not isinstance(d.probs, torch.Tensor)
+                                        or tuple(d.probs.shape) != (len(d.tokens), V)):
+                self.broken(f"request {seq.request_id}: draft probs of shape {tuple(getattr(d.probs, 'shape', ()))}, "
+                             f"expected a tensor of shape {(len(d.tokens), V)}")
+                continue
+            why = self._probs_problem(d.probs, d.tokens) if d.probs is not None and seq.params.temperature > 0 else None
+            if why:  # rejection sampling against a wrong q would bias the request's samples, silently
+                self.broken(f"request {seq.request_id}: draft probs with {why}; expected each row the "
+                             f"distribution its draft token was drawn from")
                 continue
             seq.spec_tokens, seq.spec_probs = list(d.tokens), d.probs
             self.n["spec_proposed"] += len(d.tokens)
             self._pending_drafts = True
+
+    @staticmethod
+    def _probs_problem(probs: torch.Tensor, tokens: list[int]) -> str | None:
+        """What is wrong with a sampled request's draft distributions ``[m, V]``, or None: rejection
+        sampling is exact only against the distributions the drafts were drawn from."""
+        if not probs.is_floating_point():
+            return f"dtype {probs.dtype} (not floating point)"
+        q = probs.detach().float()
+        at = q[torch.arange(len(tokens), device=q.device), torch.tensor(tokens, device=q.device)]
+        checks = {"a value that is not finite": ~torch.isfinite(q), "a negative value": q < 0,
+                  f"a row whose sum is not 1 (within {PROBS_SUM_TOL})": (q.sum(-1) - 1).abs() > PROBS_SUM_TOL,
+                  "probability 0 at its own draft token": at <= 0}
+        bad = torch.stack([c.any() for c in checks.values()]).tolist()  # one read back for all four
+        return next((name for name, b in zip(checks, bad) if b), None)
 
     def broken(self, what: str, exc: Exception | None = None) -> None:
         """A proposer broke its contract: the drafts concerned are dropped for this step (those
