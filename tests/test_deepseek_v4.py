@@ -279,6 +279,36 @@ def test_fp8_fp4_checkpoint_dequantises(reference, tmp_path):
     assert torch.equal(model.layers[0].ffn.gate, full.layers[0].ffn.gate)  # routers stay unquantised
 
 
+def test_bad_block_scales_are_named(reference, tmp_path):
+    """A NaN ue8m0 scale, an FP4 scale of the wrong shape, an FP8 weight in e5m2: errors naming the
+    tensor (they loaded as NaN weights, a garbled repeat, or raw values)."""
+    from safetensors.torch import load_file, save_file
+
+    variant, path, *_ = reference
+    if variant != "mixed":
+        pytest.skip("one variant is enough")
+    q = to_official(path, tmp_path / "quant", fp8=True, fp4_experts=True)
+    shard = next(f for f in sorted(q.glob("*.safetensors")) if "layers.0.attn.wq_b.scale" in load_file(f))
+    good = load_file(shard)
+    edits = {
+        "nan": ("layers.0.attn.wq_b.scale", lambda t: torch.full_like(t.float(), float("nan")).to(t.dtype),
+                r"'layers.0.attn.wq_b.scale' holds nan at \(0, 0\); block scales must be finite"),
+        "e5m2": ("layers.0.attn.wq_b.weight", lambda t: t.float().to(torch.float8_e5m2),
+                 r"'layers.0.attn.wq_b.weight' is torch.float8_e5m2"),
+    }
+    for name, edit, match in edits.values():
+        save_file({**good, name: edit(good[name])}, str(shard))
+        with pytest.raises(CheckpointError, match=match):
+            load(q)
+    save_file(good, str(shard))
+    shard = next(f for f in sorted(q.glob("*.safetensors")) if "layers.1.ffn.experts.3.w2.scale" in load_file(f))
+    good = load_file(shard)
+    save_file({**good, "layers.1.ffn.experts.3.w2.scale": good["layers.1.ffn.experts.3.w2.scale"][:1]}, str(shard))
+    with pytest.raises(CheckpointError, match=r"'layers.1.ffn.experts.3.w2.scale' has shape .* \(one scale per 32 "
+                                              "columns"):
+        load(q)
+
+
 def test_read_expert_equals_the_loaded_expert(reference, tmp_path):
     """Elastic EP re-reads a lost expert (``read_expert``): it equals what loading put in that slot, for
     plain and FP4-packed experts, and an expert that does not exist is an error naming it."""

@@ -14,7 +14,7 @@ from tiny_models import VOCAB, write_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
-from deepinfer_core.models.loader import dequantize_fp8, quantize_fp8, quantize_model_fp8
+from deepinfer_core.models.loader import CheckpointError, dequantize_fp8, quantize_fp8, quantize_model_fp8
 from kernels_cpu.fp8_ops import FP8, dequantize_blocks, fp8_linear, fused_moe_fp8, quantize_act_fp8
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -222,6 +222,84 @@ def test_weight_dtype_is_validated(fp8_ckpt, tmp_path):
     plain, _ = write_checkpoint(tmp_path / "plain", "v3", seed=1)
     with pytest.raises(ConfigError, match="'weight_dtype' is 'fp8' but .* is not an FP8 checkpoint"):
         make_llm(plain, weight_dtype="fp8")
+
+
+def _scale_of_first_fp8(t: dict) -> str:
+    return next(n for n, v in t.items() if v.dtype == torch.float8_e4m3fn) + "_scale_inv"
+
+
+def _set_first_scale(value: float):
+    return lambda t: t[_scale_of_first_fp8(t)].__setitem__((0, 0), value)
+
+
+def _e5m2_weight(t: dict) -> None:
+    name = _scale_of_first_fp8(t).removesuffix("_scale_inv")
+    t[name] = t[name].float().to(torch.float8_e5m2)
+
+
+def _quant(key, value):
+    return lambda cfg: cfg["quantization_config"].__setitem__(key, value)
+
+
+BAD_FP8 = {  # what is wrong -> (edit of the tensors, edit of config.json, weight_dtype, error, message)
+    "a NaN scale": (_set_first_scale(float("nan")), None, "bf16", r"weight_scale_inv' holds nan at \(0, 0\); block "
+                    "scales must be finite and >= 0"),
+    "an infinite scale": (_set_first_scale(float("inf")), None, "fp8", "holds inf at"),
+    "a negative scale": (_set_first_scale(-1.0), None, "bf16", "holds -1.0 at"),
+    "integer scales": (lambda t: t.__setitem__(_scale_of_first_fp8(t), t[_scale_of_first_fp8(t)].to(torch.int32)),
+                       None, "fp8", "is torch.int32; block scales must be one of float32"),
+    "e5m2 weights": (_e5m2_weight, None, "bf16", "is torch.float8_e5m2; expected float32, bfloat16 or float16, or "
+                     "float8_e4m3fn with block scales"),
+    "64x64 blocks": (None, _quant("weight_block_size", [64, 64]), "bf16",
+                     r"quantization_config.weight_block_size is \[64, 64\]; supported: \[128, 128\]"),
+    "fmt e5m2": (None, _quant("fmt", "e5m2"), "fp8", "quantization_config.fmt is 'e5m2'; supported: 'e4m3'"),
+    "another method": (None, _quant("quant_method", "awq"), "bf16", "quant_method is 'awq'; supported: 'fp8'"),
+    "static activations kept FP8": (None, _quant("activation_scheme", "static"), "fp8",
+                                    "activation_scheme is 'static'; use weight_dtype 'bf16'"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_FP8))
+def test_fp8_checkpoints_that_would_load_wrong_numbers_are_refused(fp8_ckpt, tmp_path, what):
+    """Each of these loaded before as other numbers than the checkpoint's (NaN or garbage outputs, a
+    scale ignored, the wrong tile size), without a sign; now the error names the tensor or key."""
+    edit_t, edit_cfg, weight_dtype, match = BAD_FP8[what]
+    out = tmp_path / "bad"
+    out.mkdir()
+    for f in fp8_ckpt.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    if edit_t is not None:
+        t = load_file(out / "model.safetensors")
+        edit_t(t)
+        save_file(t, out / "model.safetensors", metadata={"format": "pt"})
+    if edit_cfg is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        edit_cfg(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((CheckpointError, ConfigError), match=match):
+        make_llm(out, weight_dtype=weight_dtype)
+
+
+def test_ue8m0_scales_and_static_activations_dequantised_load(fp8_ckpt, tmp_path):
+    """Scales stored as ue8m0 load as their float values, and a static activation scheme is no matter
+    when the weights are dequantised."""
+    out = tmp_path / "ok"
+    out.mkdir()
+    for f in fp8_ckpt.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    t = load_file(out / "model.safetensors")
+    for n in [n for n in t if n.endswith("_scale_inv")]:
+        t[n] = torch.exp2(torch.log2(t[n]).round())  # powers of two, as ue8m0 stores them
+    save_file(t, out / "model.safetensors", metadata={"format": "pt"})
+    want = _generate(make_llm(out, weight_dtype="bf16"))
+    for n in [n for n in t if n.endswith("_scale_inv")]:
+        t[n] = t[n].to(torch.float8_e8m0fnu)
+    save_file(t, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["activation_scheme"] = "static"
+    (out / "config.json").write_text(json.dumps(cfg))
+    got = _generate(make_llm(out, weight_dtype="bf16"))
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
 
 
 def test_random_weights_quantised_for_fp8_benchmarks(fp8_ckpt):

@@ -117,6 +117,43 @@ class DeviceFlaky(DevicePrevious):
         return super().propose_on_device(engine, requests, max_drafts, last_tokens, num_tokens, pending)
 
 
+class DeviceRaiser(DevicePrevious):
+    """Every answer and notification raises on its odd calls; the verify budget is NaN or a string on
+    its even ones."""
+    name = "device_raiser"
+    counts = {}
+
+    def _odd(self, what):
+        n = DeviceRaiser.counts[what] = DeviceRaiser.counts.get(what, 0) + 1
+        if n % 2:
+            raise RuntimeError(f"{what} fell over")
+
+    def active(self, engine):
+        self._odd("active")
+        return True
+
+    def draft_slots(self, engine, requests, slots):
+        self._odd("draft_slots")
+        return slots
+
+    def verify_budget(self, engine, num_requests, num_slots):
+        self._odd("verify_budget")
+        return float("nan") if DeviceRaiser.counts["verify_budget"] % 4 == 2 else "many"
+
+    def relayout_pays(self, engine, num_requests, num_slots, budget):
+        self._odd("relayout_pays")
+        return True
+
+    def step_timed(self, engine, tokens, requests, seconds):
+        self._odd("step_timed")
+
+    def verified(self, engine, requests, num_drafts, num_accepted):
+        self._odd("verified")
+
+    def request_finished(self, engine, request):
+        self._odd("request_finished")
+
+
 class DeviceBadConfidences(DevicePrevious):
     """Confidences of one dimension, too few columns, a NaN ``min_confidence``, all NaN, in turn."""
     name = "device_bad_conf"
@@ -141,7 +178,8 @@ def device_proposers(tmp_path_factory):
     """A third-party package registering device proposers through entry_points.txt alone."""
     yield from proposer_package_on_path(tmp_path_factory.mktemp("device_proposers"), "device_proposers", PROPOSERS, {
         "device_previous": "DevicePrevious", "device_oracle": "DeviceOracle", "device_flaky": "DeviceFlaky",
-        "device_sometimes": "DeviceSometimes", "device_bad_conf": "DeviceBadConfidences"})
+        "device_sometimes": "DeviceSometimes", "device_bad_conf": "DeviceBadConfidences",
+        "device_raiser": "DeviceRaiser"})
 
 
 def make(path, async_on=True, **kw) -> LLM:
@@ -371,6 +409,31 @@ def test_malformed_device_confidences_lose_only_their_drafts(tiny_v3_path, devic
     errors = [r.getMessage() for r in caplog.records]
     for what in ("DeviceDraft confidences must be a tensor of shape", "min_confidence must be a number in [0, 1]"):
         assert any("proposer DeviceBadConfidences" in e and what in e for e in errors), (what, errors)
+
+
+@pytest.mark.parametrize("async_on", [True, False])
+def test_a_proposer_raising_in_any_answer_costs_no_request(tiny_v3_path, device_proposers, plain_ref, caplog,
+                                                            async_on):
+    """``active``, ``draft_slots``, ``verify_budget`` (also NaN or not a number), ``relayout_pays``,
+    ``step_timed``, ``verified``, ``request_finished``: each failure is named and a default stands in
+    (each of them failed every request of the step before)."""
+    llm = make(tiny_v3_path, async_on=async_on, speculative={"proposer": "device_raiser", "k": 2})
+    with caplog.at_level("ERROR", logger="deepinfer.speculative"):
+        outs = run(llm, PROMPTS, mixed_params())
+    assert tokens(outs) == tokens(plain_ref)
+    assert llm.engine.metrics()["spec_verified"] > 0
+    errors = [r.getMessage() for r in caplog.records]
+    whats = ["verified() raised RuntimeError: verified fell over", "request_finished() raised RuntimeError"]
+    if async_on:
+        whats += ["active() raised RuntimeError", "draft_slots() raised", "verify_budget() raised",
+                  "verify_budget() must return a number of rows or None, got nan",
+                  "verify_budget() must return a number of rows or None, got 'many'"]
+    import device_proposers as dp
+
+    if dp.DeviceRaiser.counts.get("step_timed"):  # (only steps timed whole are reported)
+        whats.append("step_timed() raised")
+    for what in whats:
+        assert any("proposer DeviceRaiser" in e and what in e for e in errors), (what, errors)
 
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},

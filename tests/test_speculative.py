@@ -10,6 +10,7 @@ from tiny_models import kv_bytes_per_block, rand_ids
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
+from deepinfer_core.plugins import PluginError
 
 BS = 4
 PROPOSERS = '''
@@ -135,6 +136,20 @@ class BadProbs(Proposer):
                 q = torch.ones(m, V, dtype=torch.long)
             out.append(Draft(toks, probs=q))
         return out
+
+
+class BadStart(PreviousToken):
+    """Fails to construct (``fail = "init"``) or to start (``fail = "start"``)."""
+    name = "bad_start"
+
+    def __init__(self, section):
+        self.fail = section.pop("fail")
+        super().__init__(section)
+        if self.fail == "init":
+            raise FileNotFoundError("draft weights not found")
+
+    def start(self, engine):
+        raise OSError("cannot map the draft model")
 '''
 
 
@@ -144,7 +159,7 @@ def proposer_package(tmp_path_factory):
     entry_points.txt registers three proposers (what pip would write)."""
     yield from proposer_package_on_path(tmp_path_factory.mktemp("toy_proposers"), "toy_proposers", PROPOSERS, {
         "previous_token": "PreviousToken", "oracle": "Oracle", "too_long": "TooLong", "sometimes": "Sometimes",
-        "flaky": "Flaky", "reserving": "Reserving", "bad_probs": "BadProbs"})
+        "flaky": "Flaky", "reserving": "Reserving", "bad_probs": "BadProbs", "bad_start": "BadStart"})
 
 
 def make(path, **kw) -> LLM:
@@ -311,6 +326,10 @@ def test_bad_speculative_config_is_named(tiny_v3_path, proposer_package):
         make(tiny_v3_path, speculative={"proposer": "nope"})
     with pytest.raises(ConfigError, match="takes no settings"):
         make(tiny_v3_path, speculative={"proposer": "previous_token", "depth": 3})
+    with pytest.raises(PluginError, match="proposer 'bad_start' failed to construct: FileNotFoundError: draft weights"):
+        make(tiny_v3_path, speculative={"proposer": "bad_start", "fail": "init"})
+    with pytest.raises(PluginError, match="proposer 'bad_start' failed to start: OSError: cannot map"):
+        make(tiny_v3_path, speculative={"proposer": "bad_start", "fail": "start"})
 
 
 def test_point_mass_drafts_keep_the_target_distribution():

@@ -35,6 +35,7 @@ from deepinfer_core.engine.idle import DeviceIdleMeter
 from deepinfer_core.engine.kv_cache_manager import KVCacheManager, allocate_caches, size_pools
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.engine.pipeline import StepPipeline, StepPlan
+from deepinfer_core.engine.precision import check_kv_cache_dtype, keep_fp8_weights
 from deepinfer_core.engine.sampler import Sampler, has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.speculative import SpecDecoder
@@ -118,8 +119,8 @@ class LLMEngine(TokenAccounting):
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else self.platform.preferred_dtypes()[0]
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.tokenizer = HFTokenizer.load(self.model_dir, mc.bos_token_id, mc.eos_token_id)
-        self.fp8_weights = self.keep_fp8_weights()
-        self.check_kv_cache_dtype()
+        self.fp8_weights = keep_fp8_weights(cfg, self.model_dir, self.model_cls, mc, self.platform)
+        check_kv_cache_dtype(cfg, self.model_cls, mc, self.platform)
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype, cfg.load_format, cfg.seed, self.fp8_weights)
         self.model = self.build_model()
         apply_weight_layout(self.model, self.platform.linear_weight_layout)
@@ -204,42 +205,6 @@ class LLMEngine(TokenAccounting):
                                  self.max_model_len)
         scheduler_cls = plugins.load("deepinfer.schedulers", cfg.scheduler, what="scheduler")
         self.scheduler = scheduler_cls(budget, self.blocks, self.cost_model, EngineAdmission(self))
-
-    def keep_fp8_weights(self) -> bool:
-        """Whether an FP8 checkpoint's weights stay FP8 in memory (config ``weight_dtype``): ``fp8`` always
-        (an error for a checkpoint without FP8 weights or an architecture that cannot), ``auto`` where the
-        platform has block-scaled FP8 GEMMs, ``bf16`` never (dequantised to ``dtype`` at load). With
-        ``load_format = "random"``, ``fp8`` quantises the random weights per 128x128 tile (benchmarks)."""
-        mode = self.cfg.weight_dtype
-        quant = read_config(self.model_dir).get("quantization_config") or {}
-        random_fp8 = self.cfg.load_format == "random" and mode == "fp8"
-        is_fp8 = quant.get("quant_method") == "fp8" and self.cfg.load_format != "random" or random_fp8
-        if mode == "bf16" or (mode == "auto" and not (is_fp8 and self.platform.supports_fp8_gemm())):
-            return False
-        if not is_fp8:
-            raise ConfigError(f"config key 'weight_dtype' is 'fp8' but {str(self.model_dir)!r} is not an FP8 "
-                              "checkpoint (config.json has no quantization_config with quant_method 'fp8'); "
-                              "use weight_dtype 'auto' or 'bf16'")
-        if not getattr(self.model_cls, "fp8_weights", False):
-            raise ConfigError(f"config key 'weight_dtype' is 'fp8' but architecture "
-                              f"{self.model_config.architecture!r} cannot keep FP8 weights; use 'auto' or 'bf16'")
-        if self.cfg.ep > 1:
-            raise ConfigError("config key 'weight_dtype' is 'fp8' with ep > 1: expert parallelism runs bf16 "
-                              "experts only; use weight_dtype 'bf16'")
-        if not self.platform.supports_fp8_gemm():
-            logger.warning("weight_dtype 'fp8' on %s: its kernels have no block-scaled FP8 GEMM, the reference "
-                           "fp8 ops run (correct, slow)", self.platform.name)
-        return True
-
-    def check_kv_cache_dtype(self) -> None:
-        """Config ``kv_cache_dtype`` must be one the model can declare and the platform's kernels read."""
-        want = self.cfg.kv_cache_dtype
-        if want not in self.model_cls.kv_cache_dtypes:
-            raise ConfigError(f"config key 'kv_cache_dtype' is {want!r} but architecture "
-                              f"{self.model_config.architecture!r} stores only {self.model_cls.kv_cache_dtypes}")
-        if want not in self.platform.kv_cache_dtypes():
-            raise ConfigError(f"config key 'kv_cache_dtype' is {want!r} but platform {self.platform.name!r} reads only "
-                              f"{self.platform.kv_cache_dtypes()} KV caches")
 
     def _cache_layout(self) -> CacheLayout:
         """The model's cache groups plus those features declare (``cache_groups``); fixes block_size."""

@@ -114,7 +114,8 @@ class StepPipeline:
         if not overlap:
             drained = self.drain()
             if speculate and drained is not None and drained.spec is None and drained.batch.hidden is not None:
-                eng.spec.proposer.step_drained(eng, drained.batch)  # the host drafts next: keep its hidden rows
+                # the host drafts next: the proposer keeps that step's hidden rows
+                eng.spec.ask("step_drained", None, eng.spec.proposer.step_drained, eng, drained.batch)
         return StepPlan(overlap, speculate)
 
     def schedule(self, plan: StepPlan) -> SchedulerOutput:

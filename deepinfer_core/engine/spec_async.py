@@ -121,9 +121,12 @@ class AsyncSpec:
         the proposer's (``Proposer.verify_budget``), else the share of slots recent steps filled, with
         headroom, so that slots no draft fills cost no verify rows; the device picks the lengths
         within it (``draft_lengths``)."""
-        own = self.spec.proposer.verify_budget(self.engine, requests, slots)
+        own = self.spec.ask("verify_budget", None, self.spec.proposer.verify_budget, self.engine, requests, slots)
+        if own is not None and (isinstance(own, bool) or not isinstance(own, (int, float)) or math.isnan(own)):
+            self.spec.broken(f"verify_budget() must return a number of rows or None, got {own!r}")
+            own = None
         if own is not None:
-            return max(0, min(slots, int(own)))
+            return max(0, min(slots, int(min(own, slots))))
         return max(0, min(slots, math.ceil(slots * self.used * 1.15 - 0.25)))
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -324,7 +327,8 @@ class AsyncSpec:
                     else torch.ones(tokens.shape, dtype=torch.float32, device=dev))  # no confidences: fair shares
             lengths = eng.kernels.draft_lengths(conf, lengths, budget, float(got.min_confidence))
         spec.n["spec_proposed"] += sum(slots)
-        if budget < sum(slots) and not spec.proposer.relayout_pays(eng, len(decodes), sum(slots), budget):
+        if budget < sum(slots) and not spec.ask("relayout_pays", True, spec.proposer.relayout_pays, eng, len(decodes),
+                                                 sum(slots), budget):
             # the rows stay as laid out (every slot computed, the lengths still within the budget)
             budget = sum(slots)
             self.n["spec_relayouts_skipped"] += 1
@@ -548,8 +552,8 @@ class AsyncSpec:
         eng.pm.hook.tokens_sampled(engine=eng, batch=view, token_ids=placed)
         eng.finish_stopped(stops)
         if fb_seqs:
-            self.spec.proposer.verified(eng, fb_seqs, fb_drafts, fb_acc)
+            self.spec.ask("verified", None, self.spec.proposer.verified, eng, fb_seqs, fb_drafts, fb_acc)
         timed = self.clock.completed(eng, flight)
         if timed is not None:
             self.n["spec_timed_steps"] += 1
-            self.spec.proposer.step_timed(eng, *timed)
+            self.spec.ask("step_timed", None, self.spec.proposer.step_timed, eng, *timed)

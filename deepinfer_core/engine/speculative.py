@@ -50,7 +50,12 @@ def load_proposer(section: dict) -> tuple[Proposer, int]:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
         raise ConfigError(f"[speculative] k must be an int in 1..{MAX_K}, got {k!r}")
     cls = plugins.load(GROUP, name, what="proposer")
-    return cls(sec), k
+    try:
+        return cls(sec), k
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise plugins.PluginError(f"proposer {name!r} failed to construct: {type(exc).__name__}: {exc}") from exc
 
 
 class _RowView:
@@ -95,8 +100,8 @@ class SpecDecoder:
         eng = self.engine
         if not eng.async_scheduling or self._pending_drafts:  # drafts proposed last step are verified now
             now = True
-        else:
-            now = self.proposer.active(eng)
+        else:  # a proposer that fails to answer goes dormant for the step
+            now = bool(self.ask("active", False, self.proposer.active, eng))
         if self._active and not now:  # going dormant: drafts left on requests not in the last step go too
             for seq in eng.unfinished_requests():
                 seq.spec_tokens, seq.spec_probs = [], None
@@ -117,12 +122,18 @@ class SpecDecoder:
         if not engine.cfg.speculative:
             return None
         proposer, k = load_proposer(engine.cfg.speculative)
-        proposer.start(engine)
+        try:
+            proposer.start(engine)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise plugins.PluginError(f"proposer {engine.cfg.speculative['proposer']!r} failed to start: "
+                                      f"{type(exc).__name__}: {exc}") from exc
         return cls(engine, proposer, k, from_feature=False)
 
     def request_finished(self, seq: Sequence) -> None:
         if not self.from_feature:
-            self.proposer.request_finished(self.engine, seq)
+            self.ask("request_finished", None, self.proposer.request_finished, self.engine, seq)
 
     def eligible(self, seq: Sequence) -> bool:
         """Whether a request may get drafts: every request (penalties are applied per verified row,
@@ -202,7 +213,7 @@ class SpecDecoder:
         view = replace(batch, scheduled=[], sample_seqs=flat, sample_rows=list(range(len(flat))))
         eng.pm.hook.tokens_sampled(engine=eng, batch=view, token_ids=[t for toks in kept for t in toks])
         eng.finish_stopped(stops)
-        self.proposer.verified(eng, seqs, [len(d) for d in drafts], accepted)
+        self.ask("verified", None, self.proposer.verified, eng, seqs, [len(d) for d in drafts], accepted)
 
     def _penalised(self, spec: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
         """The verify rows with each request's penalties, row j counting its drafts d_1..d_j as
@@ -347,6 +358,16 @@ class SpecDecoder:
                   "probability 0 at its own draft token": at <= 0}
         bad = torch.stack([c.any() for c in checks.values()]).tolist()  # one read back for all four
         return next((name for name, b in zip(checks, bad) if b), None)
+
+    def ask(self, what: str, default, method, *args):
+        """``method(*args)``, one of the proposer's answers or notifications: if it raises, the error is
+        logged naming the proposer (``broken``) and ``default`` stands in, so a proposer's bug costs its
+        drafts, never the step's requests."""
+        try:
+            return method(*args)
+        except Exception as exc:  # noqa: BLE001
+            self.broken(f"{what}() raised {type(exc).__name__}: {exc}", exc)
+            return default
 
     def broken(self, what: str, exc: Exception | None = None) -> None:
         """A proposer broke its contract: the drafts concerned are dropped for this step (those

@@ -36,6 +36,54 @@ class CheckpointError(ValueError):
     """The checkpoint is missing files or tensors, or has a tensor of the wrong shape."""
 
 
+#: what ``quantization_config`` may say, where it says it (DeepSeek's FP8 checkpoints); other keys are not read
+FP8_QUANT_KEYS = {"quant_method": ("fp8",), "fmt": ("e4m3",), "weight_block_size": ([FP8_BLOCK, FP8_BLOCK],)}
+#: dtypes a block scale may be stored in (ue8m0: V3.1+/V4 power-of-two scales)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
+
+
+def check_quantization_config(model_dir: Path, config: dict) -> None:
+    """config.json's ``quantization_config``, where present, must describe DeepSeek's FP8 weights: e4m3
+    with a scale per 128x128 tile. Anything else would load as the wrong numbers, so it is refused
+    naming the key."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        return
+    where = f"{str(model_dir / 'config.json')!r} quantization_config"
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"{where} must be a table, got {type(quant).__name__}")
+    for key, allowed in FP8_QUANT_KEYS.items():
+        if key in quant and quant[key] not in allowed:
+            raise CheckpointError(f"{where}.{key} is {quant[key]!r}; supported: {' or '.join(map(repr, allowed))} "
+                                  "(DeepSeek's block-scaled FP8)")
+
+
+def checked_scale(name: str, scale: torch.Tensor, tiles: tuple[int, ...], what: str) -> torch.Tensor:
+    """A quantised tensor's scales as float32, checked: ``tiles`` of them (``what``: one per which
+    block), stored as a float or ue8m0, every one finite and >= 0 (a NaN, infinite or negative scale
+    would load as wrong weights without a sign)."""
+    if scale.dtype not in SCALE_DTYPES:
+        raise CheckpointError(f"tensor {name!r} is {scale.dtype}; block scales must be one of "
+                              f"{', '.join(str(d).removeprefix('torch.') for d in SCALE_DTYPES)}")
+    if tuple(scale.shape) != tuple(tiles):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(scale.shape)}, expected {tuple(tiles)} ({what})")
+    scale = scale.float()
+    bad = ~torch.isfinite(scale) | (scale < 0)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise CheckpointError(f"tensor {name!r} holds {scale[at].item()} at {at}; block scales must be finite "
+                              "and >= 0")
+    return scale
+
+
+def check_weight_dtype(name: str, t: torch.Tensor) -> None:
+    """A weight without scales must be a float of 16 or 32 bits: other FP8 formats (e5m2, fnuz) and
+    integer weights (another quantisation) would be cast as if they were values."""
+    if not t.is_floating_point() or t.element_size() < 2:
+        raise CheckpointError(f"tensor {name!r} is {t.dtype}; expected float32, bfloat16 or float16, or "
+                              "float8_e4m3fn with block scales")
+
+
 def resolve_model_dir(model: str | None) -> Path:
     """``model`` if given, else $DEEPINFER_HF_MODEL_DIR, else the embedded default model. A name
     that is not a directory is, in order: an embedded model (``EMBEDDED_MODELS``, e.g. ``tiny-v4``),
@@ -217,13 +265,13 @@ def iter_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, dtype: torch.dt
             scale_name = name + "_scale_inv"
             if scale_name not in available:
                 raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r}")
-            scale = reader.get(scale_name).float()
             tiles = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
-            if tuple(scale.shape) != tiles:
-                raise CheckpointError(f"tensor {scale_name!r} has shape {tuple(scale.shape)}, expected {tiles} "
-                                      f"(one scale per {FP8_BLOCK}x{FP8_BLOCK} tile of {name!r})")
+            scale = checked_scale(scale_name, reader.get(scale_name), tiles,
+                                  f"one scale per {FP8_BLOCK}x{FP8_BLOCK} tile of {name!r}")
             if not (keep_fp8 and keeps_fp8(name, t)):
                 t, scale = dequantize_fp8(t, scale), None
+        else:
+            check_weight_dtype(name, t)
         if scale is not None:  # rope rows move inside 64-row groups, so within their 128-row tiles
             t = t.view(torch.uint8)
         if not cfg.rope_interleave and name.endswith(("q_proj.weight", "q_b_proj.weight")):

@@ -16,7 +16,14 @@ from collections.abc import Iterator
 
 import torch
 
-from deepinfer_core.models.loader import CheckpointError, SafetensorsReader, dequantize_fp8
+from deepinfer_core.models.loader import (
+    FP8_BLOCK,
+    CheckpointError,
+    SafetensorsReader,
+    check_weight_dtype,
+    checked_scale,
+    dequantize_fp8,
+)
 
 FP4_GROUP = 32
 #: e2m1 code -> value (bit 3 is the sign)
@@ -97,11 +104,20 @@ class V4Names:
             if scale_name is None:
                 raise CheckpointError(f"FP8 tensor {name!r} has no block scale ({stem}.scale)")
             self._check(name, t, shape)
-            return dequantize_fp8(t, self.reader.get(self.by_canonical[scale_name]))
+            sname = self.by_canonical[scale_name]
+            tiles = tuple(-(-n // FP8_BLOCK) for n in shape)
+            scale = checked_scale(sname, self.reader.get(sname), tiles,
+                                  f"one scale per {FP8_BLOCK}x{FP8_BLOCK} tile of {name!r}")
+            return dequantize_fp8(t, scale)
         if t.dtype in (torch.int8, torch.uint8) and scale_name is not None:  # FP4 e2m1, two per byte
             self._check(name, t, (*shape[:-1], shape[-1] // 2))
-            return dequantize_fp4(t, self.reader.get(self.by_canonical[scale_name]))
+            sname = self.by_canonical[scale_name]
+            scale = checked_scale(sname, self.reader.get(sname), (*shape[:-1], -(-shape[-1] // FP4_GROUP)),
+                                  f"one scale per {FP4_GROUP} columns of {name!r}")
+            return dequantize_fp4(t, scale)
         self._check(name, t, shape)
+        if t.is_floating_point():
+            check_weight_dtype(name, t)
         return t if not t.is_floating_point() else t.float()
 
     @staticmethod
