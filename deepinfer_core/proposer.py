@@ -50,7 +50,8 @@ class Draft:
 
     ``probs``: the draft distributions the tokens were drawn from, ``[len(tokens), vocab]``, for
     requests that sample (temperature > 0); None for a deterministic guess (a point mass on each
-    token: still exact, the target's residual is drawn on rejection). ``confidences``: optional
+    token, verified by coupling: a seeded request then emits the tokens plain decoding emits with its
+    seed; ``engine/rejection.py``). ``confidences``: optional
     per-position estimates of P(token j accepted | tokens before it accepted), for length policies."""
 
     tokens: list[int]

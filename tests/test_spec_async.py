@@ -361,6 +361,26 @@ def test_sampled_requests_run_exactly_their_lengths(tiny_v3_path, device_propose
     assert llm.engine.metrics()["spec_verified"] > 0 and llm.engine.metrics()["overlapped_steps"] > 0
 
 
+def test_seeded_sampling_emits_plain_decodings_tokens(tiny_v3_path, device_proposers):
+    """Point-mass drafts are verified by coupling (engine/rejection.py): a seeded request emits the
+    tokens plain decoding with its seed emits, its drafts accepted or not, async and sync."""
+    import device_proposers as dp
+
+    ps = [SamplingParams(temperature=0.9, top_p=0.95, seq_seed=7 + i, max_tokens=9, ignore_eos=True,
+                         n=2 if i == 0 else 1, repetition_penalty=1.2 if i == 1 else 1.0) for i in range(len(PROMPTS))]
+    want = tokens(run(make(tiny_v3_path, async_on=False), PROMPTS, ps))
+    dp.DeviceOracle.outputs = {tuple(p): w[0] for p, w in zip(PROMPTS, want)}
+    for async_on in (True, False):
+        for name in ("device_previous", "device_oracle"):
+            llm = make(tiny_v3_path, async_on=async_on, speculative={"proposer": name, "k": 3})
+            got = tokens(run(llm, PROMPTS, ps))
+            assert got == want, (async_on, name, [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w])
+            m = llm.engine.metrics()
+            assert m["spec_verified"] > 0
+            if name == "device_oracle":
+                assert m["spec_accepted"] > m["spec_verified"] // 3, m
+
+
 def test_preemption_mid_async_speculation(tiny_v3_path, device_proposers):
     import device_proposers as dp
 
@@ -500,7 +520,7 @@ def test_device_verify_equals_host_verify(seed):
     p = filtered_probs(flat, rows.index(row_idx))
     q = torch.zeros(sum(len(d) for d in dl), V)
     q[torch.arange(q.shape[0]), torch.tensor([t for d in dl for t in d], dtype=torch.long)] = 1.0
-    want, want_acc = verify(p, q, dl, seeds, first.tolist(), greedy)
+    want, want_acc = verify(p, q, dl, seeds, first.tolist(), greedy, point_mass=[True] * R)
     assert acc.tolist() == want_acc
     assert [toks[i, : acc[i] + 1].tolist() for i in range(R)] == want
     gtoks, gacc = verify_on_device(logits[greedy], drafts[greedy], lengths[greedy], None, seeds[greedy],

@@ -332,9 +332,12 @@ def test_bad_speculative_config_is_named(tiny_v3_path, proposer_package):
         make(tiny_v3_path, speculative={"proposer": "bad_start", "fail": "start"})
 
 
-def test_point_mass_drafts_keep_the_target_distribution():
-    """A deterministic proposer's drafts (no probs) verified against sampled rows: the first emitted
-    token still follows the target's filtered distribution (chi-square)."""
+@pytest.mark.parametrize("coupled", [False, True])
+def test_point_mass_drafts_keep_the_target_distribution(coupled):
+    """A deterministic proposer's drafts (no probs) verified against sampled rows, by the rejection
+    rule on one-hot rows or by coupling (the engine's way for them): the first emitted token still
+    follows the target's filtered distribution (chi-square), the draft is kept with probability p(d),
+    and coupled, every emitted token is the plain sampler's own draw at its position."""
     import torch
 
     from deepinfer_core.engine.rejection import SamplingRows, filtered_probs, verify
@@ -348,13 +351,23 @@ def test_point_mass_drafts_keep_the_target_distribution():
     q = SpecDecoder._draft_probs(seq, draft, V, "cpu")
     assert q.sum() == 1 and q[0, draft[0]] == 1
     seeds = torch.arange(N, dtype=torch.long) * 7919 + 3
-    tokens, accepted = verify(p.repeat(N, 1), q.repeat(N, 1), [draft] * N, seeds, [50] * N, [False] * N)
+    tokens, accepted = verify(p.repeat(N, 1), q.repeat(N, 1), [draft] * N, seeds, [50] * N, [False] * N,
+                              point_mass=[coupled] * N)
     counts = torch.bincount(torch.tensor([t[0] for t in tokens]), minlength=V).float()
     exp = p[0] * N
     stat = float(((counts - exp) ** 2 / exp).sum())
     pvalue = float(torch.special.gammaincc(torch.tensor((V - 1) / 2.0, dtype=torch.float64),
                                            torch.tensor(stat / 2.0, dtype=torch.float64)))
-    assert pvalue > 1e-3 and 0.2 < sum(accepted) / N < 0.99
+    assert pvalue > 1e-3
+    assert sum(accepted) / N == pytest.approx(float(p[0, draft[0]]), abs=4 * (0.25 / N) ** 0.5)
+    if coupled:  # the plain sampler at positions 50 (and 51 after an accepted draft) with the same seeds
+        from kernels_cpu.ops import sample
+
+        params = (torch.full((N,), 0.9), torch.zeros(N, dtype=torch.long), torch.ones(N), torch.zeros(N))
+        first = sample(logits[:1].repeat(N, 1), *params, seeds, torch.full((N,), 50)).tolist()
+        second = sample(logits[1:].repeat(N, 1), *params, seeds, torch.full((N,), 51)).tolist()
+        assert [t[0] for t in tokens] == first
+        assert all(t[1] == b for t, b in zip(tokens, second) if len(t) == 2)
 
 
 def test_penalties_with_accepted_drafts_are_greedy_exact(tiny_v3_path, proposer_package):

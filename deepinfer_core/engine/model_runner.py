@@ -54,6 +54,9 @@ class StepBatch:
     # per scheduled request its first position on the device, where ``computed_before`` is only the
     # host's upper bound (async steps after a speculative one: shifted back by its rejected drafts)
     first_dev: torch.Tensor | None = None
+    # (positions [len(sample_seqs)] on the device, {id(seq): index}): the position each sampling row
+    # draws at where the host's lengths over-count (async steps after a speculative one); None: the host's
+    sample_pos: tuple[torch.Tensor, dict[int, int]] | None = None
 
 
 def _table_rows(tables: list[list[int]], pad: int) -> list[list[int]]:

@@ -273,7 +273,18 @@ class StepPipeline:
         else:
             sample_logits = logits[to_device(batch.sample_rows, torch.long, eng.device, eng._pin)]
         eng.pm.hook.process_logits(engine=eng, batch=batch, logits=sample_logits)
-        return eng.sampler.sample(sample_logits, batch.sample_seqs, [s.num_tokens for s in batch.sample_seqs])
+        return eng.sampler.sample(sample_logits, batch.sample_seqs, self._positions(batch))
+
+    def _positions(self, batch: StepBatch) -> list[int] | torch.Tensor:
+        """The position each sampling row draws at (its draw's RNG key): the host's lengths, or after a
+        speculative step in flight the device's true ones (``StepBatch.sample_pos``)."""
+        if batch.sample_pos is None:
+            return [s.num_tokens for s in batch.sample_seqs]
+        pos, at = batch.sample_pos
+        idx = [at[id(s)] for s in batch.sample_seqs]
+        if idx == list(range(pos.shape[0])):
+            return pos
+        return pos[to_device(idx, torch.long, pos.device, self.engine._pin)]
 
     # ---- complete -------------------------------------------------------------------------
     def complete(self, step: InflightStep) -> None:

@@ -11,6 +11,14 @@ p_0..p_m (p_j is the target's distribution after d_1..d_j):
 Greedy requests (temperature 0) reduce to: accept while d_j == argmax p_{j-1}, then emit the
 target's argmax, i.e. exactly the tokens of plain greedy decoding.
 
+Point-mass drafts (a deterministic proposer's, ``q_j = delta(d_j)``) are verified by coupling instead:
+at each position the target draws its own token x_j from p_j with the engine sampler's noise (the main
+stream, keyed as plain decoding keys it), d_j is accepted while x_j == d_j, and the first x_j that
+differs (or the bonus x_m) is emitted. That accepts d_j with probability p_j(d_j) = min(1, p/q) and, on a
+rejection, emits a token of p_j without d_j: the rule above, exactly. And every emitted token is the
+target's own draw, so a seeded request emits the very tokens of plain decoding with its seed,
+speculation on or off.
+
 Every random number comes from :func:`kernels_cpu.rng.uniform_from_counter` keyed by the request's
 seed and the index of the token being decided, in separate streams (the seed is xor-ed with a
 per-stream constant): the draft's draw, the accept test and the residual draw. The bonus token uses
@@ -97,13 +105,16 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: list[list[int]],
            seeds: torch.Tensor, first_pos: list[int], greedy: list[bool],
-           target_argmax: list[int] | None = None) -> tuple[list[list[int]], list[int]]:
+           target_argmax: list[int] | None = None, point_mass: list[bool] | None = None
+           ) -> tuple[list[list[int]], list[int]]:
     """Verify the drafts of R requests.
 
     ``target_probs`` [sum(m_i + 1), V]: each request's rows p_0..p_m, concatenated in order (may be
     None-like for all-greedy batches when ``target_argmax`` is given). ``draft_probs`` [sum(m_i), V]:
-    q_1..q_m for each request (rows of greedy requests are ignored). ``first_pos[i]`` is the token
-    index of d_1. Returns (emitted tokens per request, accepted draft count per request).
+    q_1..q_m for each request (rows of greedy requests, and of requests whose ``point_mass`` is True,
+    are ignored). ``first_pos[i]`` is the token index of d_1. ``point_mass[i]``: request i's drafts
+    are point masses, verified by coupling (module docstring). Returns (emitted tokens per request,
+    accepted draft count per request).
     """
     R = len(draft_tokens)
     m = [len(d) for d in draft_tokens]
@@ -133,6 +144,22 @@ def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_t
         return out, accepted
 
     dev = target_probs.device
+    coupled = [i for i in sampled if point_mass is not None and point_mass[i]]
+    if coupled:  # the target's own draw at every row: drafts accepted while they equal it
+        rows = [t_start[i] + j for i in coupled for j in range(m[i] + 1)]
+        req = torch.tensor([i for i in coupled for _ in range(m[i] + 1)], device=dev)
+        pos = torch.tensor([first_pos[i] + j for i in coupled for j in range(m[i] + 1)], device=dev)
+        x = draw(target_probs[torch.tensor(rows, device=dev)], seeds[req], pos).tolist()
+        k = 0
+        for i in coupled:
+            a = 0
+            while a < m[i] and draft_tokens[i][a] == x[k + a]:
+                a += 1
+            accepted[i], out[i] = a, x[k : k + a + 1]
+            k += m[i] + 1
+        sampled = [i for i in sampled if not point_mass[i]]
+        if not sampled:
+            return out, accepted
     # accept tests for every draft row of the sampled requests
     p_rows, q_rows, toks, seed_rows, pos_rows = [], [], [], [], []
     for i in sampled:
@@ -192,7 +219,7 @@ def verify_on_device(target: torch.Tensor, drafts: torch.Tensor, lengths: torch.
                      seeds: torch.Tensor, first_pos: torch.Tensor, params: list | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify` for point-mass drafts on a fixed grid, without reading anything on the host
-    (async speculative steps): the same accept tests, residual and bonus draws, bit for bit.
+    (async speculative steps): the same coupled draws, bit for bit.
 
     ``target`` [R, K + 1, V]: each request's rows p_0..p_K (logits); ``drafts`` [R, K]; ``lengths``
     [R]: drafts of each request to verify (rows past them are ignored); ``rows``: each request's
@@ -214,22 +241,12 @@ def verify_on_device(target: torch.Tensor, drafts: torch.Tensor, lengths: torch.
             flags = dict(needs_filter=any(0 < p.top_k < V or p.top_p < 1 or p.min_p > 0 for p in params),
                          any_greedy=any(p.temperature <= 0 for p in params))
         per_row = rows.index(torch.arange(R, device=dev).repeat_interleave(K + 1))
-        probs = filtered_probs(target.reshape(R * (K + 1), V), per_row, **flags).view(R, K + 1, V)
-        p_tok = probs[:, :K].gather(2, safe[..., None])[..., 0]
-        u = uniform(stream(seeds, STREAM_ACCEPT).repeat_interleave(K), (first_pos[:, None] + j).reshape(-1))
-        ok = u.view(R, K) < p_tok  # u * q < p with q(d) = 1
+        probs = filtered_probs(target.reshape(R * (K + 1), V), per_row, **flags)
+        pos = (first_pos[:, None] + torch.arange(K + 1, device=dev)[None, :]).reshape(-1)
+        own = draw(probs, seeds.long().repeat_interleave(K + 1), pos).view(R, K + 1)  # the target's draws
+        ok = safe == own[:, :K]
     accepted = (ok & valid).long().cumprod(1).sum(1)
-    if rows is None:
-        final = argmax.gather(1, accepted[:, None])[:, 0]
-    else:
-        p = probs[torch.arange(R, device=dev), accepted]  # [R, V]: p_a
-        rejected = accepted < lengths
-        d = safe.gather(1, accepted.clamp(max=K - 1)[:, None])
-        res = p.scatter(1, d, (p.gather(1, d) - 1.0).clamp(min=0))  # max(0, p - q) for a point mass q
-        mass = res.sum(-1, keepdim=True)
-        res = torch.where(mass > 0, res / mass.clamp(min=1e-30), p)
-        dist = torch.where(rejected[:, None], res, p)
-        final = draw(dist, torch.where(rejected, stream(seeds, STREAM_RESIDUAL), seeds.long()), first_pos + accepted)
+    final = (argmax if rows is None else own).gather(1, accepted[:, None])[:, 0]
     tokens = torch.cat([safe, torch.zeros(R, 1, dtype=torch.long, device=dev)], 1)
     tokens.scatter_(1, accepted[:, None], final[:, None])
     return tokens, accepted

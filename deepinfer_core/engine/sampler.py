@@ -55,7 +55,7 @@ class Sampler:
         d = self.sample(logits, seqs, positions)
         return self.to_result(d.want, d.tensors())
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int] | torch.Tensor) -> DeviceSample:
         """Draw on the device without waiting for it. Penalties read the requests' output tokens on
         the host, so those must be known (the engine runs such requests synchronously)."""
         params = [s.params for s in seqs]
@@ -76,7 +76,7 @@ class Sampler:
                 dev([p.top_p for p in params], torch.float32),
                 dev([p.min_p for p in params], torch.float32),
                 dev([s.seed for s in seqs], torch.long),
-                dev(positions, torch.long),
+                positions if isinstance(positions, torch.Tensor) else dev(positions, torch.long),
             )
         lse = self.k.logsumexp(raw)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse

@@ -185,6 +185,11 @@ class AsyncSpec:
         maps = self._index_maps(batch, out, drafts)
         if drafts is not None:
             drafts.maps = maps
+        if prev_flight is not None:  # draws keyed by the true positions, as plain decoding keys them
+            mt = maps["t"]
+            dec = mt[maps["sample_dec"]]
+            pos = mt[maps["sample_len"]] - torch.where(dec >= 0, rej[dec.clamp(min=0)], 0)
+            batch.sample_pos = (pos, {id(s): i for i, s in enumerate(batch.sample_seqs)})
         for s in decodes:  # the slots live on in ``ScheduledSeq.spec_tokens``
             s.seq.spec_tokens, s.seq.spec_probs = [], None
         if prev_flight is not None or drafts is not None:
@@ -355,6 +360,9 @@ class AsyncSpec:
                 src.extend(nd + d * K + t for t in range(m))
         h = {"D0": D0, "req": up.add(req), "src": up.add(src), "tables": {}, "computed": up.add(batch.computed_before)}
         seqs = [s.seq for s in out.decodes]
+        dec_of = {id(q): j for j, q in enumerate(seqs)}  # each sampling row's decode (-1: a prefill's)
+        h.update(sample_dec=up.add([dec_of.get(id(q), -1) for q in batch.sample_seqs]),
+                 sample_len=up.add([q.num_tokens for q in batch.sample_seqs]))
         for (pool, _), _names in eng.runner._slot_keys.items():
             if pool not in h["tables"]:
                 width = max(len(s.block_tables[pool]) for s in seqs)

@@ -195,7 +195,8 @@ class SpecDecoder:
             probs = filtered_probs(target, SamplingRows.from_params([s.params for s in row_seqs], dev))
             q = torch.cat([self._draft_probs(seq, d, spec.shape[-1], dev) for seq, d in zip(seqs, drafts)])
             argmax = None
-        tokens, accepted = verify(probs, q, drafts, seeds, first_pos, greedy, argmax)
+        point = [s.spec_probs is None for s in seqs]  # a deterministic proposer's drafts: coupled draws
+        tokens, accepted = verify(probs, q, drafts, seeds, first_pos, greedy, argmax, point)
         logprobs, tops = self._logprobs(spec, seqs, tokens, self._starts(drafts))
         computed = [s.num_computed_tokens + 1 + a for s, a in zip(seqs, accepted)]
         stops = eng.append_tokens(seqs, tokens, logprobs, tops)
