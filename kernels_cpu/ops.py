@@ -250,9 +250,7 @@ def sample(
     """Greedy rows where temperature == 0; otherwise an exponential-race draw (argmax p / E) from the
     filtered distribution, with E from a counter-based RNG so each row depends only on its own data."""
     logits = logits.float()
-    greedy = temperature <= 0
-    if bool(greedy.all()):
-        return logits.argmax(-1)
+    greedy = temperature <= 0  # (no early exit for all-greedy rows: that would read a device value)
     B, V = logits.shape
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     logits = logits / t[:, None]

@@ -514,6 +514,10 @@ def test_device_verify_equals_host_verify(seed):
     toks, acc = verify_on_device(logits, drafts, lengths, rows, seeds, first)
     with_flags = verify_on_device(logits, drafts, lengths, rows, seeds, first, params)  # filters decided on the host
     assert torch.equal(with_flags[0], toks) and torch.equal(with_flags[1], acc)
+    from kernels_cpu.ops import sample
+
+    with_op = verify_on_device(logits, drafts, lengths, rows, seeds, first, params, sample)  # the engine's op
+    assert torch.equal(with_op[0], toks) and torch.equal(with_op[1], acc)
     dl = [drafts[i, : lengths[i]].tolist() for i in range(R)]
     flat = torch.cat([logits[i, : lengths[i] + 1] for i in range(R)])
     row_idx = torch.cat([torch.full((int(lengths[i]) + 1,), i) for i in range(R)])

@@ -28,6 +28,7 @@ else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -216,15 +217,17 @@ def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_t
 
 
 def verify_on_device(target: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, rows: SamplingRows | None,
-                     seeds: torch.Tensor, first_pos: torch.Tensor, params: list | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     seeds: torch.Tensor, first_pos: torch.Tensor, params: list | None = None,
+                     sample: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify` for point-mass drafts on a fixed grid, without reading anything on the host
     (async speculative steps): the same coupled draws, bit for bit.
 
     ``target`` [R, K + 1, V]: each request's rows p_0..p_K (logits); ``drafts`` [R, K]; ``lengths``
     [R]: drafts of each request to verify (rows past them are ignored); ``rows``: each request's
     sampling parameters (None: every request is greedy), ``params`` their ``SamplingParams`` where
-    known (the filters to apply are then decided on the host); ``first_pos`` [R]: the token index of d_1.
+    known (the filters to apply are then decided on the host); ``first_pos`` [R]: the token index of d_1;
+    ``sample``: the engine's ``sample`` op, so that the target's draws are plain decoding's bit for bit
+    on any backend (None: the reference's draw, :func:`filtered_probs` and :func:`draw`).
     Returns (tokens [R, K + 1]: request i emits its first ``accepted[i] + 1``; accepted [R])."""
     R, K = drafts.shape
     dev = target.device
@@ -236,14 +239,19 @@ def verify_on_device(target: torch.Tensor, drafts: torch.Tensor, lengths: torch.
         ok = safe == argmax[:, :K]
     else:
         V = target.shape[-1]
-        flags = {}
-        if params is not None:
-            flags = dict(needs_filter=any(0 < p.top_k < V or p.top_p < 1 or p.min_p > 0 for p in params),
-                         any_greedy=any(p.temperature <= 0 for p in params))
         per_row = rows.index(torch.arange(R, device=dev).repeat_interleave(K + 1))
-        probs = filtered_probs(target.reshape(R * (K + 1), V), per_row, **flags)
         pos = (first_pos[:, None] + torch.arange(K + 1, device=dev)[None, :]).reshape(-1)
-        own = draw(probs, seeds.long().repeat_interleave(K + 1), pos).view(R, K + 1)  # the target's draws
+        row_seeds = seeds.long().repeat_interleave(K + 1)
+        if sample is not None:  # the target's draws
+            own = sample(target.reshape(R * (K + 1), V), per_row.temperature, per_row.top_k, per_row.top_p,
+                         per_row.min_p, row_seeds, pos).view(R, K + 1)
+        else:
+            flags = {}
+            if params is not None:
+                flags = dict(needs_filter=any(0 < p.top_k < V or p.top_p < 1 or p.min_p > 0 for p in params),
+                             any_greedy=any(p.temperature <= 0 for p in params))
+            probs = filtered_probs(target.reshape(R * (K + 1), V), per_row, **flags)
+            own = draw(probs, row_seeds, pos).view(R, K + 1)
         ok = safe == own[:, :K]
     accepted = (ok & valid).long().cumprod(1).sum(1)
     final = (argmax if rows is None else own).gather(1, accepted[:, None])[:, 0]

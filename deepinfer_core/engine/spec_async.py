@@ -468,7 +468,7 @@ class AsyncSpec:
             sel = t[h["sel"]]
             lengths, dtok, first, wanted = (drafts.lengths[sel], drafts.tokens[sel], drafts.first_pos[sel],
                                             drafts.wanted[sel])
-        tokens, acc = verify_on_device(target, dtok, lengths, rows, t[h["seeds"]], first, params)
+        tokens, acc = verify_on_device(target, dtok, lengths, rows, t[h["seeds"]], first, params, eng.kernels.sample)
         if emitted is None:
             emitted, accepted = tokens, acc
         else:
