@@ -177,3 +177,29 @@ def test_threshold_policy_is_greedy_exact_and_cuts_by_cumulative_confidence(tiny
 def test_min_confidence_out_of_range(tiny_v3_path):
     with pytest.raises(ConfigError, match="min_confidence"):
         make(tiny_v3_path, dspark={"budget_policy": "threshold", "min_confidence": 1.5})
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.update(verify_tokens=[4, 2, 8]), "verify_tokens must be increasing positive ints"),
+    (lambda d: d.update(draft_rows=[]), "draft_rows must be increasing positive ints"),
+    (lambda d: d["verify_s"].__setitem__(1, float("nan")), "verify_s must be 3 finite times >= 0"),
+    (lambda d: d.update(draft_s=[0.001]), "draft_s must be 2 finite times >= 0"),
+    (lambda d: d.update(overhead_s=-1.0), "overhead_s must be a finite time >= 0"),
+    (lambda d: d.update(format=1), "unknown step-cost format 1"),
+])
+def test_a_malformed_cached_step_time_curve_is_refused(tmp_path, edit, field):
+    """A cached curve comes from a cache directory that may be shared or hand-edited: one that would
+    divide by zero or steer the policy with NaN is refused naming the field (DSpark measures again)."""
+    import json
+
+    from deepinfer_core.engine.cost_model import save_json
+
+    good = StepCost([1, 2, 4], [0.01, 0.012, 0.015], [1, 2], [0.002, 0.003], 0.001, 0.0001)
+    path = tmp_path / "curve.json"
+    save_json(path, good.__dict__)
+    assert StepCost.load(path) == good
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=field):
+        StepCost.load(path)

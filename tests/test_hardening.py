@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from pathlib import Path
@@ -104,6 +105,42 @@ def test_corrupt_cost_model_cache_is_ignored_with_a_warning(tiny_v3_path, tmp_pa
     # a file named explicitly (cost_model=...) that is corrupt is an error naming it
     with pytest.raises(ConfigError, match=re.escape(str(path))):
         make(tiny_v3_path, cost_model=str(path))
+    # a symlink to a device (it would read forever), a directory, an unreadable file: ignored, named
+    for bad in ("device", "directory", "unreadable"):
+        path.unlink() if path.is_file() or path.is_symlink() else path.rmdir()
+        if bad == "device":
+            path.symlink_to("/dev/zero")
+        elif bad == "directory":
+            path.mkdir()
+        else:
+            CostModel(1e-3, 1e-5, 0.0, 0.0).save(path)
+            path.chmod(0)
+            if os.access(path, os.R_OK):  # (root reads it anyway)
+                continue
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="deepinfer.engine"):
+            assert make(tiny_v3_path).engine.cost_model is None
+        assert any(str(path) in r.getMessage() for r in caplog.records), (bad, [r.getMessage() for r in caplog.records])
+        with pytest.raises(ConfigError, match=re.escape(str(path))):
+            make(tiny_v3_path, cost_model=str(path))
+
+
+def test_json_cache_files_are_bounded_and_checked(tmp_path):
+    from deepinfer_core.engine.cost_model import load_json
+
+    with pytest.raises(FileNotFoundError):
+        load_json(tmp_path / "none.json")
+    (tmp_path / "dev.json").symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_json(tmp_path / "dev.json")
+    (tmp_path / "big.json").write_text("[" + "0," * 600_000 + "0]")
+    with pytest.raises(ValueError, match="is over 1048576 bytes"):
+        load_json(tmp_path / "big.json")
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match="is not JSON"):
+        load_json(tmp_path / "bin.json")
+    (tmp_path / "ok.json").write_text('{"a": [1, 2]}')
+    assert load_json(tmp_path / "ok.json") == {"a": [1, 2]}
 
 
 # ---- packaging ------------------------------------------------------------------------------------------

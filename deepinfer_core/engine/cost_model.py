@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,15 +60,34 @@ class CostModel:
     @classmethod
     def load(cls, path: Path) -> CostModel:
         """The model saved at ``path``; FileNotFoundError, or ValueError naming a file that is not one."""
-        text = Path(path).read_text()
         try:
-            return cls(**json.loads(text))
+            return cls(**load_json(path))
         except (ValueError, TypeError) as exc:  # half-written, hand-edited, another format
             raise ValueError(f"cost model file {str(path)!r} is unreadable ({exc})") from exc
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("DEEPINFER_CACHE_DIR") or Path.home() / ".cache" / "deepinfer")
+
+
+def load_json(path: Path, max_bytes: int = 1 << 20):
+    """Read a JSON cache file: FileNotFoundError when there is none; ValueError naming it when it is not a
+    regular file (a directory, a device a symlink leads to), is over ``max_bytes``, or is not JSON.
+    Cache directories may be shared, so what is read is bounded and checked, never executed."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"cache file {str(path)!r} is not a regular file")
+            raw = f.read(max_bytes + 1)
+    except IsADirectoryError:
+        raise ValueError(f"cache file {str(path)!r} is a directory") from None
+    if len(raw) > max_bytes:
+        raise ValueError(f"cache file {str(path)!r} is over {max_bytes} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cache file {str(path)!r} is not JSON ({exc})") from None
 
 
 def save_json(path: Path, doc) -> None:

@@ -273,6 +273,11 @@ class LLMEngine(TokenAccounting):
                 logger.warning("compute_quota_limit is set but no cost model at %s; run `deepinfer calibrate` "
                                "first. Prefill is limited by max_num_batched_tokens only.", path)
             return None
+        except OSError as exc:  # unreadable (permissions, I/O)
+            if self.cfg.cost_model:
+                raise ConfigError(f"config key 'cost_model': cannot read {str(path)!r}: {exc}") from exc
+            logger.warning("cannot read the cost model %s (%s); ignoring it", path, exc)
+            return None
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | dict | list, params: SamplingParams | dict | None,

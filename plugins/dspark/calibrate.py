@@ -37,7 +37,7 @@ def load_or_measure_cost(engine, feature) -> StepCost:
         cost = StepCost.load(path)
     except FileNotFoundError:
         pass
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, OSError) as exc:
         logger.warning("dspark: the step-time curve %s is unreadable (%s); measuring it again", path, exc)
     if engine.comm is not None:
         have = torch.tensor([float(cost is not None)], dtype=torch.float64)

@@ -21,12 +21,11 @@ floats only, so a device-side implementation can replace them.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deepinfer_core.engine.cost_model import save_json
+from deepinfer_core.engine.cost_model import load_json, save_json
 
 FORMAT = 2  # 2: the lean draft path (curves measured before it overstate draft steps)
 
@@ -91,10 +90,28 @@ class StepCost:
 
     @classmethod
     def load(cls, path: Path) -> StepCost:
-        data = json.loads(Path(path).read_text())
+        """Read a cached curve; a malformed one (a shared cache directory is not trusted) raises
+        ``ValueError`` naming the field, and the caller measures the curve again."""
+        data = load_json(path)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a step-cost curve is a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
             raise ValueError(f"{path}: unknown step-cost format {data.get('format')!r}")
+        for sizes, times in (("verify_tokens", "verify_s"), ("draft_rows", "draft_s")):
+            xs, ys = data.get(sizes), data.get(times)
+            if not (isinstance(xs, list) and xs and all(type(x) is int and x > 0 for x in xs)
+                    and all(a < b for a, b in zip(xs, xs[1:]))):
+                raise ValueError(f"{path}: {sizes} must be increasing positive ints, got {xs!r}")
+            if not (isinstance(ys, list) and len(ys) == len(xs) and all(_time(y) for y in ys)):
+                raise ValueError(f"{path}: {times} must be {len(xs)} finite times >= 0, got {ys!r}")
+        for key in ("overhead_s", "overhead_per_req_s"):
+            if not _time(data.get(key, 0.0)):
+                raise ValueError(f"{path}: {key} must be a finite time >= 0, got {data[key]!r}")
         return cls(**data)
+
+
+def _time(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 class LiveCost:
