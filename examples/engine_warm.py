@@ -33,8 +33,20 @@ MOE_DECODE = (1, 2, 4, 8)  # the weight-streaming MoE's row buckets (kernels_cud
 MOE_STREAM = (512,)  # with 64 and 256: kernels_cuda.moe_stream's block rows (16 / 32 / 64 at V2-Lite)
 
 
+def decode_query(cfg: ModelConfig, M: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """MLA's query [M, H, N + R] laid out as ``MLA.forward`` has it (the ops compile per stride): with q_lora, the
+    q_b projection's own output (contiguous); without, the first H * (N + R) columns of the fused q + kv_a
+    projection's output (rows at its stride)."""
+    H, NR = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+        return torch.empty(M, H * NR, dtype=dtype).view(M, H, NR)
+    xa = torch.empty(M, H * NR + cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype)
+    return xa[:, : H * NR].view(M, H, NR)
+
+
 def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Call every kernel op of the engine's forward for ``cfg`` once per configuration; returns their names."""
+    from kernels_cuda.elementwise import rope, silu_and_mul
     from kernels_cuda.gemv import MAX_M, linear, linear_f32
     from kernels_cuda.gemv_rows import head_linear, mla_q_absorb, mla_q_absorb_kv_write
     from kernels_cuda.kv_cache import paged_kv_write
@@ -67,9 +79,11 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     done.append(f"mla_kv_write stride={q_cols + L + R}")
     for res in (None, e(1, C, dtype=dtype)):  # the first layer's input norm has no residual
         add_rms_norm_linear(e(1, C, dtype=dtype), res, e(C, dtype=dtype), 1e-6, e(q_cols + L + R, C, dtype=dtype))
-    if cfg.first_k_dense_replace:  # a dense layer's post-attention norm + w13
+    if cfg.first_k_dense_replace:  # a dense layer's post-attention norm + w13, and its activation
         add_rms_norm_linear(e(1, C, dtype=dtype), e(1, C, dtype=dtype), e(C, dtype=dtype), 1e-6,
                             e(2 * cfg.intermediate_size, C, dtype=dtype))
+        silu_and_mul(e(8, 2 * cfg.intermediate_size, dtype=dtype))
+        done.append(f"silu_and_mul I={cfg.intermediate_size}")
     done.append("add_rms_norm_linear (input norm + q + kv_a, dense norm + w13, at one row)")
     # small-M projections (decode batches up to MAX_M): every GEMM weight of the forward, and the router
     E_r = cfg.n_routed_experts
@@ -83,8 +97,8 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
             linear(e(M, k_in, dtype=dtype), e(n_out, k_in, dtype=dtype))
         if E_r:
             linear_f32(e(M, C, dtype=dtype), e(E_r, C))
-        # MLA's decode query (from the projection's output columns) and W_UV
-        q = e(M, q_cols + L + R, dtype=dtype)[:, : H * (N + R)].view(M, H, N + R)
+        # MLA's decode query (q_b's output, or the fused projection's first columns) and W_UV
+        q = decode_query(cfg, M, dtype)
         mla_q_absorb(q, w_uk, torch.zeros(M, dtype=torch.long), e(16, R))
         mla_q_absorb_kv_write(q, w_uk, torch.zeros(M, dtype=torch.long), e(16, R), e(M, q_cols + L + R, dtype=dtype)[
             :, q_cols:], e(L, dtype=dtype), 1e-6, cache, torch.zeros(M, dtype=torch.long))
@@ -97,6 +111,8 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
                    0.1, L)
         done.append(f"mla_decode H={H} B={B}")
     S = 256
+    rope(decode_query(cfg, S, dtype)[..., N:], torch.zeros(S, dtype=torch.long), e(16, R))  # prefill rows' q_pe
+    done.append(f"rope q_pe H={H} stride={decode_query(cfg, 1, dtype).stride(0)}")
     cu = torch.tensor([0, S])
     mla_prefill(e(S, H, N + R, dtype=dtype), e(S, H, N + R, dtype=dtype), e(S, H, V, dtype=dtype), cu, cu, 0.1)
     done.append(f"mla_prefill H={H}")
