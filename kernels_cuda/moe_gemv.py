@@ -28,6 +28,7 @@ replaces ``fused_moe`` with ``kernels_cpu.batch_invariant``'s, so it never runs 
 import torch
 
 from kernels_cuda import _tl
+from kernels_cuda.moe_slots import expert_slots_macro
 
 #: decode batches (tokens) up to this take the weight-streaming path (a size rule on shapes only: nothing is
 #: read back from the device); above it the tensor-core pipeline of ``kernels_cuda.moe``. Measured on the H200
@@ -62,6 +63,7 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
     ragged = C % step != 0
     NW = RT // 32
     assert I % BN == 0 and C % VEC == 0
+    expert_slots = expert_slots_macro(T)
 
     @T.macro
     def load_rows(W13, e, n, tk, w_g, w_u):
@@ -97,20 +99,7 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
             nr = T.alloc_local((1,), "int32")
             mine = T.alloc_local((1,), "int32")
             e = T.cast(Ids[s], "int32")
-            if lin == 0:
-                cnt[0] = 0
-                first[0] = 1
-            T.sync_threads()
-            if lin < NS:
-                if T.cast(Ids[lin], "int32") == e:
-                    if lin < s:
-                        first[0] = 0  # an earlier slot's CTA owns this expert
-                    else:
-                        pos = T.atomic_add(cnt[0], 1, return_prev=True)
-                        rows[pos] = lin
-            T.sync_threads()
-            nr[0] = cnt[0]
-            mine[0] = first[0]
+            expert_slots(Ids, NS, s, e, lin, rows, cnt, first, nr, mine)
             if (e >= 0) & (e < E) & (mine[0] == 1):
                 # (loading before the scan, at one token, measured slower on the H200: 35.5 against 26.1 us)
                 load_rows(W13, e, n, tk, w_g, w_u)
@@ -175,6 +164,7 @@ def build_up_mma(E: int, C: int, I: int, K: int, dtype: str, id_dtype: str, limi
     assert C % (WARPS * 32) == 0 and I % BN == 0
     steps = KW // 32
     ab = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    expert_slots = expert_slots_macro(T)
 
     @T.prim_func
     def moe_up_mma(X: T.Tensor((NT, C), dtype), W13: T.Tensor((E, 2 * I, C), dtype), Ids: T.Tensor((NS,), id_dtype),
@@ -200,20 +190,7 @@ def build_up_mma(E: int, C: int, I: int, K: int, dtype: str, id_dtype: str, limi
             mine = T.alloc_local((1,), "int32")
             gu = T.alloc_local((2,), accum)
             e = T.cast(Ids[s], "int32")
-            if tx == 0:
-                cnt[0] = 0
-                first[0] = 1
-            T.sync_threads()
-            if tx < NS:
-                if T.cast(Ids[tx], "int32") == e:
-                    if tx < s:
-                        first[0] = 0  # an earlier slot's CTA owns this expert
-                    else:
-                        pos = T.atomic_add(cnt[0], 1, return_prev=True)
-                        rows[pos] = tx
-            T.sync_threads()
-            nr[0] = cnt[0]
-            mine[0] = first[0]
+            expert_slots(Ids, NS, s, e, tx, rows, cnt, first, nr, mine)
             if (e >= 0) & (e < E) & (mine[0] == 1):
                 for ch in T.serial(T.ceildiv(nr[0], 8)):
                     for i in T.unroll(4):

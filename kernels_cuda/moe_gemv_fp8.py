@@ -28,6 +28,7 @@ import torch
 
 from kernels_cuda import _tl
 from kernels_cuda.fp8_gemv import FP8, GROUP, quant_group_macro
+from kernels_cuda.moe_slots import expert_slots_macro
 
 #: tokens up to this take this path. Measured on the H200 at V2-Lite (docs/h200/s10, round 1), against the
 #: six-launch pipeline: 1 token 45.8 / 78.3 us, 2: 99.6 / 112.0, 4: 223.1 / 150.3, 8: 590.3 / 234.5 (so up to 2)
@@ -50,6 +51,31 @@ def split(width: int, threads: int = THREADS) -> tuple[int, int]:
     return rt, threads // rt
 
 
+def quant_store_macro(T, NTH: int, TV: int):
+    """A macro: thread ``lin``'s 16 activation values ``xb`` (x's dtype; ``xf``, ``qf``, ``qv`` and ``sc`` its
+    scratch) at pass ``j`` over the ``TV`` 16-value vectors of the rows being quantised (``NTH`` threads a pass),
+    quantised as ``fp8_gemv.quant_group_macro`` (every lane of the warp must call it: the group's amax is shuffled)
+    and, for a vector inside the ``TV``, stored as e4m3 into the shared ``Q[row]`` at vector ``kv``, the group's scale
+    into ``S[row]`` by the group's first lane. (The bound is tested here, not passed in: a macro binds an expression
+    argument to a new variable, and the kernels' simplification of the stores under it would change.)"""
+    quant_group = quant_group_macro(T)
+
+    @T.macro
+    def quant_store(xb, xf, qf, qv, sc, j, lin, Q, S, row, kv):
+        for v in T.unroll(VEC):
+            xf[v] = T.cast(xb[v], "float32")
+        quant_group(xf, qf, sc)
+        if j * NTH + lin < TV:
+            for v in T.unroll(VEC):
+                qv[v] = T.cast(qf[v], FP8)
+            for v in T.vectorized(VEC):
+                Q[row, kv * VEC + v] = qv[v]
+            if kv % (GROUP // VEC) == 0:
+                S[row, kv // (GROUP // VEC)] = sc[0]
+
+    return quant_store
+
+
 def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str,
                  min_blocks: int = 2):
     """``min_blocks``: CTAs per SM the register budget must allow."""
@@ -60,7 +86,8 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
     NW = RT // 32
     CB, NTH, TV = C // GROUP, RT * BN, MB * C // VEC
     assert C % step == 0 and I % BN == 0 and RT % 32 == 0
-    quant_group = quant_group_macro(T)
+    quant_store = quant_store_macro(T, NTH, TV)
+    expert_slots = expert_slots_macro(T)
 
     @T.prim_func
     def moe_up_fp8(X: T.Tensor((NT, C), dtype), W13: T.Tensor((E, 2 * I, C), FP8),
@@ -96,20 +123,7 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
             nr = T.alloc_local((1,), "int32")
             mine = T.alloc_local((1,), "int32")
             e = T.cast(Ids[s], "int32")
-            if lin == 0:
-                cnt[0] = 0
-                first[0] = 1
-            T.sync_threads()
-            if lin < NS:
-                if T.cast(Ids[lin], "int32") == e:
-                    if lin < s:
-                        first[0] = 0  # an earlier slot's CTA owns this expert
-                    else:
-                        pos = T.atomic_add(cnt[0], 1, return_prev=True)
-                        rows[pos] = lin
-            T.sync_threads()
-            nr[0] = cnt[0]
-            mine[0] = first[0]
+            expert_slots(Ids, NS, s, e, lin, rows, cnt, first, nr, mine)
             if (e >= 0) & (e < E) & (mine[0] == 1):
                 for it in T.unroll(iters):  # the gate and up rows of column n: all loads in flight
                     k0 = it * step + tk * VEC
@@ -128,16 +142,7 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
                         tok = rows[T.min(ch * MB + m, nr[0] - 1)] // K
                         for v in T.vectorized(VEC):
                             xb[v] = X[tok, kv * VEC + v]
-                        for v in T.unroll(VEC):
-                            xf[v] = T.cast(xb[v], "float32")
-                        quant_group(xf, qf, sc)
-                        if j * NTH + lin < TV:
-                            for v in T.unroll(VEC):
-                                qv[v] = T.cast(qf[v], FP8)
-                            for v in T.vectorized(VEC):
-                                q_s[m, kv * VEC + v] = qv[v]
-                            if kv % (GROUP // VEC) == 0:
-                                sx_s[m, kv // (GROUP // VEC)] = sc[0]
+                        quant_store(xb, xf, qf, qv, sc, j, lin, q_s, sx_s, m, kv)
                     T.sync_threads()
                     for m in T.unroll(MB):
                         acc_g[m] = 0.0
@@ -192,7 +197,7 @@ def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype
     iters = -(-I // step)
     IB, CB, NTH, TV = I // GROUP, -(-C // GROUP), RT * BN, K * I // VEC
     assert I % GROUP == 0 and C % BN == 0
-    quant_group = quant_group_macro(T)
+    quant_store = quant_store_macro(T, NTH, TV)
 
     @T.prim_func
     def moe_down_fp8(H: T.Tensor((NS, I), dtype), W2: T.Tensor((E, C, I), FP8),
@@ -223,16 +228,7 @@ def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype
                 kv = idx % (I // VEC)
                 for v in T.vectorized(VEC):
                     xb[v] = H[t * K + slot, kv * VEC + v]
-                for v in T.unroll(VEC):
-                    xf[v] = T.cast(xb[v], "float32")
-                quant_group(xf, qf, sc)
-                if j * NTH + lin < TV:
-                    for v in T.unroll(VEC):
-                        qv[v] = T.cast(qf[v], FP8)
-                    for v in T.vectorized(VEC):
-                        q_s[slot, kv * VEC + v] = qv[v]
-                    if kv % (GROUP // VEC) == 0:
-                        sh_s[slot, kv // (GROUP // VEC)] = sc[0]
+                quant_store(xb, xf, qf, qv, sc, j, lin, q_s, sh_s, slot, kv)
             T.sync_threads()
             acc[0] = 0.0
             for j in T.unroll(K):
