@@ -16,8 +16,13 @@ Contract (checked by the engine; a violation, or ``propose`` raising, drops the 
 that step with an error logged naming the proposer and ``spec_proposer_errors`` counted: the
 requests decode on, one token per step, as without speculation):
 ``propose`` returns one :class:`Draft` (or None) per request, at most ``max_drafts[i]`` tokens,
-each in the vocabulary. Every decoding request is offered, penalties and feature options
-(``so_args``: their masks reach the verify rows through ``process_logits``) included.
+each in the vocabulary, and ``probs`` (where given) the distributions the tokens were drawn from:
+finite, non-negative rows summing to 1, positive at their token. Every decoding request is offered,
+penalties and feature options (``so_args``: their masks reach the verify rows through
+``process_logits``) included. Any other method that raises, or answers out of its contract (a
+``verify_budget`` that is not a number, malformed ``DeviceDraft`` confidences), is logged the same
+way and its default stands in (``active``: dormant for the step; ``relayout_pays``: True). A
+proposer that fails to construct or ``start`` is a ``PluginError`` naming it.
 
 Async scheduling (``engine/spec_async.py``): a proposer that sets ``proposes_on_device`` also
 implements :meth:`Proposer.propose_on_device`, which drafts from device tensors (the tokens the
