@@ -10,6 +10,7 @@ the engine config's ``speculative`` table:
     [speculative]
     proposer = "ngram"     # the entry-point name
     k = 4                  # most drafts per request and step (1..16)
+    floor = true           # measure speculative against plain steps per batch size, run the faster
     ...                    # any other key goes to the proposer's constructor
 
 Contract (checked by the engine; a violation, or ``propose`` raising, drops the drafts concerned for
@@ -113,6 +114,11 @@ class Proposer(ABC):
     #: True: :meth:`propose_on_device` is implemented; with async scheduling on, speculative steps
     #: then overlap (their drafts are proposed on the device when the next step is launched)
     proposes_on_device: bool = False
+    #: True: the proposer decides itself, from its own measurements, when drafting pays
+    #: (:meth:`active`, :meth:`draft_slots`). False: the engine also keeps speculation no slower than
+    #: plain decoding by measuring both per batch size (``engine/spec_floor.py``; ``[speculative]
+    #: floor = false`` turns that off)
+    paces_itself: bool = False
 
     def __init__(self, section: dict) -> None:
         """``section``: the ``[speculative]`` keys other than ``proposer`` and ``k``; raise

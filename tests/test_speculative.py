@@ -138,6 +138,17 @@ class BadProbs(Proposer):
         return out
 
 
+class Sleepy(PreviousToken):
+    """Proposes the last token repeated, slowly: its speculative steps are slower than plain ones."""
+    name = "sleepy"
+
+    def propose(self, engine, requests, max_drafts, batch):
+        import time
+
+        time.sleep(0.02)
+        return super().propose(engine, requests, max_drafts, batch)
+
+
 class BadStart(PreviousToken):
     """Fails to construct (``fail = "init"``) or to start (``fail = "start"``)."""
     name = "bad_start"
@@ -159,7 +170,8 @@ def proposer_package(tmp_path_factory):
     entry_points.txt registers three proposers (what pip would write)."""
     yield from proposer_package_on_path(tmp_path_factory.mktemp("toy_proposers"), "toy_proposers", PROPOSERS, {
         "previous_token": "PreviousToken", "oracle": "Oracle", "too_long": "TooLong", "sometimes": "Sometimes",
-        "flaky": "Flaky", "reserving": "Reserving", "bad_probs": "BadProbs", "bad_start": "BadStart"})
+        "flaky": "Flaky", "reserving": "Reserving", "bad_probs": "BadProbs", "bad_start": "BadStart",
+        "sleepy": "Sleepy"})
 
 
 def make(path, **kw) -> LLM:
@@ -486,3 +498,58 @@ def test_dspark_goes_dormant_when_drafting_does_not_pay(tiny_v3_path, reference,
     m = llm.engine.metrics()
     assert m["spec_dormant_steps"] > 0 and m["overlapped_steps"] >= m["spec_dormant_steps"] - 2
     assert m["dspark_verified"] == 0 and m["dspark_steps_without_drafts"] > 0
+
+
+def test_spec_floor_runs_the_mode_that_measured_faster_per_batch_size():
+    """engine/spec_floor.py on given times: speculation first, a plain trial, then the faster mode,
+    with trials of the other now and then, further apart while they confirm it (a change of text is
+    seen); batch sizes apart; the first step after a switch and prefill steps not counted."""
+    from deepinfer_core.engine import spec_floor
+    from deepinfer_core.engine.spec_floor import SpecFloor
+
+    f = SpecFloor()
+    rates = {(1, True): 300.0, (1, False): 100.0, (32, True): 1000.0, (32, False): 2000.0}  # tokens/s
+
+    def run(requests, steps):
+        modes = []
+        for _ in range(steps):
+            m = f.speculate(requests)
+            modes.append(m)
+            f.observe(m, requests, 10, 10 / rates[requests, m], prefill=False)
+        return modes
+
+    one, many = run(1, 600), run(32, 600)
+    W, T = spec_floor.WARMUP, spec_floor.TRIAL
+    # the warm-up, a trial of plain steps (its first not counted), then the faster mode
+    assert one[: W + T + 2] == [True] * W + [False] * (T + 1) + [True]
+    assert sum(one) >= 600 - 4 * (T + 1)  # speculation wins at one request: plain only in 4 trials
+    assert sum(many) <= W + 3 * (T + 1)  # plain wins at 32: speculation only in warm-up and 3 trials
+    assert f.metrics()["spec_floor_spec_tok_s_1"] == 300.0 and f.metrics()["spec_floor_plain_tok_s_32"] == 2000.0
+    assert f.buckets[f.key(32)].gap > spec_floor.FIRST_GAP  # the trials confirmed plain: they grew apart
+    rates[32, True] = 5000.0  # the text became predictable: a trial sees it, speculation takes over
+    later = run(32, 1200)
+    switch = later.index(True)  # at the next trial (the gap had grown to 512 steps)
+    assert switch <= 512 + T and sum(later[switch:]) >= len(later) - switch - 3 * (T + 1)
+    before = dict(f.buckets[f.key(32)].counted)
+    f.observe(False, 32, 10, 1.0, prefill=False)  # the first step after a switch: mixed, not counted
+    f.observe(False, 32, 10, 1.0, prefill=True)  # a prefill step: not a decode step's time
+    assert f.buckets[f.key(32)].counted == before
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_a_proposer_slower_than_plain_decoding_is_held_to_plain_steps(tiny_v3_path, proposer_package, async_on):
+    """A proposer whose steps cost more than they give: after its warm-up and a plain trial the
+    engine runs plain steps (greedy outputs unchanged); ``floor = false`` keeps it speculating."""
+    ps = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want = tokens(run(make(tiny_v3_path, async_scheduling=async_on), [ps] * len(PROMPTS)))
+    llm = make(tiny_v3_path, async_scheduling=async_on, speculative={"proposer": "sleepy", "k": 3})
+    assert tokens(run(llm, [ps] * len(PROMPTS))) == want
+    m = llm.engine.metrics()
+    assert m["spec_floor_plain_tok_s_4"] > 2 * m["spec_floor_spec_tok_s_4"], m
+    spec_steps = m["spec_steps"]
+    assert spec_steps < 24 + 8 + 6, m  # warm-up and a switch's steps, then plain ones
+    off = make(tiny_v3_path, async_scheduling=async_on, speculative={"proposer": "sleepy", "k": 3, "floor": False})
+    assert tokens(run(off, [ps] * len(PROMPTS))) == want
+    assert off.engine.metrics()["spec_steps"] > spec_steps + 5
+    with pytest.raises(ConfigError, match="floor must be true or false"):
+        make(tiny_v3_path, speculative={"proposer": "sleepy", "floor": "yes"})

@@ -432,7 +432,7 @@ class LLMEngine(TokenAccounting):
     def _step(self) -> list[Sequence]:
         if self._forward_at is not None and time.monotonic() >= self._forward_at:
             return self._forward_unfinished()
-        t0 = time.perf_counter()
+        t0, tokens0 = time.perf_counter(), self.stats.decode_tokens
         pipe = self.pipeline
         self._step_seqs = pipe.inflight_seqs()
         plan = pipe.plan(speculate=self.spec is not None and self.spec.active())
@@ -449,6 +449,8 @@ class LLMEngine(TokenAccounting):
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
         pipe.run(out, plan)
+        if self.spec is not None:  # what the step cost and gave, for speculation's floor
+            self.spec.observe(plan.speculate, out, time.perf_counter() - t0, self.stats.decode_tokens - tokens0)
         finished += [s for s in self._seqs.values() if s.is_finished and s not in finished]
         self._drop(finished)
         self.stats.steps += 1

@@ -31,6 +31,7 @@ from deepinfer_core.engine.rejection import SamplingRows, filtered_probs, verify
 from deepinfer_core.engine.sampler import has_penalty
 from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.spec_async import AsyncSpec
+from deepinfer_core.engine.spec_floor import SpecFloor
 from deepinfer_core.proposer import GROUP, MAX_K, Draft, Proposer
 from deepinfer_core.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -39,11 +40,14 @@ logger = logging.getLogger("deepinfer.speculative")
 PROBS_SUM_TOL = 1e-2
 
 
-def load_proposer(section: dict) -> tuple[Proposer, int]:
-    """The ``[speculative]`` table -> (proposer instance, k)."""
+def load_proposer(section: dict) -> tuple[Proposer, int, bool]:
+    """The ``[speculative]`` table -> (proposer instance, k, floor)."""
     sec = dict(section)
     name = sec.pop("proposer", None)
     k = sec.pop("k", 4)
+    floor = sec.pop("floor", True)
+    if not isinstance(floor, bool):
+        raise ConfigError(f"[speculative] floor must be true or false, got {floor!r}")
     if not isinstance(name, str) or not name:
         names = ", ".join(plugins.installed_names(GROUP)) or "none"
         raise ConfigError(f"[speculative] needs proposer = '<name>' (installed proposers: {names}), got {name!r}")
@@ -51,7 +55,7 @@ def load_proposer(section: dict) -> tuple[Proposer, int]:
         raise ConfigError(f"[speculative] k must be an int in 1..{MAX_K}, got {k!r}")
     cls = plugins.load(GROUP, name, what="proposer")
     try:
-        return cls(sec), k
+        return cls(sec), k, floor
     except ConfigError:
         raise
     except Exception as exc:
@@ -71,8 +75,10 @@ class _RowView:
 class SpecDecoder:
     """Runs an engine's steps when a proposer is configured."""
 
-    def __init__(self, engine, proposer: Proposer, k: int, from_feature: bool) -> None:
+    def __init__(self, engine, proposer: Proposer, k: int, from_feature: bool, floor: bool = True) -> None:
         self.engine, self.proposer, self.k = engine, proposer, k
+        #: speculative against plain steps, measured per batch size (a proposer that paces itself: None)
+        self.floor = SpecFloor() if floor and not proposer.paces_itself else None
         self.from_feature = from_feature  # a feature's proposer gets request_finished as a hook already
         self.name = type(proposer).__name__
         self.n = dict(spec_steps=0, spec_verified=0, spec_accepted=0, spec_proposed=0, spec_dormant_steps=0,
@@ -98,16 +104,25 @@ class SpecDecoder:
         async scheduling on the proposer may go dormant (``Proposer.active``): plain async steps;
         never while drafts proposed by the last step wait to be verified."""
         eng = self.engine
-        if not eng.async_scheduling or self._pending_drafts:  # drafts proposed last step are verified now
+        if self._pending_drafts:  # drafts proposed last step are verified now
             now = True
         else:  # a proposer that fails to answer goes dormant for the step
-            now = bool(self.ask("active", False, self.proposer.active, eng))
+            now = not eng.async_scheduling or bool(self.ask("active", False, self.proposer.active, eng))
+            now = now and self._floor_says()
         if self._active and not now:  # going dormant: drafts left on requests not in the last step go too
             for seq in eng.unfinished_requests():
                 seq.spec_tokens, seq.spec_probs = [], None
         self._active = now
         self.n["spec_dormant_steps"] += not now
         return now
+
+    def _floor_says(self) -> bool:
+        return self.floor is None or self.floor.speculate(self.engine.scheduler.num_running())
+
+    def observe(self, speculative: bool, out: SchedulerOutput, seconds: float, tokens: int) -> None:
+        """A ``step()`` call's mode, wall time and emitted tokens, for the floor."""
+        if self.floor is not None:
+            self.floor.observe(speculative, self.engine.scheduler.num_running(), tokens, seconds, bool(out.prefills))
 
     @classmethod
     def create(cls, engine) -> SpecDecoder | None:
@@ -121,7 +136,7 @@ class SpecDecoder:
             return cls(engine, hooked, hooked.k, from_feature=True)
         if not engine.cfg.speculative:
             return None
-        proposer, k = load_proposer(engine.cfg.speculative)
+        proposer, k, floor = load_proposer(engine.cfg.speculative)
         try:
             proposer.start(engine)
         except ConfigError:
@@ -129,7 +144,7 @@ class SpecDecoder:
         except Exception as exc:
             raise plugins.PluginError(f"proposer {engine.cfg.speculative['proposer']!r} failed to start: "
                                       f"{type(exc).__name__}: {exc}") from exc
-        return cls(engine, proposer, k, from_feature=False)
+        return cls(engine, proposer, k, from_feature=False, floor=floor)
 
     def request_finished(self, seq: Sequence) -> None:
         if not self.from_feature:
@@ -167,7 +182,8 @@ class SpecDecoder:
         for s in out.prefills + out.decodes:
             s.seq.spec_tokens, s.seq.spec_probs = [], None
         self._pending_drafts = False
-        self._propose(out, batch)
+        if self._floor_says():  # (else the next step is a plain one)
+            self._propose(out, batch)
         if eng._idle is not None:  # the device works through verify and drafting: idle is what follows
             eng._idle.end(idle)
 
@@ -382,6 +398,8 @@ class SpecDecoder:
         n = self.n
         if self.on_device is not None:
             n = {**n, **self.on_device.n}
+        if self.floor is not None:
+            n = {**n, **self.floor.metrics(), "spec_floor_switches": self.floor.switches}
         return {**n, "spec_proposer": self.proposer.name or self.name, "spec_k": self.k,
                 "spec_accept_rate": n["spec_accepted"] / n["spec_verified"] if n["spec_verified"] else 0.0,
                 "spec_accepted_per_step": n["spec_accepted"] / n["spec_steps"] if n["spec_steps"] else 0.0}

@@ -121,6 +121,7 @@ class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
     name = "dspark"
     core_api_version = "1.0"
     writes_draft_kv = True  # the draft's cache group is written at the drafts' positions
+    paces_itself = True  # its step-time curve and accept rates decide when drafting pays
 
     def __init__(self, section: dict) -> None:
         o = self.check_keys(self.name, section, DEFAULTS)
