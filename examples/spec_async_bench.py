@@ -49,7 +49,9 @@ def main(argv=None) -> None:
     engines = {
         "plain_async": LLM(async_scheduling=True, **common),
         "spec_sync": LLM(async_scheduling=False, speculative=spec, **common),
-        "spec_async": LLM(async_scheduling=True, speculative=spec, **common),
+        # (ngram drafts on the host where the forward runs inline unless told otherwise: device = "on")
+        "spec_async": LLM(async_scheduling=True, speculative={**spec, **({"device": "on"} if args.proposer == "ngram"
+                                                                         else {})}, **common),
     }
     assert engines["spec_async"].engine.spec.on_device is not None, "the proposer does not propose on the device"
     prompts = heldout_prompts(engines["plain_async"].tokenizer, args.num_prompts, args.seed)

@@ -557,7 +557,7 @@ def test_ngram_proposer_sync_and_async_are_greedy_exact(tiny_v3_path, plain_ref)
     """The shipped prompt-lookup proposer (entry point ``ngram``) drafts on the host (synchronous
     steps) and on the device (overlapped steps): both identical to plain decoding."""
     for async_on in (False, True):
-        llm = make(tiny_v3_path, async_on=async_on, speculative={"proposer": "ngram", "k": 3})
+        llm = make(tiny_v3_path, async_on=async_on, speculative={"proposer": "ngram", "k": 3, "device": "on"})
         assert (llm.engine.spec.on_device is not None) == async_on
         outs = run(llm, PROMPTS, mixed_params())
         assert tokens(outs) == tokens(plain_ref)
@@ -637,7 +637,7 @@ def test_dp_ep_2_with_async_speculation_equals_one_rank_without(tmp_path_factory
     ref_llm = make_llm(ckpt)
     ref = ref_llm.generate(prompts, ps, use_tqdm=False)
     ref_llm.shutdown()
-    llm = make_llm(ckpt, dp=2, ep=2, async_scheduling=True, speculative={"proposer": "ngram", "k": 3})
+    llm = make_llm(ckpt, dp=2, ep=2, async_scheduling=True, speculative={"proposer": "ngram", "k": 3, "device": "on"})
     try:
         outs = llm.generate(prompts, ps, use_tqdm=False)
         assert_same(outs, ref)
@@ -672,6 +672,16 @@ def test_upload_and_host_copy_pack_their_parts():
         if a is not None:
             assert b is not a and b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
     assert host[0].untyped_storage().data_ptr() == host[3].untyped_storage().data_ptr()  # one int64 copy
+
+
+def test_ngram_drafts_on_the_host_where_the_forward_runs_inline(tiny_v3_path):
+    """``device = "auto"``: on the CPU (no overlap to win) its speculative steps draft on the host."""
+    from deepinfer_core.config import ConfigError
+
+    llm = make(tiny_v3_path, speculative={"proposer": "ngram", "k": 3})
+    assert llm.engine.spec.on_device is None and llm.engine.async_scheduling
+    with pytest.raises(ConfigError, match="device must be 'auto', 'on' or 'off', got 'gpu'"):
+        make(tiny_v3_path, speculative={"proposer": "ngram", "device": "gpu"})
 
 
 def test_ngram_device_history_equals_a_search_of_the_whole_history():

@@ -84,14 +84,31 @@ class _Table:
 
 
 class NgramProposer(Proposer):
+    """``[speculative]`` settings: ``device = "auto" | "on" | "off"``: propose on the device with async
+    scheduling (``auto``: where the platform overlaps steps; on one that runs the forward inline, a
+    CPU, synchronous steps drafting on the host measured faster: 1.16x plain decoding at one request
+    on the embedded model against 0.87x)."""
+
     name = "ngram"
     core_api_version = "1.0"
     proposes_on_device = True
 
     def __init__(self, section: dict) -> None:
+        section = dict(section)
+        self.device = section.pop("device", "auto")
+        if self.device not in ("auto", "on", "off"):
+            from deepinfer_core.config import ConfigError
+
+            raise ConfigError(f"[speculative] device must be 'auto', 'on' or 'off', got {self.device!r}")
         super().__init__(section)
+        if self.device == "off":
+            self.proposes_on_device = False
         self._lookup: dict[int, tuple[weakref.ref, _Lookup]] = {}  # id(request) -> (request, its index)
         self._table = _Table()
+
+    def start(self, engine) -> None:
+        if self.device == "auto":
+            self.proposes_on_device = engine.platform.supports_async_overlap()
 
     def propose(self, engine, requests, max_drafts, batch) -> list[Draft | None]:
         out: list[Draft | None] = []
