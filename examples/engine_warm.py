@@ -5,9 +5,11 @@
 
 Each op is called with empty CPU tensors of the shapes the model passes it (the ops pick their own
 tile configurations from those shapes, as they do on the GPU), at token counts that cover every
-configuration switch: decode batches 1 and 256 (split-KV or not), MoE slot counts on both sides of the
-small/large tile threshold, prefill chunks up to 8192 tokens. ``kernel_warm.py --engine-shapes`` runs
-this as part of the cache pack.
+configuration switch: every decode batch up to the largest captured graph (split-KV or not, and the
+combine's tiles for small and mid-size split grids), every GEMV row count (decode batches, and prefill
+chunks of up to ``gemv.MAX_M`` rows, kv_b_proj's included), the MoE token counts where ``fused_moe``'s
+size rules change (``moe_token_counts``), prefill chunks up to 8192 tokens. ``kernel_warm.py
+--engine-shapes`` runs this as part of the cache pack.
 """
 
 from __future__ import annotations
@@ -27,10 +29,38 @@ from random_checkpoint import SHAPES, shape_config  # noqa: E402
 from deepinfer_core.models.config import ModelConfig  # noqa: E402
 from deepinfer_core.models.deepseek import MoE  # noqa: E402
 
-TOKENS = (1, 64, 256, 2048, 8192)  # MoE and norm token counts
-DECODE = (1, 256)  # decode batches: with and without split-KV
-MOE_DECODE = (1, 2, 4, 8)  # the weight-streaming MoE's row buckets (kernels_cuda.moe_gemv)
-MOE_STREAM = (512,)  # with 64 and 256: kernels_cuda.moe_stream's block rows (16 / 32 / 64 at V2-Lite)
+TOKENS = (1, 64, 256, 2048, 8192)  # MoE and norm token counts (the largest: the longest prefill chunk)
+
+
+def decode_batches() -> range:
+    """Every decode batch up to the largest captured graph (``graph_runner.DEFAULT_BATCH_SIZES``): mla_decode's
+    split count and combine tiles come from the batch and the SM count (``choose_split``), and both kinds of
+    grid (split or not, a combine for small or for mid-size grids) recur at every size past it."""
+    from deepinfer_core.engine.graph_runner import DEFAULT_BATCH_SIZES
+
+    return range(1, max(DEFAULT_BATCH_SIZES) + 1)
+
+
+def moe_token_counts(E: int, K: int, max_tokens: int = TOKENS[-1]) -> list[int]:
+    """The first token count of each ``fused_moe`` configuration for ``E`` experts (routed + folded shared) and
+    ``K`` slots a token, by its size rules: every count of the weight-streaming path (``moe_gemv``: row buckets,
+    CUDA or tensor cores at one token), each block-row count of ``moe_stream`` (rows per expert: small expert
+    counts reach all three at a few dozen tokens), each tile configuration of the pipeline (``moe``)."""
+    from kernels_cuda import moe, moe_gemv, moe_stream
+
+    seen, counts = set(), []
+    for T in range(1, max_tokens + 1):
+        NS = T * K
+        if T <= moe_gemv.MAX_TOKENS and NS <= moe_gemv.THREADS:
+            key = ("gemv", T)
+        elif NS <= moe_stream.MAX_MEAN_ROWS * E:
+            key = ("stream", moe_stream.block_rows(NS, E))
+        else:
+            key = ("pipeline", tuple(sorted(moe.choose_config(NS, E).items())))
+        if key not in seen:
+            seen.add(key)
+            counts.append(T)
+    return counts
 
 
 def decode_query(cfg: ModelConfig, M: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -92,9 +122,12 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     if cfg.q_lora_rank:
         weights.add((H * (N + R), cfg.q_lora_rank))
     w_uk, w_uv = e(H, L, N, dtype=dtype), e(H, V, L, dtype=dtype)
-    for M in sorted({1, 2, 4, MAX_M}):  # the GEMVs' row buckets (up to MAX_M rows)
+    kv_b = e(H * (N + V), L, dtype=dtype)
+    for M in range(1, MAX_M + 1):  # every GEMV row count (which kernel takes M rows depends on M, not its bucket)
         for n_out, k_in in sorted(weights):
             linear(e(M, k_in, dtype=dtype), e(n_out, k_in, dtype=dtype))
+        # prefill: kv_b_proj over the latents of the chunk's context, a slice of its [latent | rope] cache entries
+        linear(e(M, L + R, dtype=dtype)[:, :L], kv_b)
         if E_r:
             linear_f32(e(M, C, dtype=dtype), e(E_r, C))
         # MLA's decode query (q_b's output, or the fused projection's first columns) and W_UV
@@ -104,15 +137,17 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
             :, q_cols:], e(L, dtype=dtype), 1e-6, cache, torch.zeros(M, dtype=torch.long))
         head_linear(q[..., :N], w_uk)
         head_linear(e(M, H, L, dtype=dtype), w_uv)
-        done.append(f"gemv M={M} x {len(weights) + bool(E_r)} weights, mla_q_absorb, W_UV")
-    for B in DECODE:
+        done.append(f"gemv M={M} x {len(weights) + bool(E_r)} weights, kv_b_proj, mla_q_absorb, W_UV")
+    for B in decode_batches():
         tables = torch.zeros(B, 4, dtype=torch.int32)
         mla_decode(e(B, H, L + R, dtype=dtype), cache, tables, torch.arange(B + 1), torch.full((B,), 64),
                    0.1, L)
-        done.append(f"mla_decode H={H} B={B}")
+    done.append(f"mla_decode H={H} B=1..{B}")
     S = 256
-    rope(decode_query(cfg, S, dtype)[..., N:], torch.zeros(S, dtype=torch.long), e(16, R))  # prefill rows' q_pe
-    done.append(f"rope q_pe H={H} stride={decode_query(cfg, 1, dtype).stride(0)}")
+    for M in (1, S):  # prefill rows' q_pe (one row's view has a contiguous query's row stride)
+        q = decode_query(cfg, M, dtype)
+        rope(q[..., N:], torch.zeros(M, dtype=torch.long), e(16, R))
+        done.append(f"rope q_pe H={H} stride={q.stride(0)}")
     cu = torch.tensor([0, S])
     mla_prefill(e(S, H, N + R, dtype=dtype), e(S, H, N + R, dtype=dtype), e(S, H, V, dtype=dtype), cu, cu, 0.1)
     done.append(f"mla_prefill H={H}")
@@ -124,7 +159,7 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
         w13, w2 = e(E + S, 2 * I, C, dtype=dtype), e(E + S, C, I, dtype=dtype)
         bias = e(E) if moe.e_score_correction_bias is not None else None
         gate = e(E, C)
-        for T in sorted(set(TOKENS) | set(MOE_DECODE) | set(MOE_STREAM)):
+        for T in sorted(set(TOKENS) | set(moe_token_counts(E + S, k + S))):
             moe_route(e(T, E), bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score,
                       moe.renormalize, moe.scale)
             moe_gate(e(T, C, dtype=dtype), gate, bias, k, cfg.scoring_func, moe.n_group, cfg.topk_group,

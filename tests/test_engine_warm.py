@@ -1,9 +1,11 @@
-"""``examples/engine_warm.py`` compiles the kernels the engine's decode steps use (CPU, dry run: every kernel cache
-of ``kernels_cuda`` is replaced by a recorder of its configuration, so nothing is traced or compiled).
+"""``examples/engine_warm.py`` compiles the kernels the engine's steps use (CPU, dry run: every kernel cache of
+``kernels_cuda`` is replaced by a recorder of its configuration, so nothing is traced or compiled).
 
-The configurations the warm-up asks for must include every one a decode step of the real model asks for, with and
-without q_lora (the query is then q_b's own output, else a strided slice of the fused q + kv_a projection: the
-GEMV kernels compile per stride).
+The configurations the warm-up asks for must include every one a step of the real model asks for, with and without
+q_lora (the query is then q_b's own output, else a strided slice of the fused q + kv_a projection: the GEMV kernels
+compile per stride): decode steps at every captured batch size (split-KV or not, and its combine's tiles; the MoE's
+weight-streaming rows and block rows), prefill chunks of 1..9 rows (the GEMVs' row counts, kv_b_proj's included) and
+larger ones, with and without a cached prefix, and a mixed step.
 """
 
 from __future__ import annotations
@@ -55,8 +57,7 @@ def _mini(q_lora: bool) -> dict:
     return raw
 
 
-def _decode_configs(raw: dict, batches: list[int], asked: list) -> set:
-    from deepinfer_core.engine.graph_runner import DecodeGraphs
+def _model(raw: dict):
     from deepinfer_core.kernels import Kernels
     from deepinfer_core.models.config import ModelConfig
     from deepinfer_core.models.loader import build_model
@@ -66,8 +67,15 @@ def _decode_configs(raw: dict, batches: list[int], asked: list) -> set:
     cfg = ModelConfig.from_dict(raw)
     model = build_model(Kernels(CudaKernels, ReferenceKernels), cfg, torch.bfloat16, torch.device("cpu"), 1024)
     model.post_load()
-    kv = [torch.zeros(4, 64, cfg.kv_entry_dim, dtype=torch.bfloat16) for _ in range(cfg.num_hidden_layers)]
-    graphs = DecodeGraphs(model, {"latent": kv}, batches, 1024 // 64, torch.device("cpu"), capture=False)
+    kv = [torch.zeros(16, 64, cfg.kv_entry_dim, dtype=torch.bfloat16) for _ in range(cfg.num_hidden_layers)]
+    return model, {"latent": kv}
+
+
+def _decode_configs(raw: dict, batches: list[int], asked: list) -> set:
+    from deepinfer_core.engine.graph_runner import DecodeGraphs
+
+    model, kv = _model(raw)
+    graphs = DecodeGraphs(model, kv, batches, 1024 // 64, torch.device("cpu"), capture=False)
     asked.clear()
     with torch.inference_mode():
         for B in batches:
@@ -75,16 +83,43 @@ def _decode_configs(raw: dict, batches: list[int], asked: list) -> set:
     return set(asked)
 
 
+def _prefill_configs(raw: dict, chunks: list[tuple[int, int]], asked: list, decodes: int = 0) -> set:
+    """Steps of one prefill chunk of ``n`` new tokens after ``p`` cached ones, for each ``(n, p)`` of ``chunks``
+    (and ``decodes`` one-token decode sequences after it: a mixed step), their last rows' logits included."""
+    from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, PrefillMeta
+
+    model, kv = _model(raw)
+    table = torch.arange(16, dtype=torch.int32)[None]
+    asked.clear()
+    with torch.inference_mode():
+        for n, p in chunks:
+            cu_q, cu_k = torch.tensor([0, n]), torch.tensor([0, p + n])
+            prefill = PrefillMeta(cu_q, cu_k, cu_k[1:], table, has_prefix=p > 0)
+            decode = DecodeMeta(torch.arange(decodes + 1), torch.full((decodes,), 10), table.expand(decodes, 16)) \
+                if decodes else None
+            T = n + decodes
+            positions = torch.cat((torch.arange(p, p + n), torch.full((decodes,), 9)))
+            meta = AttentionMetadata(n, torch.arange(T), prefill, decode)
+            hidden = model(torch.zeros(T, dtype=torch.long), positions, meta, kv)
+            model.logits(hidden[n - 1:])
+    return set(asked)
+
+
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
 def test_warm_covers_decode_kernels(kernel_configs, q_lora):
-    """Decode batches 1..8 (the GEMVs' row buckets, the fused decode query) of the model: each kernel
-    configuration is one the warm-up compiles."""
+    """Decode steps at every default captured batch size, 1..256 (the GEMVs' row buckets, the fused decode query,
+    mla_decode with and without split-KV and both combine tilings, the MoE's weight-streaming and block-row
+    variants): each kernel configuration is one the warm-up compiles."""
     import engine_warm
 
+    from deepinfer_core.engine.graph_runner import default_batch_sizes
     from deepinfer_core.models.config import ModelConfig
 
     raw = _mini(q_lora)
-    used = _decode_configs(raw, [1, 2, 4, 8], kernel_configs)
+    used = _decode_configs(raw, default_batch_sizes(256), kernel_configs)
+    combine = {args[3:] for key, args in used if key == "mla_decode._combine_kernel"}
+    assert combine == {(16, 2), (8, 1)}, combine  # small split grids, and mid-size batches still split
+    assert len({args[3] for key, args in used if key == "moe_stream._gemm1"}) == 3  # every block-row count
     # gemv_rows with R > 0 rope columns: mla_q_absorb(_kv_write)
     absorb = [args for key, args in used if key == "gemv_rows._kernel" and len(args) > 9 and args[9]]
     assert absorb, "the decode step ran no fused decode query"
@@ -115,3 +150,26 @@ def test_warm_real_shapes(kernel_configs, shape):
     absorb = {args[5] for key, args in kernel_configs
               if key == "gemv_rows._kernel" and len(args) > 9 and args[9] and args[3] > 1}
     assert absorb == {{"v2-lite": (16 * 192 + 512 + 64, 192), "v3-slice": (128 * 192, 192)}[shape]}
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
+def test_warm_covers_prefill_kernels(kernel_configs, q_lora):
+    """Prefill chunks of 1..9 rows (kv_b_proj's GEMV over the chunk's latents at each row count, the prefill
+    rows' q_pe rope at one row), larger chunks, chunks after a cached prefix (kv_b_proj over the whole context)
+    and a mixed step: each kernel configuration is one the warm-up compiles."""
+    import engine_warm
+
+    from deepinfer_core.models.config import ModelConfig
+
+    raw = _mini(q_lora)
+    chunks = [(n, 0) for n in range(1, 10)] + [(64, 0), (256, 0), (3, 2), (64, 64)]
+    used = _prefill_configs(raw, chunks, kernel_configs) | _prefill_configs(raw, [(5, 0), (40, 0)],
+                                                                           kernel_configs, decodes=3)
+    cfg = ModelConfig.from_dict(raw)
+    kv_b = (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    assert any(key == "gemv._kernel" and args[:2] == kv_b for key, args in used), "kv_b_proj ran no GEMV"
+    kernel_configs.clear()
+    engine_warm.warm_shape(cfg)
+    missing = used - set(kernel_configs)
+    assert not missing, sorted(missing, key=str)
+
