@@ -452,7 +452,12 @@ def kv_fusion_enabled() -> bool:
 
 
 def representative_kernels():
+    """V2-Lite's GEMVs as the engine launches them. Its decode query (no q_lora) is the first H x (N + R) columns
+    of the fused q + kv_a projection's output: at two or more rows its row stride is that output's width,
+    H x (N + R) + L + R = 3648; one row's view has a contiguous query's, H x (N + R) = 3072 (the GEMVs compile
+    per stride)."""
     c = rows_config
+    fused = 16 * 192 + 512 + 64  # the q + kv_a projection's output width: the query's row stride at >= 2 rows
     return [
         ("gemv_rows M8 N3648 K2048 (V2-Lite q+kv_a at 8 rows)",
          lambda: build_gemv_rows(1, 3648, 2048, 8, c(1, 3648, 2048, 8, 132), (2048, 2048), (3648, 3648),
@@ -463,9 +468,9 @@ def representative_kernels():
         ("mla_q_absorb M1 H16 L512 N128 R64 (V2-Lite decode query)",
          lambda: build_gemv_rows(16, 512, 128, 1, c(16, 512, 128, 1, 132), (16 * 192, 192), (16 * 576, 576),
                                  "bfloat16", "bfloat16", 64, "float32")),
-        ("mla_q_absorb_kv_write M1 H16 L512 N128 R64 bs64 (V2-Lite decode query + cache write)",
-         lambda: build_gemv_rows(16, 512, 128, 1, c(16, 512, 128, 1, 132), (16 * 192, 192), (16 * 576, 576),
-                                 "bfloat16", "bfloat16", 64, "float32", False, (512, 64, 3648))),
+        ("mla_q_absorb_kv_write M4 H16 L512 N128 R64 bs64 (V2-Lite decode query at 3-4 rows + cache write)",
+         lambda: build_gemv_rows(16, 512, 128, 4, c(16, 512, 128, 4, 132), (fused, 192), (16 * 576, 576),
+                                 "bfloat16", "bfloat16", 64, "float32", False, (512, 64, fused))),
         ("gemv_rows M4 H16 N128 K512 (V2-Lite W_UV)",
          lambda: build_gemv_rows(16, 128, 512, 4, c(16, 128, 512, 4, 132), (16 * 512, 512), (16 * 128, 128),
                                  "bfloat16", "bfloat16")),

@@ -173,3 +173,23 @@ def test_warm_covers_prefill_kernels(kernel_configs, q_lora):
     missing = used - set(kernel_configs)
     assert not missing, sorted(missing, key=str)
 
+
+def test_representative_decode_query_kernels_are_the_engines(kernel_configs, monkeypatch):
+    """CPU CI compiles ``gemv_rows.representative_kernels()`` (tests/test_kernels_cuda_compile.py): its fused decode
+    query kernels (rope columns R > 0) must be configurations V2-Lite's engine asks for, the query's strides
+    included (a slice of the fused q + kv_a projection's rows), and one of them at two or more rows."""
+    import engine_warm
+    from random_checkpoint import shape_config
+
+    from deepinfer_core.models.config import ModelConfig
+    from kernels_cuda import gemv_rows
+
+    monkeypatch.setattr(gemv_rows, "build_gemv_rows", lambda *args: args)
+    reps = [thunk() for _, thunk in gemv_rows.representative_kernels()]
+    query = [args for args in reps if len(args) > 9 and args[9]]
+    assert any(args[3] > 1 for args in query), "no fused decode query kernel at two or more rows"
+    with torch.device("meta"):
+        engine_warm.warm_shape(ModelConfig.from_dict(shape_config("v2-lite")))
+    engine = {args for key, args in kernel_configs if key == "gemv_rows._kernel"}
+    missing = [args for args in query if args not in engine]
+    assert not missing, missing
