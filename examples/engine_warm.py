@@ -74,8 +74,11 @@ def decode_query(cfg: ModelConfig, M: int, dtype: torch.dtype = torch.bfloat16) 
     return xa[:, : H * NR].view(M, H, NR)
 
 
-def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Call every kernel op of the engine's forward for ``cfg`` once per configuration; returns their names."""
+def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16,
+               unfused: bool = False) -> list[str]:
+    """Call every kernel op of the engine's forward for ``cfg`` once per configuration; returns their names.
+    ``unfused``: also the ops of the ``set_decode_fusion(False)`` debug path (k_pe's rope on the projection's
+    rows, the shared experts' own GEMVs and activation, the routed experts' ``fused_moe`` without them)."""
     from kernels_cuda.elementwise import rope, silu_and_mul
     from kernels_cuda.gemv import MAX_M, linear, linear_f32
     from kernels_cuda.gemv_rows import head_linear, mla_q_absorb, mla_q_absorb_kv_write
@@ -121,6 +124,16 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
                (cfg.vocab_size, C)}
     if cfg.q_lora_rank:
         weights.add((H * (N + R), cfg.q_lora_rank))
+    SI = (cfg.n_shared_experts or 0) * cfg.moe_intermediate_size
+    if unfused and SI:  # the shared experts as their own MLP
+        weights |= {(2 * SI, C), (C, SI)}
+        silu_and_mul(e(8, 2 * SI, dtype=dtype))
+        done.append(f"silu_and_mul I={SI}")
+    if unfused:  # the cache entry's k_pe rotated on the projection's rows
+        for M in (1, 8):
+            rope(e(M, q_cols + L + R, dtype=dtype)[:, q_cols + L:][:, None], torch.zeros(M, dtype=torch.long),
+                 e(16, R))
+        done.append(f"rope k_pe stride={q_cols + L + R}")
     w_uk, w_uv = e(H, L, N, dtype=dtype), e(H, V, L, dtype=dtype)
     kv_b = e(H * (N + V), L, dtype=dtype)
     for M in range(1, MAX_M + 1):  # every GEMV row count (which kernel takes M rows depends on M, not its bucket)
@@ -170,6 +183,12 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
             fused_moe(e(T, C, dtype=dtype), w13, w2, e(T, k + S, dtype=dtype),
                       torch.zeros(T, k + S, dtype=torch.long))
             done.append(f"moe E={E}+{S} shared T={T}")
+        if unfused:  # the routed experts alone
+            counts = sorted(set(TOKENS) | set(moe_token_counts(E, k)))
+            for T in counts:
+                fused_moe(e(T, C, dtype=dtype), w13[:E], w2[:E], e(T, k, dtype=dtype),
+                          torch.zeros(T, k, dtype=torch.long))
+            done.append(f"moe E={E} unfused T={counts}")
     B = 4
     sample(e(B, cfg.vocab_size), torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B), torch.zeros(B),
            torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
@@ -246,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default="v2-lite,v3-slice,v4-flash-slice,v4-graph-test",
                     help=f"comma-separated, of {sorted(SHAPES)}, v4-flash-slice and v4-graph-test")
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--unfused", action="store_true",
+                    help="also the set_decode_fusion(False) debug path's kernels (V2/V3 shapes)")
     args = ap.parse_args(argv)
     if os.environ.get("DEEPINFER_TL_DRYRUN", "") in ("", "0"):
         raise SystemExit("engine_warm.py compiles only: set DEEPINFER_TL_DRYRUN=1 (and TILELANG_CACHE_DIR)")
@@ -258,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
 
             names = warm_v4(V4Config.from_dict(suite_config("full") if shape == "v4-flash-slice" else GRAPH_TEST))
         else:
-            names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size)
+            names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size, unfused=args.unfused)
         print(f"{shape}: {len(names)} op calls compiled in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -57,7 +57,7 @@ def _mini(q_lora: bool) -> dict:
     return raw
 
 
-def _model(raw: dict):
+def _model(raw: dict, fusion: bool = True):
     from deepinfer_core.kernels import Kernels
     from deepinfer_core.models.config import ModelConfig
     from deepinfer_core.models.loader import build_model
@@ -67,14 +67,15 @@ def _model(raw: dict):
     cfg = ModelConfig.from_dict(raw)
     model = build_model(Kernels(CudaKernels, ReferenceKernels), cfg, torch.bfloat16, torch.device("cpu"), 1024)
     model.post_load()
+    model.set_decode_fusion(fusion)
     kv = [torch.zeros(16, 64, cfg.kv_entry_dim, dtype=torch.bfloat16) for _ in range(cfg.num_hidden_layers)]
     return model, {"latent": kv}
 
 
-def _decode_configs(raw: dict, batches: list[int], asked: list) -> set:
+def _decode_configs(raw: dict, batches: list[int], asked: list, fusion: bool = True) -> set:
     from deepinfer_core.engine.graph_runner import DecodeGraphs
 
-    model, kv = _model(raw)
+    model, kv = _model(raw, fusion)
     graphs = DecodeGraphs(model, kv, batches, 1024 // 64, torch.device("cpu"), capture=False)
     asked.clear()
     with torch.inference_mode():
@@ -83,12 +84,13 @@ def _decode_configs(raw: dict, batches: list[int], asked: list) -> set:
     return set(asked)
 
 
-def _prefill_configs(raw: dict, chunks: list[tuple[int, int]], asked: list, decodes: int = 0) -> set:
+def _prefill_configs(raw: dict, chunks: list[tuple[int, int]], asked: list, decodes: int = 0,
+                     fusion: bool = True) -> set:
     """Steps of one prefill chunk of ``n`` new tokens after ``p`` cached ones, for each ``(n, p)`` of ``chunks``
     (and ``decodes`` one-token decode sequences after it: a mixed step), their last rows' logits included."""
     from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta, PrefillMeta
 
-    model, kv = _model(raw)
+    model, kv = _model(raw, fusion)
     table = torch.arange(16, dtype=torch.int32)[None]
     asked.clear()
     with torch.inference_mode():
@@ -152,6 +154,10 @@ def test_warm_real_shapes(kernel_configs, shape):
     assert absorb == {{"v2-lite": (16 * 192 + 512 + 64, 192), "v3-slice": (128 * 192, 192)}[shape]}
 
 
+#: prefill chunks (new tokens, cached prefix)
+CHUNKS = [(n, 0) for n in range(1, 10)] + [(64, 0), (256, 0), (3, 2), (64, 64)]
+
+
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
 def test_warm_covers_prefill_kernels(kernel_configs, q_lora):
     """Prefill chunks of 1..9 rows (kv_b_proj's GEMV over the chunk's latents at each row count, the prefill
@@ -162,8 +168,7 @@ def test_warm_covers_prefill_kernels(kernel_configs, q_lora):
     from deepinfer_core.models.config import ModelConfig
 
     raw = _mini(q_lora)
-    chunks = [(n, 0) for n in range(1, 10)] + [(64, 0), (256, 0), (3, 2), (64, 64)]
-    used = _prefill_configs(raw, chunks, kernel_configs) | _prefill_configs(raw, [(5, 0), (40, 0)],
+    used = _prefill_configs(raw, CHUNKS, kernel_configs) | _prefill_configs(raw, [(5, 0), (40, 0)],
                                                                            kernel_configs, decodes=3)
     cfg = ModelConfig.from_dict(raw)
     kv_b = (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
@@ -193,3 +198,26 @@ def test_representative_decode_query_kernels_are_the_engines(kernel_configs, mon
     engine = {args for key, args in kernel_configs if key == "gemv_rows._kernel"}
     missing = [args for args in query if args not in engine]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
+def test_warm_unfused_covers_fusion_off(kernel_configs, q_lora):
+    """``set_decode_fusion(False)`` (the debug path: k_pe's rope, the shared experts' own GEMVs, the routed
+    experts' fused_moe without them): its decode steps and prefill chunks are covered by ``warm_shape(unfused=True)``
+    (the default warm-up leaves them out)."""
+    import engine_warm
+
+    from deepinfer_core.engine.graph_runner import default_batch_sizes
+    from deepinfer_core.models.config import ModelConfig
+
+    raw = _mini(q_lora)
+    used = _decode_configs(raw, default_batch_sizes(256), kernel_configs, fusion=False)
+    used |= _prefill_configs(raw, CHUNKS, kernel_configs, fusion=False)
+    used |= _prefill_configs(raw, [(5, 0), (40, 0)], kernel_configs, decodes=3, fusion=False)
+    kernel_configs.clear()
+    engine_warm.warm_shape(ModelConfig.from_dict(raw))
+    assert used - set(kernel_configs), "the fusion-off path asks for nothing the default warm-up lacks"
+    kernel_configs.clear()
+    engine_warm.warm_shape(ModelConfig.from_dict(raw), unfused=True)
+    missing = used - set(kernel_configs)
+    assert not missing, sorted(missing, key=str)
