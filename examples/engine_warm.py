@@ -8,8 +8,11 @@ tile configurations from those shapes, as they do on the GPU), at token counts t
 configuration switch: every decode batch up to the largest captured graph (split-KV or not, and the
 combine's tiles for small and mid-size split grids), every GEMV row count (decode batches, and prefill
 chunks of up to ``gemv.MAX_M`` rows, kv_b_proj's included), the MoE token counts where ``fused_moe``'s
-size rules change (``moe_token_counts``), prefill chunks up to 8192 tokens. ``kernel_warm.py
---engine-shapes`` runs this as part of the cache pack.
+size rules change (``moe_token_counts``), prefill chunks up to 8192 tokens, and speculative verify steps
+of up to ``--spec-k`` drafts a request (default 4, the engine's; 0: none): mla_decode's ragged kernel
+(several query rows a request) at each split and combine configuration (``verify_token_counts``), and
+the async launch's ``draft_lengths`` at k columns. ``kernel_warm.py --engine-shapes`` runs this as part
+of the cache pack.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from deepinfer_core.models.config import ModelConfig  # noqa: E402
 from deepinfer_core.models.deepseek import MoE  # noqa: E402
 
 TOKENS = (1, 64, 256, 2048, 8192)  # MoE and norm token counts (the largest: the longest prefill chunk)
+SPEC_K = 4  # the speculative draft length the engine defaults to (engine/speculative.py) and the device scripts run
 
 
 def decode_batches() -> range:
@@ -39,6 +43,28 @@ def decode_batches() -> range:
     from deepinfer_core.engine.graph_runner import DEFAULT_BATCH_SIZES
 
     return range(1, max(DEFAULT_BATCH_SIZES) + 1)
+
+
+def verify_token_counts(cfg: ModelConfig, k: int, block_size: int) -> list[int]:
+    """The first token count of each ``mla_decode`` configuration a speculative verify step of draft length ``k``
+    can take (none when ``k`` is 0). Such a step has up to the largest captured batch of requests
+    (``decode_batches``) of up to ``k + 1`` query rows each (a verify graph's n x R rows, or an eager step's ragged
+    rows), so mla_decode runs its ragged kernel; by the op's own size rules, its split count comes from the grid of
+    head tiles x tokens (``choose_split``), and the combine's tiles from whether that grid is small."""
+    from kernels_cuda import _tl
+    from kernels_cuda import mla_decode as md
+
+    H, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    c = md.config(md._round(H, 16), md._round(L, 64) + md._round(R, 16), md._round(L, 64), block_size)
+    h_p, sms = md._round(H, c["BH"]), _tl.num_sms(0)
+    seen, counts = set(), []
+    for T in range(2, max(decode_batches()) * (k + 1) + 1) if k > 0 else ():
+        split = md.choose_split(h_p // c["BH"] * T, sms) > 1
+        key = (split, split and h_p * T <= 2 * sms)
+        if key not in seen:
+            seen.add(key)
+            counts.append(T)
+    return counts
 
 
 def moe_token_counts(E: int, K: int, max_tokens: int = TOKENS[-1]) -> list[int]:
@@ -75,10 +101,14 @@ def decode_query(cfg: ModelConfig, M: int, dtype: torch.dtype = torch.bfloat16) 
 
 
 def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16,
-               unfused: bool = False) -> list[str]:
+               unfused: bool = False, spec_k: int = SPEC_K) -> list[str]:
     """Call every kernel op of the engine's forward for ``cfg`` once per configuration; returns their names.
     ``unfused``: also the ops of the ``set_decode_fusion(False)`` debug path (k_pe's rope on the projection's
-    rows, the shared experts' own GEMVs and activation, the routed experts' ``fused_moe`` without them)."""
+    rows, the shared experts' own GEMVs and activation, the routed experts' ``fused_moe`` without them).
+    ``spec_k``: also speculative verify steps of up to ``spec_k`` drafts a request (0: none): mla_decode over
+    several query rows a request (``verify_token_counts``) and the async launch's ``draft_lengths``; their GEMVs
+    and MoE run at token counts the size rules below already cover."""
+    from kernels_cuda.draft_lengths import draft_lengths
     from kernels_cuda.elementwise import rope, silu_and_mul
     from kernels_cuda.gemv import MAX_M, linear, linear_f32
     from kernels_cuda.gemv_rows import head_linear, mla_q_absorb, mla_q_absorb_kv_write
@@ -156,6 +186,16 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
         mla_decode(e(B, H, L + R, dtype=dtype), cache, tables, torch.arange(B + 1), torch.full((B,), 64),
                    0.1, L)
     done.append(f"mla_decode H={H} B=1..{B}")
+    if spec_k:
+        counts = verify_token_counts(cfg, spec_k, block_size)
+        for T in counts:  # requests of k + 1 rows, the last one short
+            B = -(-T // (spec_k + 1))
+            cu = (torch.arange(B + 1) * (spec_k + 1)).clamp_(max=T)
+            mla_decode(e(T, H, L + R, dtype=dtype), cache, torch.zeros(B, 4, dtype=torch.int32), cu,
+                       torch.full((B,), 64), 0.1, L)
+        # the async launch pads the drafts' confidences to k columns (spec_async)
+        draft_lengths(e(4, spec_k), torch.zeros(4, dtype=torch.long), 8, 0.0)
+        done += [f"mla_decode H={H} verify T={counts} (k={spec_k})", f"draft_lengths K={spec_k}"]
     S = 256
     for M in (1, S):  # prefill rows' q_pe (one row's view has a contiguous query's row stride)
         q = decode_query(cfg, M, dtype)
@@ -267,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--unfused", action="store_true",
                     help="also the set_decode_fusion(False) debug path's kernels (V2/V3 shapes)")
+    ap.add_argument("--spec-k", type=int, default=SPEC_K,
+                    help="also speculative verify steps of up to this many drafts a request (V2/V3 shapes; 0: none)")
     args = ap.parse_args(argv)
     if os.environ.get("DEEPINFER_TL_DRYRUN", "") in ("", "0"):
         raise SystemExit("engine_warm.py compiles only: set DEEPINFER_TL_DRYRUN=1 (and TILELANG_CACHE_DIR)")
@@ -279,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
 
             names = warm_v4(V4Config.from_dict(suite_config("full") if shape == "v4-flash-slice" else GRAPH_TEST))
         else:
-            names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size, unfused=args.unfused)
+            names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size, unfused=args.unfused,
+                               spec_k=args.spec_k)
         print(f"{shape}: {len(names)} op calls compiled in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -5,7 +5,8 @@ The configurations the warm-up asks for must include every one a step of the rea
 q_lora (the query is then q_b's own output, else a strided slice of the fused q + kv_a projection: the GEMV kernels
 compile per stride): decode steps at every captured batch size (split-KV or not, and its combine's tiles; the MoE's
 weight-streaming rows and block rows), prefill chunks of 1..9 rows (the GEMVs' row counts, kv_b_proj's included) and
-larger ones, with and without a cached prefix, and a mixed step.
+larger ones, with and without a cached prefix, and a mixed step; speculative verify steps of several draft lengths
+(the verify graphs' keys and eager ragged steps: mla_decode over several query rows a request).
 """
 
 from __future__ import annotations
@@ -107,6 +108,40 @@ def _prefill_configs(raw: dict, chunks: list[tuple[int, int]], asked: list, deco
     return set(asked)
 
 
+def _verify_configs(raw: dict, ks: tuple[int, ...], asked: list) -> dict[int, set]:
+    """Per draft length ``k`` of ``ks``, the configurations of speculative verify steps: every verify graph key
+    ``(n, R)`` of the default sizes (``R`` = 2..k + 1 rows a request, ``n * R`` <= the verify token cap; the keys of
+    a smaller k are some of a larger one's, so each runs once), through the graphs' padded buffers; then eager
+    ones: requests of ragged rows (1..k + 1 a request: partial acceptances), and a batch of k + 1 rows a request
+    past the graphs' cap."""
+    from deepinfer_core.engine.graph_runner import DecodeGraphs, default_batch_sizes
+    from deepinfer_core.models.metadata import AttentionMetadata, DecodeMeta
+
+    model, kv = _model(raw)
+    graphs = DecodeGraphs(model, kv, default_batch_sizes(256), 1024 // 64, torch.device("cpu"), capture=False,
+                          verify_rows=max(ks) + 1)
+    per_key = {}
+    out = {}
+    with torch.inference_mode():
+        for n, R in graphs.keys:
+            if R > 1:
+                asked.clear()
+                graphs._forward(n, R)
+                per_key[(n, R)] = set(asked)
+        for k in ks:
+            asked.clear()
+            cap = max(n * R for n, R in per_key if R <= k + 1)
+            for q_lens in ([1 + i % (k + 1) for i in range(5)], [k + 1] * (cap // (k + 1) + 1)):
+                B, T = len(q_lens), sum(q_lens)
+                cu = torch.tensor([0, *q_lens]).cumsum(0)
+                lens = torch.full((B,), 40)
+                decode = DecodeMeta(cu, lens, torch.zeros(B, 16, dtype=torch.int32), max(q_lens))
+                meta = AttentionMetadata(0, torch.full((T,), -1), None, decode, cu_q_lens=cu, seq_lens=lens)
+                model.logits(model(torch.zeros(T, dtype=torch.long), torch.full((T,), 30), meta, kv))
+            out[k] = set(asked).union(*(used for (n, R), used in per_key.items() if R <= k + 1))
+    return out
+
+
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
 def test_warm_covers_decode_kernels(kernel_configs, q_lora):
     """Decode steps at every default captured batch size, 1..256 (the GEMVs' row buckets, the fused decode query,
@@ -136,10 +171,38 @@ def test_warm_covers_decode_kernels(kernel_configs, q_lora):
     assert not missing, sorted(missing, key=str)
 
 
+#: speculative draft lengths (the device scripts and ``spec_async_figures.py`` run k = 4; up to 16)
+SPEC_KS = (1, 2, 4, 5, 8)
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
+def test_warm_covers_verify_kernels(kernel_configs, q_lora):
+    """Speculative verify steps at draft lengths ``SPEC_KS``: the verify graphs' keys (n requests of R = 2..k + 1
+    rows: mla_decode over several query rows a request, split-KV or not, the GEMVs and the MoE at n * R rows) and
+    eager verify steps (ragged rows, past the graphs' token cap) ask only for configurations
+    ``warm_shape(spec_k=k)`` compiles, and so does the async launch's ``draft_lengths`` (its confidences padded
+    to k columns: ``spec_async``)."""
+    import engine_warm
+
+    from deepinfer_core.models.config import ModelConfig
+
+    raw = _mini(q_lora)
+    cfg = ModelConfig.from_dict(raw)
+    for k, used in _verify_configs(raw, SPEC_KS, kernel_configs).items():
+        ragged = {args[8:10] for key, args in used if key == "mla_decode._decode_kernel" and args[9]}
+        assert ragged == {(True, True), (False, True)}, ragged  # several rows a request, split-KV and not
+        used.add(("draft_lengths._kernel", (k,)))
+        kernel_configs.clear()
+        engine_warm.warm_shape(cfg, spec_k=k)
+        missing = used - set(kernel_configs)
+        assert not missing, f"k={k}: " + ", ".join(sorted(map(str, missing)))
+
+
 @pytest.mark.parametrize("shape", ["v2-lite", "v3-slice"])
 def test_warm_real_shapes(kernel_configs, shape):
     """The full-size shapes (on the meta device: no memory) build every input; the decode query has the model's
-    strides: V3's q_b output is contiguous, V2-Lite's q is a slice of the fused q + kv_a projection's rows."""
+    strides: V3's q_b output is contiguous, V2-Lite's q is a slice of the fused q + kv_a projection's rows; verify
+    steps' ragged mla_decode comes split-KV and not (V3: the warp-specialised kernel)."""
     import engine_warm
     from random_checkpoint import shape_config
 
@@ -152,6 +215,11 @@ def test_warm_real_shapes(kernel_configs, shape):
     absorb = {args[5] for key, args in kernel_configs
               if key == "gemv_rows._kernel" and len(args) > 9 and args[9] and args[3] > 1}
     assert absorb == {{"v2-lite": (16 * 192 + 512 + 64, 192), "v3-slice": (128 * 192, 192)}[shape]}
+    # speculative verify steps (the default draft length): the ragged kernel, split-KV and not (V3's 128 heads: the
+    # warp-specialised one)
+    key, at = {"v2-lite": ("mla_decode._decode_kernel", 8), "v3-slice": ("mla_decode_ws._decode_ws_kernel", 4)}[shape]
+    assert {args[at:at + 2] for name, args in kernel_configs if name == key} == {(s, r) for s in (True, False)
+                                                                           for r in (True, False)}
 
 
 #: prefill chunks (new tokens, cached prefix)
