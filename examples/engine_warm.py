@@ -11,8 +11,8 @@ chunks of up to ``gemv.MAX_M`` rows, kv_b_proj's included), the MoE token counts
 size rules change (``moe_token_counts``), prefill chunks up to 8192 tokens, and speculative verify steps
 of up to ``--spec-k`` drafts a request (default 4, the engine's; 0: none): mla_decode's ragged kernel
 (several query rows a request) at each split and combine configuration (``verify_token_counts``), and
-the async launch's ``draft_lengths`` at k columns. ``kernel_warm.py --engine-shapes`` runs this as part
-of the cache pack.
+the async launch's ``draft_lengths`` at k columns; with ``--mtp``, DSpark's MTP draft (``warm_mtp``).
+``kernel_warm.py --engine-shapes`` runs this as part of the cache pack.
 """
 
 from __future__ import annotations
@@ -236,6 +236,36 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     return done
 
 
+def warm_mtp(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """DSpark's MTP draft (``plugins/dspark/draft.py``): its input projection ``eh_proj`` [C, 2C] and its layer's lean
+    decode path (``plugins/dspark/lean.py``: the folded q / input / output GEMMs, the rope of the query's and the
+    key's rope parts in one tensor) at every GEMV row count. The layer is built on the meta device (no memory) and
+    run as the draft runs it, so the folded weights' shapes are the plugin's own; its norms, cache write, MoE and
+    catch-up forward (a target-shaped decoder layer) are the target's configurations, warmed by ``warm_shape``."""
+    from deepinfer_core.kernels import Kernels
+    from deepinfer_core.models.deepseek import DecoderLayer
+    from deepinfer_core.models.loader import construct
+    from kernels_cpu import ReferenceKernels
+    from kernels_cuda import CudaKernels
+    from kernels_cuda.gemv import MAX_M
+    from plugins.dspark.lean import LeanDecoder, context_slot_table
+
+    k, meta, C = Kernels(CudaKernels, ReferenceKernels), torch.device("meta"), cfg.hidden_size
+    layer = construct(lambda: DecoderLayer(k, cfg, cfg.num_hidden_layers), dtype, meta)  # past the last layer
+    layer.self_attn.post_load()
+    if hasattr(layer.mlp, "post_load"):
+        layer.mlp.post_load()
+    lean = LeanDecoder(None, [layer], torch.empty(16, cfg.qk_rope_head_dim, device=meta), cfg.rms_norm_eps)
+    eh_proj = torch.empty(C, 2 * C, dtype=dtype, device=meta)
+    cache = torch.empty(16, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype, device=meta)
+    with torch.inference_mode(), torch.device(meta):
+        for T in range(1, MAX_M + 1):
+            x = k.linear(torch.empty(T, 2 * C, dtype=dtype), eh_proj)
+            ctx = context_slot_table(torch.zeros(T, 2, dtype=torch.int32), block_size)
+            lean.run_layers(x, torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), ctx, [cache])
+    return [f"mtp eh_proj + lean decode M=1..{MAX_M}"]
+
+
 def warm_v4(cfg, block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """The DeepSeek-V4 ops of ``v4_suite.py``'s forward (``cfg`` a ``V4Config``), one call per configuration."""
     from deepinfer_core.models.deepseek_v4 import cache_layout
@@ -307,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--unfused", action="store_true",
                     help="also the set_decode_fusion(False) debug path's kernels (V2/V3 shapes)")
+    ap.add_argument("--mtp", action="store_true",
+                    help="also DSpark's MTP draft (its input projection and lean decode path; V2/V3 shapes)")
     ap.add_argument("--spec-k", type=int, default=SPEC_K,
                     help="also speculative verify steps of up to this many drafts a request (V2/V3 shapes; 0: none)")
     args = ap.parse_args(argv)
@@ -321,8 +353,10 @@ def main(argv: list[str] | None = None) -> None:
 
             names = warm_v4(V4Config.from_dict(suite_config("full") if shape == "v4-flash-slice" else GRAPH_TEST))
         else:
-            names = warm_shape(ModelConfig.from_dict(shape_config(shape)), args.block_size, unfused=args.unfused,
-                               spec_k=args.spec_k)
+            cfg = ModelConfig.from_dict(shape_config(shape))
+            names = warm_shape(cfg, args.block_size, unfused=args.unfused, spec_k=args.spec_k)
+            if args.mtp:
+                names += warm_mtp(cfg, args.block_size)
         print(f"{shape}: {len(names)} op calls compiled in {time.time() - t0:.0f} s", flush=True)
 
 

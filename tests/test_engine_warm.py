@@ -289,3 +289,34 @@ def test_warm_unfused_covers_fusion_off(kernel_configs, q_lora):
     engine_warm.warm_shape(ModelConfig.from_dict(raw), unfused=True)
     missing = used - set(kernel_configs)
     assert not missing, sorted(missing, key=str)
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
+def test_warm_mtp_covers_lean_mtp(kernel_configs, q_lora):
+    """DSpark's MTP draft (the mini model's last layer stands in for the MTP layer): its input projection
+    (``eh_proj`` [C, 2C], as ``MTPSource._input`` runs it) and the lean decode path at draft steps and catch-up spans
+    of 1..9, 64 and 256 rows ask for configurations the default warm-up lacks (the folded GEMMs, the rope over the
+    query's and the key's parts at once) and ``warm_mtp`` adds."""
+    import engine_warm
+
+    from deepinfer_core.models.config import ModelConfig
+    from plugins.dspark.lean import LeanDecoder, context_slot_table
+
+    raw = _mini(q_lora)
+    cfg = ModelConfig.from_dict(raw)
+    model, kv = _model(raw)
+    lean = LeanDecoder(None, [model.layers[-1]], model.cos_sin, cfg.rms_norm_eps)
+    eh_proj = torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size, dtype=torch.bfloat16)
+    kernel_configs.clear()
+    with torch.inference_mode():
+        for T in [*range(1, 10), 64, 256]:
+            x = model.k.linear(torch.zeros(T, 2 * cfg.hidden_size, dtype=torch.bfloat16), eh_proj)
+            ctx = context_slot_table(torch.zeros(T, 2, dtype=torch.int32), 64)
+            lean.run_layers(x, torch.full((T,), 70), torch.full((T,), -1), ctx, kv["latent"][:1])
+    used = set(kernel_configs)
+    kernel_configs.clear()
+    engine_warm.warm_shape(cfg)
+    assert used - set(kernel_configs), "the MTP draft asks for nothing the default warm-up lacks"
+    engine_warm.warm_mtp(cfg)
+    missing = used - set(kernel_configs)
+    assert not missing, ", ".join(sorted(map(str, missing)))
