@@ -35,7 +35,14 @@ class RequestMetrics:
     num_computed_prompt_tokens: int = 0
     num_preemptions: int = 0
     decode_ppl: float | None = None  # exp(-mean logprob of the generated tokens)
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request (any proposer)
+    num_accepted_draft_tokens: int = 0  # ... and kept
     extra: dict = field(default_factory=dict)  # features' per-request metrics (accept_rate, ...)
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted over verified drafts; None when none were verified."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def time_to_first_token(self) -> float | None:

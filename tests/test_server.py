@@ -292,3 +292,31 @@ def test_queue_overflow_is_429_and_the_server_stays_healthy(base):
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in responses if r.status_code == 200)
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_speculation_behind_the_server_streams_plain_decodings_tokens():
+    """A server drafting with ``ngram`` (async scheduling on, several tokens a step): streamed and whole
+    completions, with logprobs, equal plain decoding offline; seeded sampled choices (n = 2) too, since
+    point-mass drafts are verified by coupling."""
+    prompt = "import os\nimport sys\nimport os\nimport"  # (its greedy continuation repeats: drafts are kept)
+    greedy = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    sampled = {"prompt": "hello world hello world hello", "max_tokens": 24, "temperature": 0.8, "seed": 7, "n": 2,
+               "ignore_eos": True}
+    plain = LLM(async_scheduling=True)
+    want = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    want_s = plain.generate(sampled["prompt"], SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=24,
+                                                             ignore_eos=True), use_tqdm=False)
+    with server("-o", 'speculative={proposer="ngram", k=4, device="on"}', "-o", "async_scheduling=true") as url:
+        whole = httpx.post(url + "/v1/completions", json=greedy, timeout=120).json()["choices"][0]
+        with httpx.stream("POST", url + "/v1/completions", json={**greedy, "stream": True}, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        seeded = httpx.post(url + "/v1/completions", json=sampled, timeout=120).json()["choices"]
+        spec = metric_samples(url)
+    assert whole["text"] == want[0].outputs[0].text and len(whole["logprobs"]["tokens"]) == 48
+    streamed = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in streamed) == whole["text"]
+    assert sum(len(c["logprobs"]["tokens"]) for c in streamed if c.get("logprobs")) == 48
+    assert sorted(c["text"] for c in seeded) == sorted(o.text for o in want_s[0].outputs)
+    drafts, kept = (spec[f"deepinfer:spec_decode_num_{w}_tokens_total", ()] for w in ("draft", "accepted"))
+    assert drafts > 0 and 0 < kept <= drafts  # every proposer's drafts are counted, not DSpark's only
+    assert 1 <= spec["deepinfer:spec_decode_acceptance_rate_count", ()] <= 4  # per completion with drafts

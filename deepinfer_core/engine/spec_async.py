@@ -550,6 +550,8 @@ class AsyncSpec:
                 fb_seqs.append(seq)
                 fb_drafts.append(lengths[d_of[i]])
                 fb_acc.append(a)
+                seq.metrics.num_draft_tokens += lengths[d_of[i]]
+                seq.metrics.num_accepted_draft_tokens += a
         if flight.drafted:
             self.used = 0.5 * self.used + 0.5 * sum(wanted) / max(1, sum(flight.drafts[i] for i in flight.drafted))
             n = self.spec.n

@@ -217,7 +217,9 @@ class SpecDecoder:
         computed = [s.num_computed_tokens + 1 + a for s, a in zip(seqs, accepted)]
         stops = eng.append_tokens(seqs, tokens, logprobs, tops)
         kept = []
-        for seq, toks, first, c in zip(seqs, tokens, first_pos, computed):
+        for seq, toks, first, c, d, a in zip(seqs, tokens, first_pos, computed, drafts, accepted):
+            seq.metrics.num_draft_tokens += len(d)
+            seq.metrics.num_accepted_draft_tokens += a
             seq.num_computed_tokens = min(c, seq.num_tokens - 1)  # a stop may end the kept tokens early
             eng.blocks.truncate(seq, seq.num_tokens)  # roll back the rejected tokens' KV slots
             eng.blocks.register_full_blocks(seq)

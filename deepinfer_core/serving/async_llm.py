@@ -426,8 +426,8 @@ class AsyncLLM:
                 metrics.tokens_emitted(len(ids), now, stream.arrival, first, last)
                 stream.token_times[i] = (first or now, now)
         if stats is not None and metrics is not None:
-            for reason, prompt_tokens, tiers, accept in stats:
-                metrics.request_finished(reason, prompt_tokens, tiers, accept, now - stream.arrival)
+            for reason, prompt_tokens, tiers, drafts, accepted in stats:
+                metrics.request_finished(reason, prompt_tokens, tiers, drafts, accepted, now - stream.arrival)
         stream.put(RequestUpdate(rid, ds, finished, num_prompt, num_cached,
                                               None if output is None else output_from_wire(output),
                                               error_from_wire(error)))

@@ -52,9 +52,10 @@ class _Tracked:
 
 def seq_stats(seq) -> list:
     """What /metrics counts for one finished completion: reason, prompt tokens, cache hits by tier,
-    draft acceptance rate."""
-    return [seq.finish_reason, len(seq.prompt_token_ids), seq.metrics.num_cached_tokens_by_tier,
-            seq.metrics.extra.get("accept_rate")]
+    drafts verified and accepted (speculative decoding, any proposer)."""
+    m = seq.metrics
+    return [seq.finish_reason, len(seq.prompt_token_ids), m.num_cached_tokens_by_tier, m.num_draft_tokens,
+            m.num_accepted_draft_tokens]
 
 
 def engine_info(engine) -> dict:

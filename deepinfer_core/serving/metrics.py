@@ -42,6 +42,10 @@ class ServingMetrics:
                               registry=r)
         self.spec_accept = Histogram("deepinfer:spec_decode_acceptance_rate", "Per request draft acceptance",
                                      lab, buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
+        self.spec_drafts = Counter("deepinfer:spec_decode_num_draft_tokens", "Draft tokens verified", lab,
+                                   registry=r)
+        self.spec_accepted = Counter("deepinfer:spec_decode_num_accepted_tokens", "Draft tokens accepted", lab,
+                                     registry=r)
 
         # the per-token series, bound once (labels() costs a locked lookup per call)
         m = model_name
@@ -65,15 +69,18 @@ class ServingMetrics:
                 self._itl.observe(gap)
 
     def request_finished(self, reason: str | None, prompt_tokens: int, cached_by_tier: dict[str, int],
-                         accept_rate: float | None, e2e: float) -> None:
-        """One completion finished (``reason``); ``e2e``: seconds since the server received it."""
+                         drafts: int, accepted: int, e2e: float) -> None:
+        """One completion finished (``reason``), whose ``drafts`` verified drafts kept ``accepted``
+        (speculative decoding); ``e2e``: seconds since the server received it."""
         m = self.model_name
         self.requests.labels(m, reason or "unknown").inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         for tier, n in cached_by_tier.items():
             self.cache_hits.labels(m, tier).inc(n)
-        if accept_rate is not None:
-            self.spec_accept.labels(m).observe(accept_rate)
+        if drafts:
+            self.spec_accept.labels(m).observe(accepted / drafts)
+            self.spec_drafts.labels(m).inc(drafts)
+            self.spec_accepted.labels(m).inc(accepted)
         self.e2e.labels(m).observe(max(0.0, e2e))
 
     def reject(self, code: int) -> None:
