@@ -106,10 +106,16 @@ def test_corrupt_cost_model_cache_is_ignored_with_a_warning(tiny_v3_path, tmp_pa
     with pytest.raises(ConfigError, match=re.escape(str(path))):
         make(tiny_v3_path, cost_model=str(path))
     # a symlink to a device (it would read forever), a directory, an unreadable file: ignored, named
-    for bad in ("device", "directory", "unreadable"):
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.json"  # a file out of the cache directory
+    outside.write_text("not json at all")
+    for bad in ("device", "directory", "unreadable", "outside", "nan"):
         path.unlink() if path.is_file() or path.is_symlink() else path.rmdir()
         if bad == "device":
             path.symlink_to("/dev/zero")
+        elif bad == "outside":
+            path.symlink_to(outside)
+        elif bad == "nan":  # a hand-edited coefficient: it would steer every prefill budget
+            path.write_text(json.dumps({"a": float("nan"), "b": 1e-5, "d": 0.0, "e": -1.0}))
         elif bad == "directory":
             path.mkdir()
         else:

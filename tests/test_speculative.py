@@ -533,6 +533,8 @@ def test_spec_floor_runs_the_mode_that_measured_faster_per_batch_size():
     before = dict(f.buckets[f.key(32)].counted)
     f.observe(False, 32, 10, 1.0, prefill=False)  # the first step after a switch: mixed, not counted
     f.observe(False, 32, 10, 1.0, prefill=True)  # a prefill step: not a decode step's time
+    for seconds, toks in ((float("nan"), 10), (float("inf"), 10), (0.0, 10), (-1.0, 10), (1.0, -3)):
+        f.observe(False, 32, toks, seconds, prefill=False)  # a bad clock reading or count: not counted
     assert f.buckets[f.key(32)].counted == before
 
 

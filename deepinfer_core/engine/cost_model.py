@@ -17,6 +17,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from deepinfer_core.config import check_number
+
 
 @dataclass
 class CostModel:
@@ -61,7 +63,10 @@ class CostModel:
     def load(cls, path: Path) -> CostModel:
         """The model saved at ``path``; FileNotFoundError, or ValueError naming a file that is not one."""
         try:
-            return cls(**load_json(path))
+            model = cls(**load_json(path))
+            for name in ("a", "b", "d", "e"):  # a NaN or negative coefficient would steer every prefill budget
+                check_number(f"coefficient {name!r}", getattr(model, name), low=0.0)
+            return model
         except (ValueError, TypeError) as exc:  # half-written, hand-edited, another format
             raise ValueError(f"cost model file {str(path)!r} is unreadable ({exc})") from exc
 

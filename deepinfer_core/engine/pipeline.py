@@ -275,6 +275,38 @@ class StepPipeline:
         eng.pm.hook.process_logits(engine=eng, batch=batch, logits=sample_logits)
         return eng.sampler.sample(sample_logits, batch.sample_seqs, self._positions(batch))
 
+    def process_rows(self, batch: StepBatch, gather, row_seqs: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
+        """``process_logits`` on the rows ``gather()`` returns (row i: ``row_seqs[i]``; a speculative step's
+        verify rows), edited in place. When the hook raises, each request's rows are tried alone on a fresh
+        gather: a request whose rows raise fails alone, as a plain step's sampling row does, and its rows
+        stay unedited (its results are discarded). Returns (the rows, ids of the requests that failed); a
+        failure no single request explains is raised."""
+        eng = self.engine
+
+        def hook(rows: torch.Tensor, seqs: list[Sequence]) -> None:
+            view = replace(batch, scheduled=[], sample_seqs=seqs, sample_rows=list(range(len(seqs))))
+            eng.pm.hook.process_logits(engine=eng, batch=view, logits=rows)
+
+        rows = gather()
+        try:
+            hook(rows, row_seqs)
+            return rows, set()
+        except Exception:
+            rows, bad = gather(), []  # (the failed call may have edited some rows)
+            for seq in dict.fromkeys(row_seqs):
+                idx = torch.tensor([i for i, s in enumerate(row_seqs) if s is seq], device=rows.device)
+                own = rows[idx]
+                try:
+                    hook(own, [seq] * len(idx))
+                    rows[idx] = own
+                except Exception as exc:
+                    bad.append((seq, exc))
+            if not bad:
+                raise
+        for seq, exc in bad:
+            eng._fail_request(seq, "process_logits", exc)
+        return rows, {id(seq) for seq, _ in bad}
+
     def _positions(self, batch: StepBatch) -> list[int] | torch.Tensor:
         """The position each sampling row draws at (its draw's RNG key): the host's lengths, or after a
         speculative step in flight the device's true ones (``StepBatch.sample_pos``)."""

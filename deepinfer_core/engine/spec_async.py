@@ -125,8 +125,8 @@ class AsyncSpec:
         if own is not None and (isinstance(own, bool) or not isinstance(own, (int, float)) or math.isnan(own)):
             self.spec.broken(f"verify_budget() must return a number of rows or None, got {own!r}")
             own = None
-        if own is not None:
-            return max(0, min(slots, int(min(own, slots))))
+        if own is not None:  # (+-inf: every slot, none)
+            return int(max(0, min(slots, own)))
         return max(0, min(slots, math.ceil(slots * self.used * 1.15 - 0.25)))
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -453,10 +453,9 @@ class AsyncSpec:
         K = drafts.tokens.shape[1]
         seqs = [batch.sample_seqs[i] for i in h["drafted"]]
         if eng.pm.hook.process_logits.get_hookimpls():  # the verified rows, for the hooks to edit
-            spec = logits[t[h["flat"]]]
             row_seqs = [seq for seq, i in zip(seqs, h["drafted"]) for _ in range(h["row_drafts"][i] + 1)]
-            view = replace(batch, scheduled=[], sample_seqs=row_seqs, sample_rows=list(range(len(row_seqs))))
-            eng.pm.hook.process_logits(engine=eng, batch=view, logits=spec)
+            # (a request whose rows make the hooks raise fails alone; its results are discarded at settle)
+            spec, _ = eng.pipeline.process_rows(batch, lambda: logits[t[h["flat"]]], row_seqs)
             target = spec[t[h["local"]]]  # [Rd, K + 1, V]: rows past a request's slots repeat its last
         else:
             target = logits[t[h["grid"]]]

@@ -19,6 +19,8 @@ prefill chunks are not counted either: their time is not a decode step's.
 
 from __future__ import annotations
 
+import math
+
 WARMUP = 24  # speculative steps measured at a batch size before plain ones are tried there
 TRIAL = 8  # steps of the other mode per trial (its first, after the switch, not counted)
 FIRST_GAP, MAX_GAP = 64, 4096  # steps between trials: doubled while trials confirm the mode in use
@@ -84,7 +86,7 @@ class SpecFloor:
         elif b.trial_at >= 0 and b.steps == b.trial_at + TRIAL + 1:  # it ended: confirmed, or not
             b.gap = min(2 * b.gap, MAX_GAP) if b.best() == b.trial_of else FIRST_GAP
             b.trial_at = b.steps + b.gap
-        if first or prefill or seconds <= 0:
+        if first or prefill or not (0 < seconds < math.inf) or tokens < 0:  # (a bad clock reading: not counted)
             return
         if b.last != speculative:  # a run of the other mode at this batch size
             b.last = speculative

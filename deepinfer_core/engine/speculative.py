@@ -40,8 +40,8 @@ logger = logging.getLogger("deepinfer.speculative")
 PROBS_SUM_TOL = 1e-2
 
 
-def load_proposer(section: dict) -> tuple[Proposer, int, bool]:
-    """The ``[speculative]`` table -> (proposer instance, k, floor)."""
+def load_proposer(section: dict, engine) -> tuple[Proposer, int, bool]:
+    """The ``[speculative]`` table -> (proposer instance, started on ``engine``; k; floor)."""
     sec = dict(section)
     name = sec.pop("proposer", None)
     k = sec.pop("k", 4)
@@ -54,12 +54,16 @@ def load_proposer(section: dict) -> tuple[Proposer, int, bool]:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
         raise ConfigError(f"[speculative] k must be an int in 1..{MAX_K}, got {k!r}")
     cls = plugins.load(GROUP, name, what="proposer")
+    what = "construct"
     try:
-        return cls(sec), k, floor
+        proposer = cls(sec)
+        what = "start"
+        proposer.start(engine)
     except ConfigError:
         raise
     except Exception as exc:
-        raise plugins.PluginError(f"proposer {name!r} failed to construct: {type(exc).__name__}: {exc}") from exc
+        raise plugins.PluginError(f"proposer {name!r} failed to {what}: {type(exc).__name__}: {exc}") from exc
+    return proposer, k, floor
 
 
 class _RowView:
@@ -136,14 +140,7 @@ class SpecDecoder:
             return cls(engine, hooked, hooked.k, from_feature=True)
         if not engine.cfg.speculative:
             return None
-        proposer, k, floor = load_proposer(engine.cfg.speculative)
-        try:
-            proposer.start(engine)
-        except ConfigError:
-            raise
-        except Exception as exc:
-            raise plugins.PluginError(f"proposer {engine.cfg.speculative['proposer']!r} failed to start: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+        proposer, k, floor = load_proposer(engine.cfg.speculative, engine)
         return cls(engine, proposer, k, from_feature=False, floor=floor)
 
     def request_finished(self, seq: Sequence) -> None:
@@ -191,16 +188,21 @@ class SpecDecoder:
         eng = self.engine
         dev = logits.device
         where = {id(s): i for i, s in enumerate(batch.sample_seqs)}
+        rows, row_seqs = [], []
+        for s in drafted:
+            r0 = batch.sample_rows[where[id(s.seq)]]
+            rows.extend(range(r0, r0 + len(s.spec_tokens) + 1))
+            row_seqs.extend([s.seq] * (len(s.spec_tokens) + 1))
+        rows_t = torch.tensor(rows, device=dev)
+        spec, failed = eng.pipeline.process_rows(batch, lambda: logits[rows_t], row_seqs)
+        if failed:  # those requests failed alone: the others are verified
+            keep = [i for i, s in enumerate(row_seqs) if id(s) not in failed]
+            drafted = [s for s in drafted if id(s.seq) not in failed]
+            if not drafted:
+                return
+            spec = spec[torch.tensor(keep, device=dev)]
         seqs = [s.seq for s in drafted]
         drafts = [s.spec_tokens for s in drafted]
-        rows, row_seqs = [], []
-        for seq, d in zip(seqs, drafts):
-            r0 = batch.sample_rows[where[id(seq)]]
-            rows.extend(range(r0, r0 + len(d) + 1))
-            row_seqs.extend([seq] * (len(d) + 1))
-        spec = logits[torch.tensor(rows, device=dev)]
-        view = replace(batch, scheduled=[], sample_seqs=row_seqs, sample_rows=list(range(len(rows))))
-        eng.pm.hook.process_logits(engine=eng, batch=view, logits=spec)
         greedy = [s.params.temperature <= 0 for s in seqs]
         first_pos = [s.num_tokens for s in seqs]
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
