@@ -28,8 +28,12 @@ def make(path, **kw) -> LLM:
 
 
 # ---- two threads, one LLM ------------------------------------------------------------------------
-def test_concurrent_generate_calls_are_serialised(tiny_v3_path):
-    llm = make(tiny_v3_path)
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_concurrent_generate_calls_are_serialised(tiny_v3_path, spec):
+    """Two threads on one LLM, also drafting (async, the device path): each gets the outputs it gets alone
+    (seeded sampling: speculation's coupled verify keeps them whatever the floor chose that time)."""
+    kw = {} if spec is None else dict(async_scheduling=True, speculative={"proposer": spec, "k": 3, "device": "on"})
+    llm = make(tiny_v3_path, **kw)
     batches = [[{"prompt_token_ids": rand_ids(6 + 3 * i + j, 40 * t + i)} for i in range(4)]
                for t, j in ((0, 0), (1, 1))]
     ps = [SamplingParams(temperature=0.7, seq_seed=5 + i, max_tokens=24, ignore_eos=True) for i in range(4)]
@@ -53,6 +57,8 @@ def test_concurrent_generate_calls_are_serialised(tiny_v3_path):
         assert got == {0: want[0], 1: want[1]}
         assert not llm.engine.has_unfinished()
         llm.engine.blocks.check_no_leaks()
+    if spec is not None:
+        assert llm.engine.metrics()["spec_verified"] > 0
 
 
 # ---- preemption counter ----------------------------------------------------------------------------
