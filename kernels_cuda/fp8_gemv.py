@@ -126,6 +126,7 @@ def build_fp8_gemv(N: int, K: int, MB: int, cfg: Fp8GemvConfig, dtype: str):
             xb = T.alloc_local((VEC,), dtype)
             xf = T.alloc_local((VEC,), "float32")
             qf = T.alloc_local((VEC,), "float32")
+            wf = T.alloc_local((VEC,), "float32")
             s = T.alloc_local((1,), "float32")
             p = T.alloc_local((RN,), "float32")
             acc = T.alloc_local((RN, MB), "float32")
@@ -153,8 +154,11 @@ def build_fp8_gemv(N: int, K: int, MB: int, cfg: Fp8GemvConfig, dtype: str):
                             quant_group(xf, qf, s)
                             for r in T.unroll(RN):
                                 p[r] = 0.0
+                                # a vectorised cast: e4m3 pairs through one cvt.f16x2.e4m3x2
+                                for v in T.vectorized(VEC):
+                                    wf[v] = T.cast(w_loc[i, r, v], "float32")
                                 for v in T.unroll(VEC):
-                                    p[r] += qf[v] * T.cast(w_loc[i, r, v], "float32")
+                                    p[r] += qf[v] * wf[v]
                                 acc[r, m] += T.if_then_else(live, p[r] * (s[0] * ws[i]), 0.0)
             for r, m in T.grid(RN, MB):
                 for j in T.unroll(5):

@@ -108,6 +108,8 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
             w_g = T.alloc_local((iters, VEC), FP8)
             w_u = T.alloc_local((iters, VEC), FP8)
             s_g = T.alloc_local((iters,), "float32")
+            wgf = T.alloc_local((VEC,), "float32")
+            wuf = T.alloc_local((VEC,), "float32")
             s_u = T.alloc_local((iters,), "float32")
             xb = T.alloc_local((VEC,), dtype)
             xf = T.alloc_local((VEC,), "float32")
@@ -153,10 +155,16 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
                                 qv[v] = q_s[m, k0 + v]
                             pg[0] = 0.0
                             pu[0] = 0.0
-                            for v in T.unroll(VEC):
+                            # vectorised casts: e4m3 pairs through one cvt.f16x2.e4m3x2 (a scalar cast is one each)
+                            for v in T.vectorized(VEC):
                                 qf[v] = T.cast(qv[v], "float32")
-                                pg[0] += qf[v] * T.cast(w_g[it, v], "float32")
-                                pu[0] += qf[v] * T.cast(w_u[it, v], "float32")
+                            for v in T.vectorized(VEC):
+                                wgf[v] = T.cast(w_g[it, v], "float32")
+                            for v in T.vectorized(VEC):
+                                wuf[v] = T.cast(w_u[it, v], "float32")
+                            for v in T.unroll(VEC):
+                                pg[0] += qf[v] * wgf[v]
+                                pu[0] += qf[v] * wuf[v]
                             acc_g[m] += pg[0] * (sx_s[m, k0 // GROUP] * s_g[it])
                             acc_u[m] += pu[0] * (sx_s[m, k0 // GROUP] * s_u[it])
                     for m in T.unroll(MB):
@@ -216,6 +224,7 @@ def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype
             qf = T.alloc_local((VEC,), "float32")
             qv = T.alloc_local((VEC,), FP8)
             w_loc = T.alloc_local((VEC,), FP8)
+            wf = T.alloc_local((VEC,), "float32")
             sc = T.alloc_local((1,), "float32")
             p = T.alloc_local((1,), "float32")
             dot = T.alloc_local((1,), "float32")
@@ -244,8 +253,12 @@ def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype
                     for v in T.vectorized(VEC):
                         qv[v] = q_s[j, k0 + v]
                     p[0] = 0.0
+                    for v in T.vectorized(VEC):
+                        qf[v] = T.cast(qv[v], "float32")
+                    for v in T.vectorized(VEC):
+                        wf[v] = T.cast(w_loc[v], "float32")
                     for v in T.unroll(VEC):
-                        p[0] += T.cast(qv[v], "float32") * T.cast(w_loc[v], "float32")
+                        p[0] += qf[v] * wf[v]
                     dot[0] += T.if_then_else(live, p[0] * (sh_s[j, k0 // GROUP] * S2[ee, c // GROUP, k0 // GROUP]),
                                              0.0)
                 dot[0] = T.warp_reduce_sum(dot[0])
