@@ -126,6 +126,15 @@ CONFIG = {"BW1": 64, "BK1": 128, "stages1": 3, "threads1": 128, "blocks1": 2,
 #: rows a block, by the mean rows per expert (slots / experts)
 BT_CHOICES = (16, 32, 64)
 
+#: gemm1's k tile and stages from 32-row blocks on (V2-Lite b256 / b512 on the H200, docs/moe_stream.md round 2:
+#: 208.4 / 223.5 us a layer against 214.2 / 231.0 with BK 128 x 3 stages; at 16-row blocks BK 64 cost 12 us more)
+WIDE_BLOCKS = {"BK1": 64, "stages1": 4}
+
+
+def tiles(BT: int, overrides: dict | None = None) -> dict:
+    """:data:`CONFIG` for blocks of ``BT`` rows (:data:`WIDE_BLOCKS` from 32 rows), then ``overrides``."""
+    return {**CONFIG, **(WIDE_BLOCKS if BT >= 32 else {}), **(overrides or {})}
+
 
 def block_rows(n_slots: int, E: int) -> int:
     """BT: the mean rows per expert rounded up to 16, 32 or 64 (a size rule on shapes only)."""
@@ -156,12 +165,12 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Ten
 def stream_steps(x, w13, w2, weights, ids, limit: float | None = None, **overrides):
     """The launches as (name, thunk) pairs plus the output thunk (``overrides`` replace :data:`CONFIG` keys, and
     ``BT``; ``examples/moe_small_bench.py`` sweeps them)."""
-    c = {**CONFIG, **overrides}
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
     NS = NT * K
-    BT = c.get("BT") or block_rows(NS, E)
+    BT = overrides.get("BT") or block_rows(NS, E)
+    c = tiles(BT, overrides)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     dt = _tl.tl_dtype(x.dtype)
     dev = x.device
@@ -201,8 +210,9 @@ def representative_kernels():
     E, C, I = 66, 2048, 1408  # V2-Lite with the 2 shared experts folded in
 
     def g1(bt, e=E, cc=C, ii=I, limit=None):
-        return lambda: build_gemm1(e, cc, ii, bt, c["BW1"], c["BK1"], c["stages1"], c["threads1"], "bfloat16", limit,
-                                   c["blocks1"])
+        t = tiles(bt)
+        return lambda: build_gemm1(e, cc, ii, bt, t["BW1"], t["BK1"], t["stages1"], t["threads1"], "bfloat16", limit,
+                                   t["blocks1"])
 
     def g2(bt, e=E, cc=C, ii=I):
         return lambda: build_gemm2(e, cc, ii, bt, c["BW2"], c["BK2"], c["stages2"], c["threads2"], "bfloat16",
@@ -212,4 +222,5 @@ def representative_kernels():
     return [
         ("moe_sgemm1 V4 clamped BT16", g1(16, 256, 4096, 2048, 10.0)),
         ("moe_sgemm2 V2-Lite BT32", g2(32)),
+        ("moe_sgemm1 V2-Lite BT32 (wide-block tiles)", g1(32)),
     ]
