@@ -118,6 +118,13 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "positions, cos_sin): a decode step's query and its cache write in one launch",
     ),
     OpSpec(
+        "mla_decode_uv",
+        "(q[T, H, L+R], cache[NB, BS, L+R], block_tables[B, M], cu_q_lens[B+1], seq_lens[B], scale, L, "
+        "w_uv[H, V, L]) -> [T, H, V]",
+        "head_linear(mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, L), w_uv): MLA's decode "
+        "attention and W_UV (the latent output rounded to q's dtype in between, as mla_decode returns it)",
+    ),
+    OpSpec(
         "moe_gate",
         "(x[T, C], gate[E, C], bias[E] | None, top_k, scoring, n_group, topk_group, group_score, renormalize, "
         "scale, n_shared, dtype) -> (weights[T, k + n_shared] dtype, ids[T, k + n_shared] i64)",

@@ -114,6 +114,7 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     from kernels_cuda.gemv_rows import head_linear, mla_q_absorb, mla_q_absorb_kv_write
     from kernels_cuda.kv_cache import paged_kv_write
     from kernels_cuda.mla_decode import mla_decode
+    from kernels_cuda.mla_decode_uv import mla_decode_uv
     from kernels_cuda.mla_kv_write import mla_kv_write
     from kernels_cuda.mla_prefill import mla_prefill
     from kernels_cuda.moe import fused_moe
@@ -183,19 +184,22 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
         done.append(f"gemv M={M} x {len(weights) + bool(E_r)} weights, kv_b_proj, mla_q_absorb, W_UV")
     for B in decode_batches():
         tables = torch.zeros(B, 4, dtype=torch.int32)
-        mla_decode(e(B, H, L + R, dtype=dtype), cache, tables, torch.arange(B + 1), torch.full((B,), 64),
-                   0.1, L)
-    done.append(f"mla_decode H={H} B=1..{B}")
+        # decode fusion's attention + W_UV (the merge of the key splits and W_UV in one kernel at small batches),
+        # and mla_decode alone (its combine: larger batches, DEEPINFER_UV_FUSION=0, fusion off)
+        for op in (mla_decode, lambda *a: mla_decode_uv(*a, w_uv)):
+            op(e(B, H, L + R, dtype=dtype), cache, tables, torch.arange(B + 1), torch.full((B,), 64), 0.1, L)
+    done.append(f"mla_decode, mla_decode_uv H={H} B=1..{B}")
     if spec_k:
         counts = verify_token_counts(cfg, spec_k, block_size)
         for T in counts:  # requests of k + 1 rows, the last one short
             B = -(-T // (spec_k + 1))
             cu = (torch.arange(B + 1) * (spec_k + 1)).clamp_(max=T)
-            mla_decode(e(T, H, L + R, dtype=dtype), cache, torch.zeros(B, 4, dtype=torch.int32), cu,
-                       torch.full((B,), 64), 0.1, L)
+            for op in (mla_decode, lambda *a: mla_decode_uv(*a, w_uv)):
+                op(e(T, H, L + R, dtype=dtype), cache, torch.zeros(B, 4, dtype=torch.int32), cu, torch.full((B,), 64),
+                   0.1, L)
         # the async launch pads the drafts' confidences to k columns (spec_async)
         draft_lengths(e(4, spec_k), torch.zeros(4, dtype=torch.long), 8, 0.0)
-        done += [f"mla_decode H={H} verify T={counts} (k={spec_k})", f"draft_lengths K={spec_k}"]
+        done += [f"mla_decode(_uv) H={H} verify T={counts} (k={spec_k})", f"draft_lengths K={spec_k}"]
     S = 256
     for M in (1, S):  # prefill rows' q_pe (one row's view has a contiguous query's row stride)
         q = decode_query(cfg, M, dtype)

@@ -11,7 +11,7 @@ MXFP8_OPS = ("ue8m0_scale", "mxfp8_quant", "mxfp8_dequant")
 FP8_OPS = ("fp8_linear", "fused_moe_fp8")
 #: ops defined in ``kernels_cpu.fused`` (compositions a backend may run as one launch)
 FUSED_OPS = ("add_rms_norm_linear", "linear_f32", "mla_kv_write", "mla_q_absorb", "moe_gate",
-             "add_rms_norm_moe_gate", "mla_q_absorb_kv_write")
+             "add_rms_norm_moe_gate", "mla_q_absorb_kv_write", "mla_decode_uv")
 #: ops defined in ``kernels_cpu.kv_fp8`` (the FP8 latent KV cache)
 KV_FP8_OPS = ("latent_kv_dequant",)
 _MODULES = {**dict.fromkeys(V4_OPS, "v4_ops"), **dict.fromkeys(MXFP8_OPS, "mxfp8"), **dict.fromkeys(FP8_OPS, "fp8_ops"),

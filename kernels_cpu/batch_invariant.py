@@ -345,6 +345,11 @@ def mla_q_absorb_kv_write(q, w_uk, positions, cos_sin, kv_a, norm_w, eps, cache,
     return mla_q_absorb(q, w_uk, positions, cos_sin)
 
 
+def mla_decode_uv(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, w_uv):
+    """``kernels_cpu.fused.mla_decode_uv`` with this module's ``mla_decode`` and ``head_linear``."""
+    return head_linear(mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv), w_uv)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     ms = row_sum(xf * xf) / xf.shape[-1]
@@ -530,6 +535,6 @@ class BatchInvariantKernels(KernelBackend):
         "linear", "linear_f32", "add_rms_norm_linear", "mla_kv_write", "mla_q_absorb", "mla_q_absorb_kv_write",
         "head_linear", "rms_norm",
         "add_rms_norm", "silu_and_mul",
-        "mla_decode", "mla_prefill",
+        "mla_decode", "mla_decode_uv", "mla_prefill",
         "moe_route", "moe_gate", "add_rms_norm_moe_gate", "fused_moe", "logsumexp",
     )}

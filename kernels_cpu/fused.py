@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_cpu.ops import add_rms_norm, head_linear, linear, moe_route, paged_kv_write, rms_norm, rope
+from kernels_cpu.ops import add_rms_norm, head_linear, linear, mla_decode, moe_route, paged_kv_write, rms_norm, rope
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -51,6 +51,14 @@ def mla_q_absorb_kv_write(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.
     positions, cos_sin)``, [T, H, L + R]."""
     mla_kv_write(kv_a, norm_w, eps, positions, cos_sin, cache, slot_mapping)
     return mla_q_absorb(q, w_uk, positions, cos_sin)
+
+
+def mla_decode_uv(q: torch.Tensor, cache, block_tables: torch.Tensor, cu_q_lens: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float, dv: int, w_uv: torch.Tensor) -> torch.Tensor:
+    """MLA's decode attention and its value up-projection: ``head_linear(mla_decode(q, cache, block_tables, cu_q_lens,
+    seq_lens, scale, dv), w_uv)`` with w_uv [H, V, dv], [T, H, V]. The latent output is rounded to q's dtype between
+    the two (``mla_decode`` returns it so), and a backend's single launch keeps that rounding."""
+    return head_linear(mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv), w_uv)
 
 
 def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str, n_group: int,

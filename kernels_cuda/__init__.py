@@ -15,7 +15,8 @@ from deepinfer_core.kernels import KernelBackend
 
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
 KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "norm_gemv", "mla_kv_write",
-                  "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_ws", "mla_prefill", "moe", "moe_gemv",
+                  "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_ws", "mla_decode_uv",
+                  "mla_prefill", "moe", "moe_gemv",
                   "moe_stream",
                   "moe_route", "moe_gate", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
@@ -39,6 +40,7 @@ class CudaKernels(KernelBackend):
         "silu_and_mul": "kernels_cuda.elementwise:silu_and_mul",
         "paged_kv_write": "kernels_cuda.kv_cache:paged_kv_write",
         "mla_decode": "kernels_cuda.mla_decode:mla_decode",
+        "mla_decode_uv": "kernels_cuda.mla_decode_uv:mla_decode_uv",
         "mla_prefill": "kernels_cuda.mla_prefill:mla_prefill",
         "moe_route": "kernels_cuda.moe_route:moe_route",
         "moe_gate": "kernels_cuda.moe_route:moe_gate",

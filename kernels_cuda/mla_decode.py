@@ -346,11 +346,13 @@ def _fp8_views(q, cache, dv):
     return (*fp8_row_views(cache, L), W)
 
 
-def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_split: int | None = None,
-               cfg: dict | None = None, split_keys: int = SPLIT_KEYS):
-    """q[T, H, dv + rope] over ``cache`` (``[NB, BS, dv + rope]`` of q's dtype, or uint8 FP8 rows
-    ``[NB, BS, W]``) -> [T, H, dv]. ``n_split`` forces the split count, ``cfg`` the tile configuration,
-    ``split_keys`` the fewest keys per split (benchmarks)."""
+def _attend(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, n_split: int | None = None,
+            cfg: dict | None = None, split_keys: int = SPLIT_KEYS):
+    """The attention launch of :func:`mla_decode` (the reference's result where no kernel applies: float32, a
+    cache of another dtype). Returns ``(out, None)`` from the reference, else ``(out, split)``: ``out`` [T, h_p,
+    dv_p] (padded heads and latent columns) holds the final output unless ``split`` (``(o_part, lse_part)``: the
+    key splits' partials, to be merged by the combine or ``mla_decode_uv``'s kernel) is not None; then it holds a
+    token and head tile's output only where its one live split wrote it (the combine skips those)."""
     T_, H, D = q.shape
     B = seq_lens.shape[0]
     fp8 = cache.dtype == torch.uint8
@@ -359,7 +361,7 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
         # float16 model) is read by the reference
         from kernels_cpu.ops import mla_decode as ref
 
-        return ref(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv)
+        return ref(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv), None
     BS = cache.shape[1]
     R = D - dv
     dv_p, r_p = (dv, R) if fp8 else (_round(dv, 64), _round(R, 16))
@@ -411,12 +413,23 @@ def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_spli
         kern = _decode_kernel(h_p, dv_p, r_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split > 1, ragged, dt, W,
                               c.get("mma"))
     kern(q, lat, scales, rope, *meta)
-    if n_split > 1:
+    return out, ((o_part, lse_part) if n_split > 1 else None)
+
+
+def mla_decode(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, *, n_split: int | None = None,
+               cfg: dict | None = None, split_keys: int = SPLIT_KEYS):
+    """q[T, H, dv + rope] over ``cache`` (``[NB, BS, dv + rope]`` of q's dtype, or uint8 FP8 rows
+    ``[NB, BS, W]``) -> [T, H, dv]. ``n_split`` forces the split count, ``cfg`` the tile configuration,
+    ``split_keys`` the fewest keys per split (benchmarks)."""
+    T_, H, _ = q.shape
+    out, split = _attend(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, n_split, cfg, split_keys)
+    if split is not None:
+        h_p, dv_p = out.shape[1:]
         # a small grid (batch 1) pipelines 16-split loads; a large one keeps the shared tiles small so that
         # many CTAs share an SM (2 x 32 KB stages cost V3's batch 8 three waves, measured 5-14 % slower)
-        small_grid = h_p * T_ <= 2 * _tl.num_sms(dev.index or 0)
-        _combine_kernel(h_p, dv_p, dt, *((16, 2) if small_grid else (8, 1)))(o_part, lse_part, out)
-    if h_p != H or dv_p != dv:
+        small_grid = h_p * T_ <= 2 * _tl.num_sms(q.device.index or 0)
+        _combine_kernel(h_p, dv_p, _tl.tl_dtype(q.dtype), *((16, 2) if small_grid else (8, 1)))(*split, out)
+    if out.shape[1:] != (H, dv):
         out = out[:, :H, :dv].contiguous()
     return out
 

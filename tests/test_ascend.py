@@ -179,7 +179,7 @@ def test_every_registry_op_is_overridden_or_a_listed_plain_torch_fallback():
     # decode-fusion compositions: the model writes planes unfused, and calls mla_q_absorb / moe_gate only where
     # the backend implements them (Kernels.implements), so this platform keeps its rope and moe_route
     plain |= {"linear_f32", "add_rms_norm_linear", "mla_kv_write", "mla_q_absorb", "mla_q_absorb_kv_write",
-             "moe_gate", "add_rms_norm_moe_gate"}
+             "mla_decode_uv", "moe_gate", "add_rms_norm_moe_gate"}
     plain |= {"latent_kv_dequant"}  # FP8 latent KV rows: the platform does not list kv_cache_dtype "fp8"
     assert set(AscendKernels.overrides()) | plain == set(OP_NAMES)
     assert set(AscendKernels.overrides()) == set(FUSED_AT_KIT_SHAPES)

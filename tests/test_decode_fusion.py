@@ -1,6 +1,7 @@
 """Decode fusion on the CPU (reference ops): the shared experts folded into the routed ``fused_moe`` as
 always-selected experts (their slots appended by ``moe_gate`` with the router), MLA's cache entry through
-``mla_kv_write`` and its decode query through ``mla_q_absorb``, the router through ``linear_f32``.
+``mla_kv_write``, its decode query through ``mla_q_absorb`` and its attention with W_UV through ``mla_decode_uv``,
+the router through ``linear_f32``.
 The fused and unfused paths (``set_decode_fusion``) give the same greedy tokens and logprobs, on the
 trained embedded model (one shared expert: the shared MLP becomes a view of the stacked tensors) and on
 the V2-Lite shape (two shared experts of the shared MLP's width split in two); a placement change of the
@@ -218,9 +219,9 @@ def _decode_once(model, cfg) -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_fused_ops_only_where_the_backend_implements_them(native):
-    """``mla_q_absorb_kv_write``, ``add_rms_norm_moe_gate`` and ``add_rms_norm_linear`` run at decode when the
-    backend has them (the reference has every op); a backend without them (Ascend) keeps its own ``rope``,
-    ``moe_route`` and norms instead of the reference's composition of them."""
+    """``mla_q_absorb_kv_write``, ``mla_decode_uv``, ``add_rms_norm_moe_gate`` and ``add_rms_norm_linear`` run at
+    decode when the backend has them (the reference has every op); a backend without them (Ascend) keeps its own
+    ``rope``, ``moe_route``, norms and ``mla_decode`` instead of the reference's composition of them."""
     from deepinfer_core.kernels import KernelBackend, Kernels
     from kernels_cpu import ReferenceKernels
 
@@ -229,12 +230,12 @@ def test_fused_ops_only_where_the_backend_implements_them(native):
         core_api_version = "1.0"
         ops = {k: v for k, v in ReferenceKernels.ops.items()
                if k not in ("mla_q_absorb", "moe_gate", "add_rms_norm_linear", "add_rms_norm_moe_gate",
-                            "mla_q_absorb_kv_write")}
+                            "mla_q_absorb_kv_write", "mla_decode_uv")}
 
     k = Kernels(ReferenceKernels if native else NoFusedOps, ReferenceKernels)
     calls: list[str] = []
     for op in ("mla_q_absorb", "moe_gate", "moe_route", "rope", "add_rms_norm_linear", "add_rms_norm", "rms_norm",
-               "add_rms_norm_moe_gate", "mla_q_absorb_kv_write", "mla_kv_write"):
+               "add_rms_norm_moe_gate", "mla_q_absorb_kv_write", "mla_kv_write", "mla_decode_uv", "mla_decode"):
         fn = getattr(k, op)
         k.override(op, lambda *a, _fn=fn, _op=op, **kw: calls.append(_op) or _fn(*a, **kw))
     model, cfg = _tiny_model(k)
@@ -245,6 +246,8 @@ def test_fused_ops_only_where_the_backend_implements_them(native):
         # the router behind the post-attention norm (add_rms_norm_moe_gate) in every MoE layer
         # the query and the cache write in one op (a decode-only step)
         assert calls.count("mla_q_absorb_kv_write") == layers and "mla_q_absorb" not in calls
+        # the attention and W_UV in one op
+        assert calls.count("mla_decode_uv") == layers and "mla_decode" not in calls
         assert "mla_kv_write" not in calls and calls.count("add_rms_norm_moe_gate") == moes
         assert "rope" not in calls and "moe_route" not in calls  # the key's rope is inside mla_kv_write
         # every input norm inside the q + kv_a projection, a dense layer's post-attention norm inside its w13
@@ -253,7 +256,8 @@ def test_fused_ops_only_where_the_backend_implements_them(native):
         assert calls.count("add_rms_norm") == 1
     else:
         assert not {"mla_q_absorb", "moe_gate", "add_rms_norm_linear", "add_rms_norm_moe_gate",
-                    "mla_q_absorb_kv_write"} & set(calls)
+                    "mla_q_absorb_kv_write", "mla_decode_uv"} & set(calls)
+        assert calls.count("mla_decode") == layers
         assert calls.count("rope") == layers and calls.count("moe_route") == moes
         assert calls.count("rms_norm") == q_norms + 1 and calls.count("add_rms_norm") == 2 * layers
 

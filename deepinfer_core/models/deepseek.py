@@ -78,8 +78,8 @@ class MLA(nn.Module):
         # [q_a_proj | q_proj ; kv_a_proj_with_mqa]: both read the layer input, so one GEMM (post_load)
         self.w_xa: torch.Tensor | None = None
         self.w_xa_scale: torch.Tensor | None = None
-        # mla_kv_write and mla_q_absorb (set_decode_fusion(False): rms_norm + rope + paged_kv_write, and
-        # head_linear + rope + cat for the decode query)
+        # mla_kv_write and mla_q_absorb, and mla_decode_uv (set_decode_fusion(False): rms_norm + rope +
+        # paged_kv_write, head_linear + rope + cat for the decode query, mla_decode + head_linear after it)
         self.fuse_kv_write = True
 
     def post_load(self) -> None:
@@ -184,7 +184,8 @@ class MLA(nn.Module):
                 kv_a: torch.Tensor | None = None) -> torch.Tensor:
         """Absorbed form: fold W_UK into q, attend over latents, then apply W_UV. ``q_pe`` None: q's rope part
         is not rotated yet, and ``mla_q_absorb`` does both in one op (decode fusion); ``kv_a`` given: the cache
-        entry is not written yet, and ``mla_q_absorb_kv_write`` writes it in the same op."""
+        entry is not written yet, and ``mla_q_absorb_kv_write`` writes it in the same op. Under decode fusion the
+        attention and W_UV are one op too (``mla_decode_uv``) where the backend implements it."""
         dm = meta.decode
         if kv_a is not None:
             norm = self.kv_a_layernorm
@@ -195,6 +196,9 @@ class MLA(nn.Module):
         else:
             q_lat = self.k.head_linear(q[..., : self.N], self.w_uk)  # [T, H, L]
             q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, L + R]
+        if self.fuse_kv_write and self.k.implements("mla_decode_uv"):  # the attention and W_UV in one op
+            return self.k.mla_decode_uv(q_abs, cache, dm.block_tables, dm.cu_q_lens, dm.seq_lens, self.scale, self.L,
+                                        self.w_uv)  # [T, H, V]
         o_lat = self.k.mla_decode(q_abs, cache, dm.block_tables, dm.cu_q_lens, dm.seq_lens, self.scale, self.L)
         return self.k.head_linear(o_lat, self.w_uv)  # [T, H, V]
 
@@ -491,8 +495,9 @@ class DeepseekForCausalLM(CausalLM):
 
     def set_decode_fusion(self, enabled: bool) -> None:
         """Decode fusion on (the default) or off: the router and shared experts by ``moe_gate`` and one routed
-        ``fused_moe``, MLA's cache entry by ``mla_kv_write`` and its decode query by ``mla_q_absorb``; or the
-        unfused ops (to check one against the other). Graphs captured before keep the path they captured."""
+        ``fused_moe``, MLA's cache entry by ``mla_kv_write``, its decode query by ``mla_q_absorb`` and its
+        attention with W_UV by ``mla_decode_uv``; or the unfused ops (to check one against the other). Graphs
+        captured before keep the path they captured."""
         for layer in self.layers:
             layer.self_attn.fuse_kv_write = enabled
             if isinstance(layer.mlp, MoE):

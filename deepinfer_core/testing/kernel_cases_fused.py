@@ -1,8 +1,9 @@
 """The conformance kit's cases for the decode-fusion ops (``kernels_cpu.fused``, ``kernels_cpu.FUSED_OPS``): the
 router's float32 GEMV (``linear_f32``), MLA's cache write (``mla_kv_write``) and absorbed query (``mla_q_absorb``),
 the router with the shared experts' slots (``moe_gate``), a norm in the prologue of the projection after it
-(``add_rms_norm_linear``) and of the router (``add_rms_norm_moe_gate``), and the cache write in the decode query's
-launch (``mla_q_absorb_kv_write``). ``kernel_cases.CASES`` includes them."""
+(``add_rms_norm_linear``) and of the router (``add_rms_norm_moe_gate``), the cache write in the decode query's
+launch (``mla_q_absorb_kv_write``), and MLA's decode attention with W_UV after it (``mla_decode_uv``).
+``kernel_cases.CASES`` includes them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import math
 
 import torch
 
-from deepinfer_core.testing.kernel_cases import Case, _randn, _rope_table, _route_margin
+from deepinfer_core.testing.kernel_cases import (
+    Case,
+    _cu,
+    _fp8_kv_cache,
+    _paged_layout,
+    _randn,
+    _rope_table,
+    _route_margin,
+)
 
 
 def _cases_linear_f32(g, dtype, bs):
@@ -136,8 +145,36 @@ def _cases_mla_q_absorb_kv_write(g, dtype, bs):
     return cases
 
 
+def _cases_mla_decode_uv(g, dtype, bs):
+    """``mla_decode``'s layouts with W_UV [H, V, L] after it: small shapes (one query row a sequence, and ragged
+    query blocks), and V2-Lite's (16 heads, L 512, rope 64, V 128) at one and three sequences (a backend's fused
+    launch: key splits at small batches, one live split at a short context, a context of many splits), over a cache
+    of the model dtype and over FP8 latent rows."""
+    cases = []
+    for label, H, L, R, V, q_lens, seq_lens in (
+        ("q_len 1", 4, 64, 8, 16, [1, 1, 1, 1], [1, bs, bs + 1, 2 * bs + 5]),
+        ("ragged q_len", 4, 64, 8, 16, [1, 3, 2, 1], [4, 3, 2 * bs + 1, bs + 2]),
+        ("H16 L512 one sequence", 16, 512, 64, 128, [1], [40 * bs + 3]),
+        ("H16 L512 q_len 1", 16, 512, 64, 128, [1, 1, 1], [1, bs + 1, 9 * bs + 5]),
+    ):
+        tables, NB = _paged_layout(g, seq_lens, bs)
+        D = L + R
+        cases.append(Case(label, (
+            _randn(g, sum(q_lens), H, D, dtype=dtype), _randn(g, NB, bs, D, dtype=dtype), tables, _cu(q_lens),
+            torch.tensor(seq_lens), D**-0.5, L, _randn(g, H, V, L, dtype=dtype, scale=L**-0.5))))
+    for label, H, L, R, V, q_lens, seq_lens in (
+        ("fp8 rows H16 L512 q_len 1", 16, 512, 64, 128, [1, 1], [bs + 1, 20 * bs + 5]),
+        ("fp8 rows H4 L64 ragged q_len", 4, 64, 16, 16, [1, 3, 2, 1], [4, 3, 2 * bs + 1, bs + 2]),
+    ):
+        tables, NB = _paged_layout(g, seq_lens, bs)
+        cases.append(Case(label, (
+            _randn(g, sum(q_lens), H, L + R, dtype=dtype), _fp8_kv_cache(g, NB, bs, L, R), tables, _cu(q_lens),
+            torch.tensor(seq_lens), (L + R) ** -0.5, L, _randn(g, H, V, L, dtype=dtype, scale=L**-0.5)), kv="fp8"))
+    return cases
+
+
 FUSED_CASES = {"linear_f32": _cases_linear_f32, "mla_kv_write": _cases_mla_kv_write,
                "mla_q_absorb": _cases_mla_q_absorb, "moe_gate": _cases_moe_gate,
                "add_rms_norm_linear": _cases_add_rms_norm_linear,
                "add_rms_norm_moe_gate": _cases_add_rms_norm_moe_gate,
-               "mla_q_absorb_kv_write": _cases_mla_q_absorb_kv_write}
+               "mla_q_absorb_kv_write": _cases_mla_q_absorb_kv_write, "mla_decode_uv": _cases_mla_decode_uv}

@@ -85,7 +85,7 @@ _SAME_DTYPE_TRUTH = {"fp8_linear", "fused_moe_fp8"}
 _NORM_OPS = {"fused_moe_fp8"}
 #: which argument of an op is a latent cache (stored in the platform's planes), and the rope width of
 #: the kit's cache entries
-_CACHE_ARG = {"paged_kv_write": 0, "paged_kv_gather": 0, "mla_decode": 1}
+_CACHE_ARG = {"paged_kv_write": 0, "paged_kv_gather": 0, "mla_decode": 1, "mla_decode_uv": 1}
 _KIT_ROPE = 8
 
 
