@@ -11,7 +11,7 @@ attention kernel runs as it does there (same split count, same partials), and on
   rows, its lanes the 512-wide K axis), so they are in flight while it merges;
 * it merges head h's live splits as the combine does (``mla_decode.build_combine``: the split scores in one
   parallel pass, then the live prefix of partials summed split by split in order; a thread owns 4 of the 512
-  columns and keeps 8 splits' loads in flight), or, where one live split wrote the output itself (a short
+  columns and keeps 16 splits' loads in flight), or, where one live split wrote the output itself (a short
   context), reads that output row;
 * the merged row is rounded to the activation dtype (as the combine's output is) into shared memory, then each
   lane multiplies its W vectors by it in float32 and the warp sums the lanes (a fixed butterfly): the rows of
@@ -47,7 +47,7 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("", "0")
 
 
-def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", unroll: int = 8):
+def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", unroll: int = 16):
     """The kernel: Y[t, h, v] = sum_k W[h, v, k] * round(o[t, h, k]) for h < H, with o the merge of the split
     partials OPart / LsePart (``build_combine``'s) or, where one split is live, Out's row. ``HP``: the attention's
     (padded) head count, the extent of its buffers. ``unroll``: live splits whose partial loads a thread has in

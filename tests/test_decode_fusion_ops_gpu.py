@@ -2,7 +2,9 @@
 prologue of the q + kv_a GEMV, ``kernels_cuda/norm_gemv.py``) against the float32 reference, with the new
 residual bit-exact (the bf16 sum), and against the two kernels it replaces; ``add_rms_norm_moe_gate`` (the
 post-attention norm in the prologue of the router, ``kernels_cuda/moe_gate.py``) likewise; ``mla_q_absorb_kv_write``
-(the decode query and the cache write in one launch, ``kernels_cuda/gemv_rows.py``) against the two launches.
+(the decode query and the cache write in one launch, ``kernels_cuda/gemv_rows.py``) against the two launches;
+``mla_decode_uv`` (the key splits' merge and W_UV in one kernel, ``kernels_cuda/mla_decode_uv.py``) against
+``mla_decode`` + ``head_linear`` and the float32 reference, over bf16 and FP8 latent rows, and under graph replay.
 
 With ``DEEPINFER_TL_DRYRUN=1`` and no GPU the same calls only compile the kernels."""
 
@@ -139,3 +141,137 @@ def test_mla_q_absorb_kv_write_real_shapes(T, bs):
     untouched = torch.ones(NB * bs, dtype=torch.bool, device=DEV)
     untouched[slots[keep]] = False
     assert torch.equal(flat[untouched], flat_want[untouched]), "rows other than the tokens' slots changed"
+
+
+# ---- mla_decode_uv: the key splits' merge and W_UV in one kernel ---------------------------------------------------
+#: label, heads, block size, q_lens, seq_lens. Batch 1 at V2-Lite's and V3's heads (key splits: the fused kernel, one
+#: live split at <= 64 keys: the attention wrote the row), a few rows (V2-Lite: fused up to 4; V3's W_UV of 16 MB
+#: only at one row), a ragged batch, and larger batches (the combine and head_linear: the op's two-launch paths)
+UV_CASES = [
+    ("V2-Lite b1 1 key", 16, 64, [1], [1]),
+    ("V2-Lite b1 63 keys", 16, 64, [1], [63]),
+    ("V2-Lite b1 65 keys", 16, 64, [1], [65]),
+    ("V2-Lite b1 2049 keys", 16, 64, [1], [2049]),
+    ("V2-Lite b1 4100 keys bs16", 16, 16, [1], [4100]),
+    ("V2-Lite b1 40000 keys (64 splits)", 16, 64, [1], [40000]),
+    ("V2-Lite b4", 16, 64, [1] * 4, [1, 65, 2049, 4100]),
+    ("V2-Lite ragged 3 rows", 16, 64, [2, 1], [65, 4096]),
+    ("V2-Lite b8 (combine + GEMV)", 16, 64, [1] * 8, [1, 63, 65, 300, 1000, 2049, 3000, 4100]),
+    ("V2-Lite b130 (no split)", 16, 64, [1] * 130, [1 + 29 * i for i in range(130)]),
+    ("V3 b1 1 key", 128, 64, [1], [1]),
+    ("V3 b1 63 keys", 128, 64, [1], [63]),
+    ("V3 b1 65 keys", 128, 64, [1], [65]),
+    ("V3 b1 2049 keys", 128, 64, [1], [2049]),
+    ("V3 b1 4100 keys bs16", 128, 16, [1], [4100]),
+    ("V3 ragged 3 rows (two launches: W_UV on cuBLAS)", 128, 64, [2, 1], [65, 4096]),
+]
+
+
+def _uv_inputs(H, bs, q_lens, seq_lens, kv, seed=21):
+    from test_kernels_cuda_gpu import paged
+    from test_kv_fp8_gpu import fp8_paged
+
+    g = gen(seed)
+    L, R, V = 512, 64, 128
+    cache, tables = fp8_paged(seq_lens, bs, seed) if kv == "fp8" else paged(g, seq_lens, bs, L + R)
+    q = randn(g, sum(q_lens), H, L + R)
+    w_uv = randn(g, H, V, L, scale=L**-0.5)
+    cu = torch.tensor([0, *q_lens], device=DEV).cumsum(0)
+    return q, cache, tables, cu, torch.tensor(seq_lens, device=DEV), 192**-0.5, L, w_uv
+
+
+def _fused_expected(H: int, T: int) -> bool:
+    """Whether the op runs its merge + W_UV kernel (the attention splits the keys, ``head_linear`` takes the GEMV)."""
+    return T <= (4 if H == 16 else 1)
+
+
+def _launch_recorder(monkeypatch):
+    """Counts the combine's and the fused kernel's launches (the kernels still run)."""
+    from kernels_cuda import mla_decode as md
+    from kernels_cuda import mla_decode_uv as muv
+
+    launched = {"combine": 0, "uv": 0}
+    for mod, attr, key in ((md, "_combine_kernel", "combine"), (muv, "_kernel", "uv")):
+        real = getattr(mod, attr)
+
+        def get(*cfg, _real=real, _key=key):
+            kernel = _real(*cfg)
+
+            def run(*a):
+                launched[_key] += 1
+                return kernel(*a)
+
+            return run
+
+        monkeypatch.setattr(mod, attr, get)
+    return launched
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("case", UV_CASES, ids=[c[0] for c in UV_CASES])
+def test_mla_decode_uv_real_shapes(case, kv, monkeypatch):
+    """The fused op against the two ops it replaces on the GPU (the merged row rounded to bf16 as the combine's
+    output is, so within about a bf16 ulp: only W_UV's summation order differs) and against the float32 reference
+    (the kit's bf16 rule), deterministic; the fused kernel runs exactly where expected, and the combine then not."""
+    from kernels_cpu.fused import mla_decode_uv as ref_uv
+    from kernels_cuda.gemv_rows import head_linear
+    from kernels_cuda.mla_decode import mla_decode
+    from kernels_cuda.mla_decode_uv import mla_decode_uv
+
+    _, H, bs, q_lens, seq_lens = case
+    args = _uv_inputs(H, bs, q_lens, seq_lens, kv)
+    q, cache, tables, cu, sl, scale, L, w_uv = args
+    launched = _launch_recorder(monkeypatch)
+    out = mla_decode_uv(*args)
+    if DRY:
+        return
+    fused = _fused_expected(H, sum(q_lens))
+    assert (launched == {"combine": 0, "uv": 1}) if fused else (launched["uv"] == 0), launched
+    assert out.shape == (sum(q_lens), H, 128) and out.dtype == torch.bfloat16
+    assert torch.equal(out, mla_decode_uv(*args)), "not deterministic"
+    two = head_linear(mla_decode(q, cache, tables, cu, sl, scale, L), w_uv)
+    o, r = out.double().cpu(), two.double().cpu()
+    worst = ((o - r).abs() / (4e-3 * (r.abs() + r.pow(2).mean().sqrt()))).max().item()
+    assert worst <= 1.0, f"fused vs mla_decode + head_linear: {worst:.2f}x a bf16 ulp"
+    cache_ref = cache if kv == "fp8" else cache.float()
+    truth = ref_uv(q.float(), cache_ref, tables.clamp_min(0), cu, sl, scale, L, w_uv.float())
+    close(out, truth, torch.bfloat16, f"mla_decode_uv {case[0]} {kv} vs float32")
+
+
+def test_mla_decode_uv_switch_off(monkeypatch):
+    """``DEEPINFER_UV_FUSION=0`` (a benchmark's before): the combine and ``head_linear``, bit for bit."""
+    from kernels_cuda import mla_decode_uv as muv
+    from kernels_cuda.gemv_rows import head_linear
+    from kernels_cuda.mla_decode import mla_decode
+
+    args = _uv_inputs(16, 64, [1], [2049], "bf16")
+    monkeypatch.setenv(muv.ENV, "0")
+    launched = _launch_recorder(monkeypatch)
+    out = muv.mla_decode_uv(*args)
+    if DRY:
+        return
+    assert launched == {"combine": 1, "uv": 0}
+    assert torch.equal(out, head_linear(mla_decode(*args[:-1]), args[-1]))
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_mla_decode_uv_graph_replay(H):
+    """No host synchronisation: captured once at batch 1 (2049 keys), replayed with other queries and other context
+    lengths (many live splits, two, and one: the attention's own row), each replay equal to an eager call."""
+    if DRY:
+        pytest.skip("needs a GPU")
+    from kernels_cuda.mla_decode_uv import mla_decode_uv
+
+    q, cache, tables, cu, sl, scale, L, w_uv = _uv_inputs(H, 64, [1], [5000], "bf16")
+    sl.fill_(2049)
+    mla_decode_uv(q, cache, tables, cu, sl, scale, L, w_uv)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = mla_decode_uv(q, cache, tables, cu, sl, scale, L, w_uv)
+    g = gen(5)
+    for n in (2049, 4999, 65, 64, 1):
+        q.copy_(randn(g, *q.shape))
+        sl.fill_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, mla_decode_uv(q, cache, tables, cu, sl, scale, L, w_uv)), f"replay at {n} keys"
