@@ -8,9 +8,12 @@ Dense: ``fp8_gemv`` (one launch), the GEMM path it replaces at <= 8 rows (``act_
 weight of the same shape (at one row). Each figure is GB/s of weight bytes read (e4m3 + scales, or bf16) and its
 share of the measured read ceiling (``gpu_timing.measure_ceilings``) and of the 4.8 TB/s datasheet peak; every call of a
 graph reads another copy of the weight (>= 256 MB of copies), so each reads HBM.
-MoE (V2-Lite: 64 routed + 2 folded shared experts, 8 slots; V3 at one token): ``moe_gemv_fp8`` (two launches)
+MoE (V2-Lite: 64 routed + 2 folded shared experts, 8 slots; V3 at one token): ``moe_gemv_fp8`` (two launches),
+with its CUDA-core up kernel ("up fma") and its e4m3 tensor-core one ("up mma"), each also as the up launch alone,
 against the six-launch tensor-core pipeline, 8 calls per graph with different routings; bytes are the selected
-experts' e4m3 weights and scales.
+experts' e4m3 weights and scales (the up launch alone: their gate and up rows, 2/3). V2-Lite runs 1, 2, 4, 8 tokens
+(``moe_gemv_fp8`` is the engine's path up to ``MAX_TOKENS``; above, the mma kernel's figures say whether it
+should rise).
 """
 
 import argparse
@@ -29,6 +32,7 @@ DENSE = [("v2lite_q_kv_a", 3648, 2048), ("v2lite_o_proj", 2048, 2048), ("v3_q_a_
          ("v3_q_b", 24576, 1536), ("v3_kv_a", 576, 7168), ("v3_o_proj", 7168, 16384), ("v3_shared_w13", 4096, 7168),
          ("v3_shared_w2", 7168, 2048), ("v3_dense_w13", 36864, 7168)]
 MOE = [("v2lite", 66, 2048, 1408, 6, 2, (1, 2, 4, 8)), ("v3", 257, 7168, 2048, 8, 1, (1,))]
+UPS = ("fma", "mma")  # moe_gemv_fp8's up kernels, each timed (explicitly: $DEEPINFER_FP8_MOE_UP does not apply)
 PEAK_GBPS = 4800.0
 CALLS = 8
 
@@ -152,10 +156,18 @@ def bench_moe(dry: bool, read_GBps: float) -> dict:
                 calls.append((x, wts, ids))
                 nbytes += int(torch.unique(ids).numel()) * (3 * I * C + 4 * (3 * I * C) // (128 * 128))
             nbytes //= len(calls)
-            new = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2]) for c in calls]
-            row = {"moe_gemv_fp8": _fig(_time(new, dry), nbytes, read_GBps)}
+            row = {}
+            for up in UPS:  # the two launches with the CUDA-core or the e4m3 tensor-core up kernel
+                new = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2], up=up)
+                       for c in calls]
+                row[f"moe_gemv_fp8 up {up}"] = _fig(_time(new, dry), nbytes, read_GBps)
+                # the up launch alone (its gate and up rows: 2/3 of the bytes)
+                ups = [moe_gemv_fp8.moe_fp8_small_steps(c[0], w13, s13, w2, s2, c[1], c[2], up=up)[0][0][1]
+                       for c in calls]
+                row[f"up_fp8 {up} alone"] = _fig(_time(ups, dry), nbytes * 2 // 3, read_GBps)
             if T <= moe_gemv_fp8.MAX_TOKENS and name == "v2lite":  # a variant: 4 CTAs per SM's registers
-                var = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2], 4) for c in calls]
+                var = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2], 4, up="fma")
+                       for c in calls]
                 row["moe_gemv_fp8 min_blocks 4"] = _fig(_time(var, dry), nbytes, read_GBps)
 
             steps = [fp8_gemm.moe_fp8_steps(c[0], w13, s13, w2, s2, c[1], c[2])[0] for c in calls]

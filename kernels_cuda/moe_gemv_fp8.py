@@ -20,9 +20,18 @@ stream each selected expert's e4m3 weights once. Here, as ``moe_gemv``:
    ``fp8_linear`` output), multiplies by the routing weight in float32 and sums the K slots in slot order;
    out[t, c] is cast once. Slots of another rank's experts (ids < 0 or >= E) load nothing and add nothing.
 
+The up kernel has a tensor-core variant, ``build_up_fp8_mma`` (``moe_up_fp8_mma``): the same inputs, outputs and
+rounding points, the per-group e4m3 dot products on ``mma.sync.m16n8k32`` (e4m3 x e4m3 -> float32) instead of
+converting each weight to float32 and FMA'ing it (the CUDA-core kernel measured instruction-bound on the H200, about
+11 instructions a weight byte). ``moe_fp8_small_steps(up=...)`` picks it; the default is ``CONFIG["up"]`` ("fma"
+until measured), overridden by the environment variable ``DEEPINFER_FP8_MOE_UP=mma`` (or ``fma``) so that a device
+benchmark or the engine switches without a code change.
+
 Deterministic (fixed reduction orders; the shared counter only orders the row list). Its float32 sums
 are ordered differently from the tensor-core pipeline's, so results differ by rounding between paths.
 """
+
+import os
 
 import torch
 
@@ -195,6 +204,163 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
     return moe_up_fp8
 
 
+def build_up_fp8_mma(E: int, C: int, I: int, K: int, MB: int, dtype: str, id_dtype: str, min_blocks: int = 2,
+                     batch: int = 4):
+    """``moe_up_fp8`` on the e4m3 tensor cores (``mma.sync.m16n8k32.row.col.f32.e4m3.e4m3.f32``), in
+    ``moe_gemv.build_up_mma``'s layout. A CTA (8 warps) owns the ``BN`` = 8 columns n = bn * 8 + g of its expert:
+    their gate rows are the mma's M rows g, their up rows the rows g + 8. The chunk's listed rows are its N = 8
+    columns (a chunk is ``MB`` rows quantised as ``build_up_fp8``; columns >= MB read the chunk's last row and are
+    discarded), and the warps split C (C / 8 each). Thread (g = lane / 4, t = lane % 4) loads 16 contiguous bytes
+    of gate row g, of up row g and of column g's quantised row per 64 values of K; bytes 8h .. 8h + 3 are mma h's
+    k quad {4t .. 4t + 3} and bytes 8h + 4 .. 8h + 7 its quad {4t + 16 .. 4t + 19}, for A and B alike (a k
+    permutation inside a 128 group shared by both operands; the scales are per group), so no shuffles:
+    A = {gate[8h..8h+3], up[8h..8h+3], gate[8h+4..8h+7], up[8h+4..8h+7]}, B = {x[8h..8h+3], x[8h+4..8h+7]}, C =
+    {gate(col 2t), gate(col 2t+1), up(col 2t), up(col 2t+1)} of column n = bn * 8 + g.
+    Per 128 group (64 values where a warp's share is not whole groups) the e4m3 products are summed in float32 by
+    the mmas into a zeroed fragment, which is added to the float32 sums times s_x[token, group] * w_scale (the gate
+    rows' tile for fragment rows g, the up rows' for g + 8): the reference's block promotion, its sums reordered.
+    The warps' sums are added through shared memory in warp order; warp 0 rounds gate and up to x's dtype and
+    writes SiLU(gate) * up (float32, rounded once) as ``build_up_fp8``. ``batch``: 64-value chunks of weights a
+    thread loads before their mmas (8 registers each; the next batch is loaded while one is multiplied, and the
+    first while x is quantised)."""
+    T = _tl.language()
+    NT, NS = T.dynamic("NT"), T.dynamic("NS")
+    WARPS = THREADS // 32
+    BN = 8  # columns per CTA: 8 gate rows and 8 up rows are the mma's M = 16
+    KC = 64  # K values per 16-byte load of a thread quad: two m16n8k32
+    KW = C // WARPS  # each warp's share of the reduction
+    assert C % (WARPS * KC) == 0 and I % BN == 0 and MB in (1, 2, 4, 8)
+    CPS = 2 if KW % GROUP == 0 else 1  # chunks per scale step: a whole 128 group, or half of one
+    NSC = KW // (KC * CPS)  # scale steps per warp
+    SB = min(NSC, max(1, batch // CPS))  # scale steps per weight batch
+    NB = -(-NSC // SB)
+    NBUF = 1 if NB == 1 else 2
+    CB, TV = C // GROUP, MB * C // VEC
+    PAD = 64 if MB > 1 else 0  # q_s rows 64 bytes apart in the banks: a quarter warp's two rows don't conflict
+    quant_store = quant_store_macro(T, THREADS, TV)
+    expert_slots = expert_slots_macro(T)
+
+    @T.macro
+    def load_batch(W13, S13, e, n0, g, t, warp, bt, buf, wg, wu, sg, su):
+        """Batch ``bt`` of this thread's gate and up row vectors and their tiles' scales into buffer ``buf``."""
+        for j in T.unroll(SB):
+            if bt * SB + j < NSC:
+                for hc in T.unroll(CPS):
+                    k0 = warp * KW + ((bt * SB + j) * CPS + hc) * KC + t * VEC
+                    for v in T.vectorized(VEC):
+                        wg[buf, j, hc, v] = W13[e, n0 + g, k0 + v]
+                    for v in T.vectorized(VEC):
+                        wu[buf, j, hc, v] = W13[e, I + n0 + g, k0 + v]
+                kg = (warp * KW + (bt * SB + j) * CPS * KC) // GROUP
+                sg[buf, j] = S13[e, n0 // GROUP, kg]
+                su[buf, j] = S13[e, (I + n0) // GROUP, kg]
+
+    @T.prim_func
+    def moe_up_fp8_mma(X: T.Tensor((NT, C), dtype), W13: T.Tensor((E, 2 * I, C), FP8),
+                       S13: T.Tensor((E, 2 * I // GROUP, CB), "float32"), Ids: T.Tensor((NS,), id_dtype),
+                       H: T.Tensor((NS, I), dtype)):
+        with T.Kernel(I // BN, NS, threads=THREADS) as (bn, s):
+            tx = T.get_thread_binding()
+            T.annotate_min_blocks_per_sm(min_blocks)
+            warp = tx // 32
+            lane = tx % 32
+            g = lane // 4
+            t = lane % 4
+            n0 = bn * BN
+            rows = T.alloc_shared((THREADS,), "int32")
+            cnt = T.alloc_shared((1,), "int32")
+            first = T.alloc_shared((1,), "int32")
+            red = T.alloc_shared((WARPS, 32, 4), "float32")
+            q_s = T.alloc_shared((MB, C + PAD), FP8)
+            sx_s = T.alloc_shared((MB, CB), "float32")
+            wg = T.alloc_local((NBUF, SB, CPS, VEC), FP8)
+            wu = T.alloc_local((NBUF, SB, CPS, VEC), FP8)
+            sg = T.alloc_local((NBUF, SB), "float32")
+            su = T.alloc_local((NBUF, SB), "float32")
+            xq = T.alloc_local((VEC,), FP8)
+            a = T.alloc_local((16,), FP8)
+            b = T.alloc_local((8,), FP8)
+            frag = T.alloc_local((4,), "float32")
+            acc = T.alloc_local((4,), "float32")
+            xb = T.alloc_local((VEC,), dtype)
+            xf = T.alloc_local((VEC,), "float32")
+            qf = T.alloc_local((VEC,), "float32")
+            qv = T.alloc_local((VEC,), FP8)
+            sc = T.alloc_local((1,), "float32")
+            gu = T.alloc_local((2,), "float32")
+            nr = T.alloc_local((1,), "int32")
+            mine = T.alloc_local((1,), "int32")
+            e = T.cast(Ids[s], "int32")
+            expert_slots(Ids, NS, s, e, tx, rows, cnt, first, nr, mine)
+            if (e >= 0) & (e < E) & (mine[0] == 1):
+                if NB == 1:  # every weight of the thread: loaded once, in flight while x is quantised
+                    load_batch(W13, S13, e, n0, g, t, warp, 0, 0, wg, wu, sg, su)
+                for ch in T.serial(T.ceildiv(nr[0], MB)):
+                    if NB > 1:  # the first batch, in flight while x is quantised
+                        load_batch(W13, S13, e, n0, g, t, warp, 0, 0, wg, wu, sg, su)
+                    # the chunk's rows of x, quantised into shared memory (rows past the count repeat the last)
+                    for j in T.serial(T.ceildiv(TV, THREADS)):
+                        idx = T.min(j * THREADS + tx, TV - 1)
+                        m = idx // (C // VEC)
+                        kv = idx % (C // VEC)
+                        tok = rows[T.min(ch * MB + m, nr[0] - 1)] // K
+                        for v in T.vectorized(VEC):
+                            xb[v] = X[tok, kv * VEC + v]
+                        quant_store(xb, xf, qf, qv, sc, j, tx, q_s, sx_s, m, kv)
+                    T.sync_threads()
+                    for i in T.unroll(4):
+                        acc[i] = 0.0
+                    for bt in T.unroll(NB):
+                        if bt + 1 < NB:  # the next batch in flight while this one is multiplied
+                            load_batch(W13, S13, e, n0, g, t, warp, bt + 1, (bt + 1) % NBUF, wg, wu, sg, su)
+                        for j in T.unroll(SB):
+                            if bt * SB + j < NSC:
+                                for i in T.unroll(4):
+                                    frag[i] = 0.0
+                                for hc in T.unroll(CPS):
+                                    k0 = warp * KW + ((bt * SB + j) * CPS + hc) * KC + t * VEC
+                                    for v in T.vectorized(VEC):
+                                        xq[v] = q_s[T.min(g, MB - 1), k0 + v]
+                                    for h in T.unroll(2):
+                                        # A: a0 row g / a1 row g + 8 at k {4t..4t+3}, a2 / a3 at {4t+16..4t+19}
+                                        for v in T.vectorized(4):
+                                            a[v] = wg[bt % NBUF, j, hc, 8 * h + v]
+                                        for v in T.vectorized(4):
+                                            a[4 + v] = wu[bt % NBUF, j, hc, 8 * h + v]
+                                        for v in T.vectorized(4):
+                                            a[8 + v] = wg[bt % NBUF, j, hc, 8 * h + 4 + v]
+                                        for v in T.vectorized(4):
+                                            a[12 + v] = wu[bt % NBUF, j, hc, 8 * h + 4 + v]
+                                        # B: b0 column g at k {4t..4t+3}, b1 at {4t+16..4t+19}
+                                        for v in T.vectorized(8):
+                                            b[v] = xq[8 * h + v]
+                                        T.ptx_mma("float32", "m16n8k32", "row", "col", "e4m3", "e4m3", "fp32",
+                                                  a.data, 0, b.data, 0, frag.data, 0, T.bool(False))
+                                # frag (g, 2t + i) / (g + 8, 2t + i): gate / up of column n for chunk row 2t + i
+                                kg = (warp * KW + (bt * SB + j) * CPS * KC) // GROUP
+                                for i in T.unroll(2):
+                                    acc[i] += frag[i] * (sx_s[T.min(2 * t + i, MB - 1), kg] * sg[bt % NBUF, j])
+                                    acc[2 + i] += frag[2 + i] * (sx_s[T.min(2 * t + i, MB - 1), kg] * su[bt % NBUF, j])
+                    for i in T.unroll(4):
+                        red[warp, lane, i] = acc[i]
+                    T.sync_threads()
+                    if warp == 0:  # the warps' sums in warp order
+                        for i in T.unroll(4):
+                            acc[i] = red[0, lane, i]
+                            for w in T.serial(WARPS - 1):
+                                acc[i] += red[w + 1, lane, i]
+                        for i in T.unroll(2):
+                            if (2 * t + i < MB) & (ch * MB + 2 * t + i < nr[0]):
+                                # gate and up as the reference's fp8_linear outputs (x's dtype), then SiLU * up
+                                gu[0] = T.cast(T.cast(acc[i], dtype), "float32")
+                                gu[1] = T.cast(T.cast(acc[2 + i], dtype), "float32")
+                                H[rows[ch * MB + 2 * t + i], n0 + g] = T.cast(
+                                    gu[0] / (1.0 + T.exp(-gu[0])) * gu[1], dtype)
+                    T.sync_threads()  # q_s and red are rewritten by the next chunk
+
+    return moe_up_fp8_mma
+
+
 def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str,
                    min_blocks: int = 2):
     """One token per CTA, one warp per output column (``RT`` = 32); ``min_blocks`` as ``build_up_fp8``."""
@@ -272,6 +438,7 @@ def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype
 
 
 _up = _tl.kernel_cache(build_up_fp8)
+_up_mma = _tl.kernel_cache(build_up_fp8_mma)
 _down = _tl.kernel_cache(build_down_fp8)
 
 _IDS = {torch.int64: "int64", torch.int32: "int32"}
@@ -305,9 +472,32 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
     return x.is_cuda or _tl.dry_run()
 
 
-def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2):
+#: the up kernel: "fma" (``build_up_fp8``, CUDA cores) or "mma" (``build_up_fp8_mma``, e4m3 tensor cores, where
+#: ``mma_fits``). "fma" until the mma kernel is measured on the H200 (examples/fp8_gemv_bench.py times both).
+CONFIG = {"up": "fma"}
+#: overrides ``CONFIG["up"]`` where the default is applied (``moe_fp8_small_steps`` without ``up``): set to "mma" to
+#: run the engine (or a benchmark) on ``build_up_fp8_mma`` without a code change
+UP_ENV = "DEEPINFER_FP8_MOE_UP"
+
+
+def mma_fits(C: int) -> bool:
+    """``build_up_fp8_mma`` takes the hidden width in whole 64-value chunks of each of its 8 warps."""
+    return C % (THREADS // 32 * 64) == 0
+
+
+def up_kind(C: int, up: str | None = None) -> str:
+    """The up kernel a call takes: ``up``, else ``$DEEPINFER_FP8_MOE_UP``, else ``CONFIG["up"]``; "mma" only where
+    ``mma_fits`` (else "fma")."""
+    kind = up or os.environ.get(UP_ENV, "") or CONFIG["up"]
+    if kind not in ("fma", "mma"):
+        raise ValueError(f"moe_gemv_fp8 up kernel {kind!r}: 'fma' or 'mma'")
+    return "mma" if kind == "mma" and mma_fits(C) else "fma"
+
+
+def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2, up: str | None = None):
     """The two launches as (name, thunk) pairs plus the output thunk (and the hidden, for the tests):
-    ``applies`` must hold. ``min_blocks``: both kernels' CTAs per SM (``examples/fp8_gemv_bench.py`` tries 4)."""
+    ``applies`` must hold. ``min_blocks``: both kernels' CTAs per SM (``examples/fp8_gemv_bench.py`` tries 4);
+    ``up``: the up kernel, "fma" or "mma" (None: ``$DEEPINFER_FP8_MOE_UP`` or ``CONFIG["up"]``, see ``up_kind``)."""
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
@@ -319,16 +509,20 @@ def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_block
     dt, id_dt = _tl.tl_dtype(x.dtype), _IDS[ids.dtype]
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
-    k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt, min_blocks)
+    if up_kind(C, up) == "mma":
+        k1 = _up_mma(E, C, I, K, m_bucket(NT), dt, id_dt, min_blocks)
+    else:
+        k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt, min_blocks)
     k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, _tl.tl_dtype(weights.dtype), min_blocks)
     flat = ids.view(-1)
     steps = [("up_fp8", lambda: k1(x, w13, s13, flat, h)), ("down_fp8", lambda: k2(h, w2, s2, ids, weights, out))]
     return steps, (lambda: out), h
 
 
-def fused_moe_fp8_small(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2) -> torch.Tensor:
-    """``fused_moe_fp8`` in two launches (``applies`` must hold)."""
-    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks)
+def fused_moe_fp8_small(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2,
+                        up: str | None = None) -> torch.Tensor:
+    """``fused_moe_fp8`` in two launches (``applies`` must hold; ``up`` as ``moe_fp8_small_steps``)."""
+    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks, up)
     for _, step in steps:
         step()
     return finish()
@@ -340,6 +534,9 @@ def representative_kernels():
         ("moe_up_fp8 V2-Lite MB1", lambda: build_up_fp8(E, C, I, 8, 1, *split(C), "bfloat16", "int64")),
         ("moe_down_fp8 V2-Lite", lambda: build_down_fp8(E, C, I, 8, 8, "bfloat16", "int64", "float32")),
         ("moe_up_fp8 V3 MB8", lambda: build_up_fp8(257, 7168, 2048, 9, 8, *split(7168), "bfloat16", "int64")),
+        # the e4m3 tensor-core up kernel (mma.sync m16n8k32)
+        ("moe_up_fp8_mma V2-Lite MB8", lambda: build_up_fp8_mma(E, C, I, 8, 8, "bfloat16", "int64")),
+        ("moe_up_fp8_mma V3 MB1", lambda: build_up_fp8_mma(257, 7168, 2048, 9, 1, "bfloat16", "int64")),
         ("moe_down_fp8 V3 bf16 weights", lambda: build_down_fp8(257, 7168, 2048, 9, 8, "bfloat16", "int64",
                                                                 "bfloat16")),
     ]

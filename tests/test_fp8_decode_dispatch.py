@@ -85,6 +85,28 @@ def test_fused_moe_fp8_tokens_rule(dry, T):
         assert "build_up_fp8" not in dry and len(dry) == 6, dry
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_fused_moe_fp8_up_kernel_switch(dry, monkeypatch, T):
+    """``DEEPINFER_FP8_MOE_UP=mma`` puts the engine's dispatch on the e4m3 tensor-core up kernel, "fma" (and the
+    default) on the CUDA-core one; an explicit ``up`` wins; another value is refused."""
+    from kernels_cuda import moe_gemv_fp8
+    from kernels_cuda.fp8_gemm import fused_moe_fp8
+
+    monkeypatch.setenv(moe_gemv_fp8.UP_ENV, "mma")
+    fused_moe_fp8(*_moe(T))
+    assert dry == ["build_up_fp8_mma", "build_down_fp8"], dry
+    dry.clear()
+    moe_gemv_fp8.fused_moe_fp8_small(*_moe(T), up="fma")
+    assert dry == ["build_up_fp8", "build_down_fp8"], dry
+    dry.clear()
+    monkeypatch.setenv(moe_gemv_fp8.UP_ENV, "fma")
+    fused_moe_fp8(*_moe(T))
+    assert dry == ["build_up_fp8", "build_down_fp8"], dry
+    monkeypatch.setenv(moe_gemv_fp8.UP_ENV, "tensor")
+    with pytest.raises(ValueError):
+        fused_moe_fp8(*_moe(T))
+
+
 def test_fused_moe_fp8_small_takes_other_ranks_ids(dry):
     """ids < 0 or >= E stay on the two-launch path (their slots are skipped in the kernels)."""
     from kernels_cuda.fp8_gemm import fused_moe_fp8

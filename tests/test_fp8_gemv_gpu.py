@@ -79,6 +79,8 @@ MOE_CASES = [("V2-Lite T=1", 1, 66, 2048, 1408, 8), ("V2-Lite T=2", 2, 66, 2048,
              ("V2-Lite T=5", 5, 66, 2048, 1408, 8), ("V2-Lite T=8", 8, 66, 2048, 1408, 8),
              ("V3 T=1", 1, 257, 7168, 2048, 9), ("V3 T=8", 8, 257, 7168, 2048, 9)]
 ROUTINGS = ["distinct", "remote", "same"]
+#: the up kernels: CUDA cores (``build_up_fp8``) and e4m3 tensor cores (``build_up_fp8_mma``)
+UPS = ["fma", "mma"]
 
 
 def _routing(kind: str, T: int, E: int, k: int) -> torch.Tensor:
@@ -90,9 +92,10 @@ def _routing(kind: str, T: int, E: int, k: int) -> torch.Tensor:
                         for _ in range(T)]).to(DEV)
 
 
+@pytest.mark.parametrize("up", UPS)
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
-def test_fused_moe_fp8_small_real_shapes(case, routing):
+def test_fused_moe_fp8_small_real_shapes(case, routing, up):
     from kernels_cpu.fp8_ops import fp8_linear, fused_moe_fp8
     from kernels_cuda import fp8_gemm, moe_gemv_fp8
 
@@ -106,15 +109,15 @@ def test_fused_moe_fp8_small_real_shapes(case, routing):
     ids = _routing(routing, T, E, k)
     weights = torch.rand(T, k, device=DEV).to(torch.bfloat16)
     assert moe_gemv_fp8.applies(x, w13, s13, w2, s2, weights, ids, max_tokens=8)
-    steps, finish, h = moe_gemv_fp8.moe_fp8_small_steps(x, w13, s13, w2, s2, weights, ids)
+    steps, finish, h = moe_gemv_fp8.moe_fp8_small_steps(x, w13, s13, w2, s2, weights, ids, up=up)
     for _, step in steps:
         step()
     out = finish()
     via = fp8_gemm.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
     if DRY:
         return
-    what = f"{name} {routing}"
-    if T <= moe_gemv_fp8.MAX_TOKENS:  # the dispatch takes the two launches
+    what = f"{name} {routing} {up}"
+    if T <= moe_gemv_fp8.MAX_TOKENS and moe_gemv_fp8.up_kind(C) == up:  # the dispatch takes the two launches
         assert torch.equal(via, out), what
     ok = (ids >= 0) & (ids < E)
     h_ref = torch.zeros_like(h)
@@ -154,7 +157,8 @@ def test_fused_moe_fp8_small_all_remote_and_empty():
 
 
 @pytest.mark.skipif(DRY, reason="runs kernels")
-def test_fused_moe_fp8_small_replays_in_a_graph():
+@pytest.mark.parametrize("up", UPS)
+def test_fused_moe_fp8_small_replays_in_a_graph(up):
     from kernels_cuda.moe_gemv_fp8 import fused_moe_fp8_small
 
     g = torch.Generator(device=DEV).manual_seed(6)
@@ -164,10 +168,10 @@ def test_fused_moe_fp8_small_replays_in_a_graph():
     x = randn(g, 2, C)
     ids = _routing("distinct", 2, E, k)
     weights = torch.rand(2, k, device=DEV).to(torch.bfloat16)
-    eager = fused_moe_fp8_small(x, w13, s13, w2, s2, weights, ids)
+    eager = fused_moe_fp8_small(x, w13, s13, w2, s2, weights, ids, up=up)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe_fp8_small(x, w13, s13, w2, s2, weights, ids)
+        captured = fused_moe_fp8_small(x, w13, s13, w2, s2, weights, ids, up=up)
     captured.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

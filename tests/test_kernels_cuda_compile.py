@@ -60,6 +60,7 @@ def _compile_one(mod: str, index: int, cache_dir: str) -> dict:
     src = kernel.get_kernel_source()
     return {"name": name, "seconds": round(time.time() - t0, 1), "wgmma": "wgmma" in src,
             "mma": "mma_sync" in src, "tma": "tma_load(" in src, "cp_async": "cp_async_gs" in src,
+            "fp8_mma": "kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 16, 8, 32" in src,
             "vec16": "uint4" in src,
             "chars": len(src)}
 
@@ -96,6 +97,9 @@ def test_every_kernel_compiles_for_sm90a(tmp_path):
         if name.startswith(("add_rms_norm + gemv", "rms_norm + gemv", "mla_q_absorb_kv_write")):  # decode fusion
             assert r["vec16"], f"{name}: expected 16-byte vector loads, got {r}"
     assert by_name["mla_decode H16 bs16 split ragged"]["mma"]
+    for name, r in by_name.items():  # the FP8 MoE's tensor-core up kernel: e4m3 x e4m3 -> f32 mma.sync m16n8k32
+        if name.startswith("moe_up_fp8_mma"):
+            assert r["fp8_mma"], f"{name}: expected the e4m3 m16n8k32 mma, got {r}"
     cubins = list((tmp_path / "tl-cache").rglob("*.cubin")) + list((tmp_path / "tl-cache").rglob("*.so"))
     assert cubins, "nvcc produced no binaries"
     print("\n".join(f"{r['name']}: {r['seconds']} s" for r in sorted(results, key=lambda r: r["name"])))
