@@ -35,7 +35,9 @@ def main() -> None:
                         str(ROOT / "tests" / "test_kernels_cuda_gpu.py"),
                         str(ROOT / "tests" / "test_cuda_graphs_gpu.py"),
                         str(ROOT / "tests" / "test_kernels_cuda_v4_gpu.py"),
-                        str(ROOT / "tests" / "test_fp8_gemm_gpu.py")], env=env, cwd=ROOT, check=True)
+                        str(ROOT / "tests" / "test_fp8_gemm_gpu.py"),
+                        # the decode FP8 GEMV and MoE (both up kernels: the test runs fma and mma)
+                        str(ROOT / "tests" / "test_fp8_gemv_gpu.py")], env=env, cwd=ROOT, check=True)
     if not args.skip_bench:
         subprocess.run([sys.executable, str(ROOT / "examples" / "kernel_bench.py"), "--dry"], env=env, cwd=ROOT,
                        check=True)
