@@ -137,6 +137,8 @@ OTHER_ENV = {"DEEPINFER_CONFIG", "DEEPINFER_HF_MODEL_DIR", "DEEPINFER_ENABLE_MTP
              "DEEPINFER_CUDA_ARCH", "DEEPINFER_TL_DRYRUN", "DEEPINFER_PDL",
              # decode-fusion kernels off for a benchmark's before (kernels_cuda/norm_gemv.py, gemv_rows.py)
              "DEEPINFER_NORM_GEMV", "DEEPINFER_KV_FUSION",
+             # the weight-streaming MoE's down kernel, loop or slots (kernels_cuda/moe_gemv.py)
+             "DEEPINFER_MOE_DOWN",
              # dp/ep under torchrun (deepinfer_core/parallel/README.md)
              "DEEPINFER_DRIVER_ADDR", "DEEPINFER_DRIVER_BIND", "DEEPINFER_DRIVER_PORT"}
 

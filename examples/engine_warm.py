@@ -11,7 +11,9 @@ chunks of up to ``gemv.MAX_M`` rows, kv_b_proj's included), the MoE token counts
 size rules change (``moe_token_counts``), prefill chunks up to 8192 tokens, and speculative verify steps
 of up to ``--spec-k`` drafts a request (default 4, the engine's; 0: none): mla_decode's ragged kernel
 (several query rows a request) at each split and combine configuration (``verify_token_counts``), and
-the async launch's ``draft_lengths`` at k columns; with ``--mtp``, DSpark's MTP draft (``warm_mtp``).
+the async launch's ``draft_lengths`` at k columns; with ``--mtp``, DSpark's MTP draft (``warm_mtp``). The
+weight-streaming MoE's down kernel is compiled in each of its variants (``moe_gemv.DOWNS``: ``warm_moe_downs``),
+so a device run may pick one with ``DEEPINFER_MOE_DOWN`` from the packed cache.
 ``kernel_warm.py --engine-shapes`` runs this as part of the cache pack.
 """
 
@@ -87,6 +89,18 @@ def moe_token_counts(E: int, K: int, max_tokens: int = TOKENS[-1]) -> list[int]:
             seen.add(key)
             counts.append(T)
     return counts
+
+
+def warm_moe_downs(x, w13, w2, weights, ids, limit: float | None = None) -> list[str]:
+    """Each down kernel of the weight-streaming MoE (``moe_gemv.DOWNS``; ``fused_moe`` compiles only the one that
+    ``CONFIG`` / ``DEEPINFER_MOE_DOWN`` picks) where ``fused_moe`` takes that path for these operands."""
+    from kernels_cuda import moe_gemv
+
+    if not moe_gemv.applies(x, w13, w2, weights, ids):
+        return []
+    for down in moe_gemv.DOWNS:
+        moe_gemv.small_steps(x, w13, w2, weights, ids, None if limit is None else float(limit), down=down)[0][1][1]()
+    return [f"moe_down {'/'.join(moe_gemv.DOWNS)} T={x.shape[0]}"]
 
 
 def decode_query(cfg: ModelConfig, M: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -224,9 +238,11 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
             add_rms_norm_moe_gate(e(T, C, dtype=dtype), e(T, C, dtype=dtype), e(C, dtype=dtype), 1e-6, gate, bias, k,
                                   cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score, moe.renormalize,
                                   moe.scale, S, dtype)
-            fused_moe(e(T, C, dtype=dtype), w13, w2, e(T, k + S, dtype=dtype),
-                      torch.zeros(T, k + S, dtype=torch.long))
+            moe_args = (e(T, C, dtype=dtype), w13, w2, e(T, k + S, dtype=dtype),
+                        torch.zeros(T, k + S, dtype=torch.long))
+            fused_moe(*moe_args)
             done.append(f"moe E={E}+{S} shared T={T}")
+            done += warm_moe_downs(*moe_args)
         if unfused:  # the routed experts alone
             counts = sorted(set(TOKENS) | set(moe_token_counts(E, k)))
             for T in counts:
@@ -324,9 +340,10 @@ def warm_v4(cfg, block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> 
     for T in (1, 8192 if E > 64 else 2048):  # both tile configurations of the fused MoE
         moe_route_v4(e(T, E, dtype=f32), e(E, dtype=f32), None, k, cfg.scoring_func, 1.5)
         moe_route_v4(e(T, E, dtype=f32), None, z(T, k, dtype=torch.long), k, cfg.scoring_func, 1.5)
-        fused_moe_clamped(e(T, C, dtype=dtype), w13, w2, e(T, k, dtype=dtype), z(T, k, dtype=torch.long),
-                          cfg.swiglu_limit)
+        moe_args = (e(T, C, dtype=dtype), w13, w2, e(T, k, dtype=dtype), z(T, k, dtype=torch.long))
+        fused_moe_clamped(*moe_args, cfg.swiglu_limit)
         done.append(f"moe_route_v4 + fused_moe_clamped T={T}")
+        done += warm_moe_downs(*moe_args, cfg.swiglu_limit)
     B = 4
     sample(e(B, cfg.vocab_size), torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B), torch.zeros(B),
            torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))

@@ -13,7 +13,10 @@ run (``gpu_timing.measure_ceilings``: a 4 GiB ``sum``; the copy ceiling is repor
 replays, from one CUDA graph, calls over ``LAYERS`` weight copies with fresh ids per call, so that a call
 does not find the previous call's experts in the 50 MB L2 (as consecutive layers of the model). The
 weight-streaming path runs only up to ``moe_gemv.MAX_TOKENS`` tokens in the engine; here it is timed up to
-``--max-small`` so the crossover is visible. ``--sweep`` times other CTA sizes of the two kernels at 1 token.
+``--max-small`` so the crossover is visible. Each batch also times the down kernel alone in each of
+``DOWN_VARIANTS`` ("loop": ``build_down``, a warp walks a column's K slots; "slots": ``moe_down_slots``, K warps a
+CTA; TB/s of the W2 rows it reads), at a token per CTA and at the row bucket per CTA, and the error of the whole
+path with each. ``--sweep`` times other CTA sizes of the two kernels at 1 token (``SWEEP``).
 
 Above 8 tokens the engine takes ``kernels_cuda.moe_stream`` (tokens as the mma's N): each batch times it beside
 the pipeline, whole and stage by stage (align, gather, gemm1, gemm2, combine; the GEMMs in TB/s of the weights
@@ -38,9 +41,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 #: name: (routed experts, shared experts, hidden, expert width, top-k)
 SHAPES = {"v2-lite": (64, 2, 2048, 1408, 6), "v3": (256, 1, 7168, 2048, 8)}
 CALLS = 8  # calls per timed graph (each with its own ids)
-#: one-token variants: up kernel and its threads, down kernel threads and the CTAs per SM its registers allow
-SWEEP = [("fma", 256, 128, 4), ("fma", 128, 128, 4), ("mma", 256, 128, 2), ("fma", 256, 128, 2),
-         ("fma", 256, 256, 2), ("fma", 256, 128, 8), ("fma", 256, 64, 8)]
+#: one-token variants (overrides of ``moe_gemv.CONFIG``): up kernel and its threads; the loop down kernel's threads
+#: and the CTAs per SM its registers allow; the slots down kernel's columns per CTA and CTAs per SM
+SWEEP = [dict(up=up, up_threads=ut, down="loop", down_threads=dt, down_blocks=db) for up, ut, dt, db in
+         [("fma", 256, 128, 4), ("fma", 128, 128, 4), ("mma", 256, 128, 2), ("fma", 256, 128, 2),
+          ("fma", 256, 256, 2), ("fma", 256, 128, 8), ("fma", 256, 64, 8)]]
+SWEEP += [dict(up="fma", down="slots", down_cols=n, down_slot_blocks=b) for n, b in
+          [(1, 2), (1, 3), (2, 2), (2, 3), (4, 1), (4, 2), (8, 1)]]
+#: the down kernels timed alone at every batch (overrides of ``moe_gemv.CONFIG``)
+DOWN_VARIANTS = {"loop": {"down": "loop"}, "slots": {"down": "slots"},
+                 "slots_c1": {"down": "slots", "down_cols": 1}, "slots_c4": {"down": "slots", "down_cols": 4}}
+
+
+def sweep_tag(kw: dict) -> str:
+    if kw["down"] == "slots":
+        return f"up_{kw['up']}_slots_c{kw['down_cols']}x{kw['down_slot_blocks']}"
+    return f"up_{kw['up']}{kw['up_threads']}_down{kw['down_threads']}x{kw['down_blocks']}"
 
 
 def routing(T: int, E: int, S: int, k: int, gen: torch.Generator, dev: str):
@@ -182,6 +198,9 @@ def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float,
                 for down_tokens in (1, 0):
                     for _, st in moe_gemv.small_steps(*calls[0], up=up, down_tokens=down_tokens)[0]:
                         st()
+            for kw in DOWN_VARIANTS.values() if small_ok else ():
+                for down_tokens in (1, 0):
+                    moe_gemv.small_steps(*calls[0], down_tokens=down_tokens, **kw)[0][1][1]()
             continue
         row: dict = {"MB_per_call": round(nbytes / 1e6, 1)}
         old = graphed(cycle([functools.partial(moe._fused, *a, None, None) for a in calls]))
@@ -201,10 +220,7 @@ def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float,
                 row[f"up_{up}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
                 line += (f" | {up} {row[f'streaming_{up}']['us']:7.2f} us {row[f'streaming_{up}']['pct_read']:5.1f}%"
                          f" (up {row[f'up_{up}_us']:.2f}) err {row[f'err_{up}']:.1e}")
-            for down_tokens in (1, 0) if T > 1 else (1,):  # a token per CTA, or the row bucket per CTA
-                only = graphed(cycle([moe_gemv.small_steps(*a, down_tokens=down_tokens)[0][1][1] for a in calls]))
-                row[f"down_tokens{down_tokens}_us"] = round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2)
-                line += f" | down/{down_tokens or 'bucket'} {row[f'down_tokens{down_tokens}_us']:.2f}"
+            line += down_table(row, calls, T, read_GBps, E + S, C, I, want)
             best = min(row[f"streaming_{up}"]["us"] for up in ups)
             row["speedup_best"] = round(row["pipeline"]["us"] / best, 2)
             line += f" | x{row['speedup_best']:.2f}"
@@ -220,6 +236,27 @@ def bench_shape(name: str, batches: list[int], max_small: int, read_GBps: float,
     return out
 
 
+def down_table(row: dict, calls, T: int, read_GBps: float, E_all: int, C: int, I: int, want) -> str:
+    """Each of ``DOWN_VARIANTS`` alone, a token per CTA and (T > 1) the row bucket per CTA: us and % of the read
+    ceiling for the W2 rows it reads; and the whole path's error with it (the default up kernel)."""
+    from gpu_timing import graphed, timed
+
+    from kernels_cuda import moe_gemv
+
+    dbytes = gemm_bytes(calls, E_all, C, I)["gemm2"]
+    line, x, w13, w2, w, ids = "\n       ", *calls[0]
+    for tag, kw in DOWN_VARIANTS.items():
+        for down_tokens in (1, 0) if T > 1 else (1,):  # a token per CTA, or the row bucket per CTA
+            only = graphed(cycle([moe_gemv.small_steps(*a, down_tokens=down_tokens, **kw)[0][1][1] for a in calls]))
+            fig = figure(timed(only, warmup=1, reps=10) / CALLS, dbytes, read_GBps)
+            row[f"down_{tag}_tokens{down_tokens}"] = fig
+            line += f" {tag}/{down_tokens or 'bucket'} {fig['us']:.2f} us {fig['pct_read']:.0f}%"
+        got = moe_gemv.fused_moe_small(x, w13, w2, w, ids, **kw).float()
+        row[f"err_down_{tag}"] = float(f"{((got - want).abs().max() / want.abs().max()).item():.2e}")
+        line += f" err {row[f'err_down_{tag}']:.1e} |"
+    return line
+
+
 def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
     """CTA sizes of the two kernels at one token (V2-Lite's decision at batch 1)."""
     from gpu_timing import graphed, timed
@@ -232,9 +269,8 @@ def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
         w, ids = routing(1, E, S, k, gen, dev)
         calls.append((torch.randn(1, C, generator=gen).to(dev, torch.bfloat16), w13s[c % len(w13s)],
                       w2s[c % len(w2s)], w, ids))
-    res = {}
-    for up, up_threads, down_threads, down_blocks in SWEEP:
-        kw = dict(up=up, up_threads=up_threads, down_threads=down_threads, down_blocks=down_blocks)
+    res, dbytes = {}, (0 if dry else gemm_bytes(calls, E + S, C, I)["gemm2"])
+    for kw in SWEEP:
         steps = [moe_gemv.small_steps(*a, **kw)[0] for a in calls]
         if dry:
             for s in steps[0]:
@@ -244,9 +280,10 @@ def sweep_T1(name, w13s, w2s, gen, dev, read_GBps, dry) -> dict:
         for i in range(2):
             only = graphed(cycle([s[i][1] for s in steps]))
             us.append(round(timed(only, warmup=1, reps=10) / CALLS * 1e3, 2))
-        tag = f"up_{up}{up_threads}_down{down_threads}x{down_blocks}"
-        res[tag] = {"up_us": us[0], "down_us": us[1]}
-        print(f"{name:>7} T=1 sweep {tag}: up {us[0]:.2f} us, down {us[1]:.2f} us", flush=True)
+        tag = sweep_tag(kw)
+        pct = figure(us[1] * 1e-3, dbytes, read_GBps)["pct_read"]
+        res[tag] = {"up_us": us[0], "down_us": us[1], "down_pct_read": pct}
+        print(f"{name:>7} T=1 sweep {tag}: up {us[0]:.2f} us, down {us[1]:.2f} us ({pct:.0f}% of read)", flush=True)
     return res
 
 

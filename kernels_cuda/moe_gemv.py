@@ -16,6 +16,10 @@ while the job is to stream each selected expert's weights once at HBM speed. Her
    and, for each token of its chunk and each of the token's K slots in slot order, dots H[slot] with
    row c of W2[ids[slot]], scales by the routing weight and accumulates in float32; the K slots are
    reduced in registers and out[t, c] is written once. Rows of the same expert across tokens hit L1/L2.
+   ``CONFIG["down"] = "slots"`` takes ``kernels_cuda.moe_down_slots`` instead: a CTA of K warps, warp j on slot j,
+   so all K slots' weight rows of a column are in flight together (see there). ``DEEPINFER_MOE_DOWN=loop|slots``
+   picks it for a run without a code edit (``down_choice``; an override of ``small_steps`` still wins), and
+   ``examples/engine_warm.py`` run under the same variable warms the kernel it picks.
 
 Deterministic and batch-invariant inside this path: no atomics on data (the shared-memory counter
 only orders the row list, and a row's arithmetic does not depend on its place in the list), every
@@ -25,9 +29,13 @@ result depends on which path the batch size picks (``applies``); the engine's ba
 replaces ``fused_moe`` with ``kernels_cpu.batch_invariant``'s, so it never runs this choice.
 """
 
+import math
+import os
+
 import torch
 
 from kernels_cuda import _tl
+from kernels_cuda.moe_down_slots import build_down_slots
 from kernels_cuda.moe_slots import expert_slots_macro
 
 #: decode batches (tokens) up to this take the weight-streaming path (a size rule on shapes only: nothing is
@@ -310,6 +318,7 @@ def build_down(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype:
 _up = _tl.kernel_cache(build_up)
 _up_mma = _tl.kernel_cache(build_up_mma)
 _down = _tl.kernel_cache(build_down)
+_down_slots = _tl.kernel_cache(build_down_slots)
 
 _IDS = {torch.int64: "int64", torch.int32: "int32"}
 
@@ -356,7 +365,23 @@ def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None, **over
 #: 128.8 us against 93.5 / 306.9), 256 threads; the down kernel with 128 threads and 4 CTAs' registers per SM
 #: (15.6-15.9 us; the other shapes swept 15.4-17.8) and one token per CTA (at 8 tokens 83.8 us against 261.1
 #: with a CTA per 8 tokens: more tokens share experts through L2, not through one warp's loop).
-CONFIG = {"up": "auto", "up_threads": THREADS, "down_threads": 128, "down_blocks": 4, "down_tokens": 1}
+#: ``down``: "loop" (``build_down``) or "slots" (``moe_down_slots``: K warps a CTA, one per slot, ``down_cols``
+#: columns a CTA and ``down_slot_blocks`` CTAs' registers per SM); not yet measured on the H200, so "loop" stays.
+CONFIG = {"up": "auto", "up_threads": THREADS, "down": "loop", "down_threads": 128, "down_blocks": 4,
+          "down_tokens": 1, "down_cols": 2, "down_slot_blocks": 2}
+DOWNS = ("loop", "slots")
+#: ``DEEPINFER_MOE_DOWN=loop|slots`` replaces ``CONFIG["down"]`` (read at each ``small_steps``; unset or empty: CONFIG)
+DOWN_ENV = "DEEPINFER_MOE_DOWN"
+
+
+def down_choice() -> str:
+    """The down kernel ``small_steps`` takes without an override: ``DEEPINFER_MOE_DOWN`` where set, else CONFIG's."""
+    env = os.environ.get(DOWN_ENV, "").strip().lower()
+    if not env:
+        return CONFIG["down"]
+    if env not in DOWNS:
+        raise ValueError(f"{DOWN_ENV}={env!r}: expected one of {', '.join(DOWNS)}")
+    return env
 
 
 def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **overrides):
@@ -364,8 +389,12 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **override
     (``examples/moe_small_bench.py`` sweeps them): ``up`` "fma" (``build_up``), "mma" (``build_up_mma``, where
     ``mma_fits``) or "auto" (fma at one token, else mma where it fits), ``up_threads``, ``down_threads``,
     ``down_blocks`` (``build_down``'s ``min_blocks``),
-    ``down_tokens`` (tokens per down CTA; 0: the row bucket)."""
-    cfg = {**CONFIG, **overrides}
+    ``down_tokens`` (tokens per down CTA; 0: the row bucket); ``down`` "loop" (``build_down``, with ``down_threads``
+    and ``down_blocks``) or "slots" (``build_down_slots``, with ``down_cols`` columns a CTA, cut to a divisor of
+    the hidden width, and ``down_slot_blocks``); without an override, :func:`down_choice`."""
+    cfg = {**CONFIG, "down": down_choice(), **overrides}
+    if cfg["down"] not in DOWNS:
+        raise ValueError(f"down={cfg['down']!r}: expected one of {', '.join(DOWNS)}")
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
@@ -383,8 +412,11 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **override
     else:
         k1 = _up(E, C, I, K, MB, *split(C, cfg["up_threads"]), dt, id_dt, limit)
     MD = cfg["down_tokens"] or MB
-    k2 = _down(E, C, I, K, MD, *split(I, cfg["down_threads"]), dt, id_dt, _tl.tl_dtype(weights.dtype),
-               cfg["down_blocks"])
+    wt_dt = _tl.tl_dtype(weights.dtype)
+    if cfg["down"] == "slots":
+        k2 = _down_slots(E, C, I, K, MD, math.gcd(cfg["down_cols"], C), dt, id_dt, wt_dt, cfg["down_slot_blocks"])
+    else:
+        k2 = _down(E, C, I, K, MD, *split(I, cfg["down_threads"]), dt, id_dt, wt_dt, cfg["down_blocks"])
     flat = ids.view(-1)
     return [("up", lambda: k1(x, w13, flat, h)), ("down", lambda: k2(h, w2, ids, weights, out))], (lambda: out)
 

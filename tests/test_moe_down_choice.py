@@ -1,0 +1,94 @@
+"""The weight-streaming MoE's down kernel choice on the CPU (``kernels_cuda.moe_gemv``): ``CONFIG["down"]``,
+``DEEPINFER_MOE_DOWN`` and ``small_steps``' overrides pick "loop" (``build_down``) or "slots"
+(``moe_down_slots.build_down_slots``) with their tile arguments; nothing is compiled (the kernel caches are
+replaced by recorders)."""
+
+import logging
+
+import pytest
+import torch
+
+from kernels_cuda import _tl, moe_gemv
+from kernels_cuda.moe_down_slots import MIN_REGS
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The kernels ``small_steps`` asks for, by name and arguments (CPU tensors, dry run, no compile)."""
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
+    monkeypatch.delenv(moe_gemv.DOWN_ENV, raising=False)
+    calls = []
+    for name in ("_up", "_up_mma", "_down", "_down_slots"):
+        monkeypatch.setattr(moe_gemv, name, lambda *a, _n=name: calls.append((_n, a)) or (lambda *b: None))
+    return calls
+
+
+def _steps(T=1, k=8, C=2048, I=1408, E=66, **kw):
+    bf, e = torch.bfloat16, torch.empty
+    x, w13, w2 = e(T, C, dtype=bf), e(E, 2 * I, C, dtype=bf), e(E, C, I, dtype=bf)
+    ids, wt = torch.zeros(T, k, dtype=torch.long), e(T, k, dtype=bf)
+    assert moe_gemv.applies(x, w13, w2, wt, ids)
+    steps, _ = moe_gemv.small_steps(x, w13, w2, wt, ids, **kw)
+    for _, step in steps:
+        step()
+
+
+def _down_call(calls):
+    (name, args), = [c for c in calls if c[0].startswith("_down")]
+    return name, args
+
+
+def test_default_is_loop(built):
+    assert moe_gemv.CONFIG["down"] == "loop" and moe_gemv.down_choice() == "loop"
+    _steps()
+    name, args = _down_call(built)
+    assert name == "_down" and args == (66, 2048, 1408, 8, 1, 32, 4, "bfloat16", "int64", "bfloat16", 4)
+
+
+def test_override_slots(built):
+    _steps(T=3, down="slots", down_tokens=0)  # the row bucket (4 tokens) a CTA
+    name, args = _down_call(built)
+    assert name == "_down_slots"
+    assert args == (66, 2048, 1408, 8, 4, moe_gemv.CONFIG["down_cols"], "bfloat16", "int64", "bfloat16",
+                    moe_gemv.CONFIG["down_slot_blocks"])
+    built.clear()
+    _steps(C=2056, down="slots", down_cols=16)  # 16 columns do not divide 2056: 8 do
+    assert _down_call(built)[1][5] == 8
+
+
+@pytest.mark.parametrize("value,want", [("slots", "slots"), (" Slots ", "slots"), ("loop", "loop"), ("", "loop")])
+def test_env(built, monkeypatch, value, want):
+    monkeypatch.setenv(moe_gemv.DOWN_ENV, value)
+    assert moe_gemv.down_choice() == want
+    _steps()
+    assert _down_call(built)[0] == {"loop": "_down", "slots": "_down_slots"}[want]
+    built.clear()
+    _steps(down="loop")  # an override wins over the variable
+    assert _down_call(built)[0] == "_down"
+
+
+def test_bad_choice(built, monkeypatch):
+    with pytest.raises(ValueError, match="expected one of loop, slots"):
+        _steps(down="warp")
+    monkeypatch.setenv(moe_gemv.DOWN_ENV, "slot")
+    with pytest.raises(ValueError, match="DEEPINFER_MOE_DOWN"):
+        _steps()
+
+
+def test_env_is_a_known_setting(caplog):
+    from deepinfer_core.config import warn_unknown_env
+
+    with caplog.at_level(logging.WARNING):
+        warn_unknown_env({moe_gemv.DOWN_ENV: "slots"})
+    assert not caplog.records
+
+
+def test_register_floor():
+    """The CTAs-per-SM bound leaves each thread at least ``MIN_REGS`` registers (K = 16: 512 threads, one CTA)."""
+    pytest.importorskip("tilelang")  # building the prim_func needs TileLang (nothing is compiled)
+    from kernels_cuda.moe_down_slots import build_down_slots
+
+    for K, blocks, want in ((8, 2, 2), (8, 4, 3), (9, 2, 2), (16, 2, 1)):
+        f = build_down_slots(66, 2048, 1408, K, 1, 2, "bfloat16", "int64", "bfloat16", blocks)
+        assert f'"tl.min_blocks_per_sm", {want})' in f.script(), (K, blocks)
+        assert 65536 // (32 * K * want) >= MIN_REGS
