@@ -16,7 +16,7 @@ from deepinfer_core.kernels import KernelBackend
 #: module name per kernel submodule; each has ``representative_kernels()`` for the compile test.
 KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "norm_gemv", "mla_kv_write",
                   "norm", "elementwise", "kv_cache", "mla_decode", "mla_decode_ws", "mla_decode_uv",
-                  "mla_prefill", "moe", "moe_gemv", "moe_down_slots",
+                  "mla_prefill", "moe", "moe_gemv",
                   "moe_stream",
                   "moe_route", "moe_gate", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",

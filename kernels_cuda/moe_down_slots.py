@@ -88,11 +88,3 @@ def build_down_slots(E: int, C: int, I: int, K: int, MB: int, BN: int, dtype: st
 
     return moe_down_slots
 
-
-def representative_kernels():
-    return [
-        ("moe_down slots V2-Lite BN2", lambda: build_down_slots(66, 2048, 1408, 8, 1, 2, "bfloat16", "int64",
-                                                                "bfloat16")),
-        ("moe_down slots V3 BN2 MB2", lambda: build_down_slots(257, 7168, 2048, 9, 2, 2, "bfloat16", "int64",
-                                                               "float32")),
-    ]

@@ -431,4 +431,10 @@ def representative_kernels():
         ("moe_up V3 MB2", lambda: build_up(257, 7168, 2048, 9, 2, *split(7168), "bfloat16", "int64")),
         ("moe_up V4 clamped MB1", lambda: build_up(256, 4096, 2048, 6, 1, *split(4096), "bfloat16", "int64", 10.0)),
         ("moe_up mma V2-Lite", lambda: build_up_mma(E, C, I, 8, "bfloat16", "int64")),
+        # the slot-parallel down kernel (CONFIG["down"] = "slots"): V2-Lite's 8 slots (ragged width 1408), V3's 9
+        # (width 2048) with float32 routing weights and two tokens a CTA
+        ("moe_down slots V2-Lite", lambda: build_down_slots(E, C, I, 8, 1, CONFIG["down_cols"], "bfloat16", "int64",
+                                                            "bfloat16", CONFIG["down_slot_blocks"])),
+        ("moe_down slots V3 MB2", lambda: build_down_slots(257, 7168, 2048, 9, 2, CONFIG["down_cols"], "bfloat16",
+                                                           "int64", "float32", CONFIG["down_slot_blocks"])),
     ]

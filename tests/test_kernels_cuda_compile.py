@@ -1,6 +1,7 @@
 """CPU CI: every TileLang kernel of ``kernels_cuda`` lowers and compiles for Hopper (sm_90a) with the
 local nvcc, without a GPU (nothing runs). One representative real-model configuration per kernel,
-compiled into a fresh cache directory (so nvcc really runs), two at a time."""
+compiled into a fresh cache directory (so nvcc really runs), two at a time. ``-k moe_gemv`` compiles the
+weight-streaming MoE's modules alone (``test_module_compiles_for_sm90a``; after the whole test, from its cache)."""
 
 import concurrent.futures as cf
 import importlib
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,14 +73,24 @@ def test_import_is_light():
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_every_kernel_compiles_for_sm90a(tmp_path):
+@pytest.fixture(scope="module")
+def tl_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("tl") / "tl-cache")
+
+
+def _check_vec16(r: dict) -> None:
+    if r["name"].startswith(("moe_up", "moe_down")):  # the weight-streaming MoE reads 16-byte vectors
+        assert r["vec16"], f"{r['name']}: expected 16-byte vector loads, got {r}"
+
+
+def test_every_kernel_compiles_for_sm90a(tl_cache):
     jobs = _kernel_names()
     assert len(jobs) >= 14
     results, failures = [], []
     workers = max(1, min(2, os.cpu_count() or 1))
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that imported torch
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futs = {pool.submit(_compile_one, mod, i, str(tmp_path / "tl-cache")): (mod, i) for mod, i in jobs}
+        futs = {pool.submit(_compile_one, mod, i, tl_cache): (mod, i) for mod, i in jobs}
         for fut in cf.as_completed(futs):
             try:
                 results.append(fut.result())
@@ -92,14 +104,26 @@ def test_every_kernel_compiles_for_sm90a(tmp_path):
             assert r["wgmma"] and r["tma"], f"{name}: expected wgmma + TMA, got {r}"
         if name.startswith("mla_decode H128"):
             assert r["wgmma"] and r["cp_async"], f"{name}: expected wgmma + cp.async, got {r}"
-        if name.startswith(("moe_up", "moe_down")):  # the weight-streaming MoE reads 16-byte vectors
-            assert r["vec16"], f"{name}: expected 16-byte vector loads, got {r}"
+        _check_vec16(r)
         if name.startswith(("add_rms_norm + gemv", "rms_norm + gemv", "mla_q_absorb_kv_write")):  # decode fusion
             assert r["vec16"], f"{name}: expected 16-byte vector loads, got {r}"
     assert by_name["mla_decode H16 bs16 split ragged"]["mma"]
     for name, r in by_name.items():  # the FP8 MoE's tensor-core up kernel: e4m3 x e4m3 -> f32 mma.sync m16n8k32
         if name.startswith("moe_up_fp8_mma"):
             assert r["fp8_mma"], f"{name}: expected the e4m3 m16n8k32 mma, got {r}"
-    cubins = list((tmp_path / "tl-cache").rglob("*.cubin")) + list((tmp_path / "tl-cache").rglob("*.so"))
+    cubins = [p for ext in ("*.cubin", "*.so") for p in Path(tl_cache).rglob(ext)]
     assert cubins, "nvcc produced no binaries"
     print("\n".join(f"{r['name']}: {r['seconds']} s" for r in sorted(results, key=lambda r: r["name"])))
+
+
+@pytest.mark.parametrize("mod", ["moe_gemv", "moe_gemv_fp8"])
+def test_module_compiles_for_sm90a(mod, tl_cache):
+    """One module's kernels in a fresh process (``-k moe_gemv``: the weight-streaming MoE's, bf16 and FP8)."""
+    m = importlib.import_module(f"kernels_cuda.{mod}")
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)), mp_context=ctx) as pool:
+        results = list(pool.map(_compile_one, [mod] * len(m.representative_kernels()),
+                                range(len(m.representative_kernels())), [tl_cache] * len(m.representative_kernels())))
+    for r in results:
+        _check_vec16(r)
+    print("\n".join(f"{r['name']}: {r['seconds']} s" for r in results))
