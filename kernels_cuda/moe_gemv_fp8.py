@@ -19,6 +19,12 @@ stream each selected expert's e4m3 weights once. Here, as ``moe_gemv``:
    W2[ids[slot]] (scaled per 128 block), rounds the slot's result to x's dtype (the reference's
    ``fp8_linear`` output), multiplies by the routing weight in float32 and sums the K slots in slot order;
    out[t, c] is cast once. Slots of another rank's experts (ids < 0 or >= E) load nothing and add nothing.
+   ``down="slots"`` (``moe_gemv.down_choice``: ``DEEPINFER_MOE_DOWN``, as the bf16 path) takes
+   ``moe_down_fp8_slots`` instead: a CTA of K warps owns ``BN`` columns, warp j slot j; each warp issues its
+   slot's weight loads for the BN columns before the CTA quantises the hidden rows (they are in flight during
+   it), then dots, rounds and weights its slot as above into shared memory, and one thread per column adds the
+   K slots in slot order (the same sums in the same orders as ``moe_down_fp8``; a slot's weighting is rounded
+   before the addition, where the loop kernel may fuse the two, so the bits can differ between the two kernels).
 
 The up kernel has a tensor-core variant, ``build_up_fp8_mma`` (``moe_up_fp8_mma``): the same inputs, outputs and
 rounding points, the per-group e4m3 dot products on ``mma.sync.m16n8k32`` (e4m3 x e4m3 -> float32) instead of
@@ -31,17 +37,19 @@ Deterministic (fixed reduction orders; the shared counter only orders the row li
 are ordered differently from the tensor-core pipeline's, so results differ by rounding between paths.
 """
 
+import math
 import os
 
 import torch
 
-from kernels_cuda import _tl
+from kernels_cuda import _tl, moe_gemv
 from kernels_cuda.fp8_gemv import FP8, GROUP, quant_group_macro
 from kernels_cuda.moe_slots import expert_slots_macro
 
 #: tokens up to this take this path. Measured on the H200 at V2-Lite (docs/h200/s10, round 1), against the
 #: six-launch pipeline: 1 token 45.8 / 78.3 us, 2: 99.6 / 112.0, 4: 223.1 / 150.3, 8: 590.3 / 234.5 (so up to 2)
 MAX_TOKENS = 2
+DOWN_COLS = 4  # columns a CTA of the slots down kernel (down="slots"): C / 4 CTAs a token
 THREADS = 256
 VEC = 16  # e4m3 values per 16-byte load
 
@@ -437,9 +445,93 @@ def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype
     return moe_down_fp8
 
 
+def build_down_fp8_slots(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str,
+                         min_blocks: int = 2):
+    """One token per CTA (grid (C / BN, NT)), K warps (``threads=(32, K)``), warp j on slot j for the CTA's BN
+    columns; ``min_blocks`` as ``build_up_fp8``, lowered where it would leave under 64 registers a thread."""
+    min_blocks = max(1, min(min_blocks, 65536 // (32 * K * 64)))
+    T = _tl.language()
+    NT, NS = T.dynamic("NT"), T.dynamic("NS")
+    RT = 32
+    step = RT * VEC
+    iters = -(-I // step)
+    IB, CB, NTH, TV = I // GROUP, -(-C // GROUP), RT * K, K * I // VEC
+    assert I % GROUP == 0 and C % BN == 0 and 1 <= BN <= RT and 1 <= K <= 32
+    quant_store = quant_store_macro(T, NTH, TV)
+
+    @T.prim_func
+    def moe_down_fp8_slots(H: T.Tensor((NS, I), dtype), W2: T.Tensor((E, C, I), FP8),
+                           S2: T.Tensor((E, CB, IB), "float32"), Ids: T.Tensor((NT, K), id_dtype),
+                           Wt: T.Tensor((NT, K), wt_dtype), Out: T.Tensor((NT, C), dtype)):
+        with T.Kernel(C // BN, NT, threads=(RT, K)) as (bc, t):
+            tk = T.get_thread_binding(0)
+            j = T.get_thread_binding(1)  # this warp's slot
+            T.annotate_min_blocks_per_sm(min_blocks)
+            lin = j * RT + tk
+            q_s = T.alloc_shared((K, I), FP8)
+            sh_s = T.alloc_shared((K, IB), "float32")
+            part = T.alloc_shared((K, BN), "float32")
+            xb = T.alloc_local((VEC,), dtype)
+            xf = T.alloc_local((VEC,), "float32")
+            qf = T.alloc_local((VEC,), "float32")
+            qv = T.alloc_local((VEC,), FP8)
+            w_loc = T.alloc_local((BN, iters, VEC), FP8)
+            sc = T.alloc_local((1,), "float32")
+            p = T.alloc_local((1,), "float32")
+            dot = T.alloc_local((BN,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            e = T.cast(Ids[t, j], "int32")
+            ok = (e >= 0) & (e < E)
+            ee = T.max(T.min(e, E - 1), 0)
+            # the slot's weight rows first (predicated: another rank's slot loads nothing): in flight while the
+            # CTA quantises the hidden rows
+            for b in T.unroll(BN):
+                for it in T.unroll(iters):
+                    k0 = T.min(it * step + tk * VEC, I - VEC)
+                    live = ok & (it * step + tk * VEC < I)
+                    for v in T.vectorized(VEC):
+                        w_loc[b, it, v] = T.if_then_else(live, W2[ee, bc * BN + b, k0 + v], T.cast(0, FP8))
+            for jj in T.serial(T.ceildiv(TV, NTH)):  # the token's K hidden rows, per 128 channels, as moe_down_fp8
+                idx = T.min(jj * NTH + lin, TV - 1)
+                slot = idx // (I // VEC)
+                kv = idx % (I // VEC)
+                for v in T.vectorized(VEC):
+                    xb[v] = H[t * K + slot, kv * VEC + v]
+                quant_store(xb, xf, qf, qv, sc, jj, lin, q_s, sh_s, slot, kv)
+            T.sync_threads()
+            for b in T.unroll(BN):
+                dot[b] = 0.0
+            for it in T.unroll(iters):
+                k0 = T.min(it * step + tk * VEC, I - VEC)
+                live = ok & (it * step + tk * VEC < I)
+                for v in T.vectorized(VEC):
+                    qv[v] = q_s[j, k0 + v]
+                for b in T.unroll(BN):
+                    p[0] = 0.0
+                    for v in T.unroll(VEC):
+                        p[0] += T.cast(qv[v], "float32") * T.cast(w_loc[b, it, v], "float32")
+                    dot[b] += T.if_then_else(
+                        live, p[0] * (sh_s[j, k0 // GROUP] * S2[ee, (bc * BN + b) // GROUP, k0 // GROUP]), 0.0)
+            for b in T.unroll(BN):
+                dot[b] = T.warp_reduce_sum(dot[b])
+            if tk == 0:  # the slot's output as the reference's fp8_linear (x's dtype), times its routing weight
+                for b in T.unroll(BN):
+                    part[j, b] = T.if_then_else(
+                        ok, T.cast(Wt[t, j], "float32") * T.cast(T.cast(dot[b], dtype), "float32"), 0.0)
+            T.sync_threads()
+            if (j == 0) & (tk < BN):  # one thread per column: the K slots in slot order
+                acc[0] = 0.0
+                for s in T.unroll(K):
+                    acc[0] += part[s, tk]
+                Out[t, bc * BN + tk] = T.cast(acc[0], dtype)
+
+    return moe_down_fp8_slots
+
+
 _up = _tl.kernel_cache(build_up_fp8)
 _up_mma = _tl.kernel_cache(build_up_fp8_mma)
 _down = _tl.kernel_cache(build_down_fp8)
+_down_slots = _tl.kernel_cache(build_down_fp8_slots)
 
 _IDS = {torch.int64: "int64", torch.int32: "int32"}
 
@@ -494,10 +586,16 @@ def up_kind(C: int, up: str | None = None) -> str:
     return "mma" if kind == "mma" and mma_fits(C) else "fma"
 
 
-def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2, up: str | None = None):
+def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2, up: str | None = None,
+                        down: str | None = None, down_cols: int = DOWN_COLS):
     """The two launches as (name, thunk) pairs plus the output thunk (and the hidden, for the tests):
     ``applies`` must hold. ``min_blocks``: both kernels' CTAs per SM (``examples/fp8_gemv_bench.py`` tries 4);
-    ``up``: the up kernel, "fma" or "mma" (None: ``$DEEPINFER_FP8_MOE_UP`` or ``CONFIG["up"]``, see ``up_kind``)."""
+    ``up``: the up kernel, "fma" or "mma" (None: ``$DEEPINFER_FP8_MOE_UP`` or ``CONFIG["up"]``, see ``up_kind``);
+    ``down``: "loop" (``build_down_fp8``) or "slots" (``build_down_fp8_slots`` with ``down_cols`` columns a CTA,
+    cut to a divisor of C); None: ``moe_gemv.down_choice()``."""
+    down = down or moe_gemv.down_choice()
+    if down not in moe_gemv.DOWNS:
+        raise ValueError(f"down={down!r}: expected one of {', '.join(moe_gemv.DOWNS)}")
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
@@ -513,16 +611,21 @@ def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_block
         k1 = _up_mma(E, C, I, K, m_bucket(NT), dt, id_dt, min_blocks)
     else:
         k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt, min_blocks)
-    k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, _tl.tl_dtype(weights.dtype), min_blocks)
+    wt_dt = _tl.tl_dtype(weights.dtype)
+    if down == "slots":
+        k2 = _down_slots(E, C, I, K, math.gcd(down_cols, C), dt, id_dt, wt_dt, min_blocks)
+    else:
+        k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, wt_dt, min_blocks)
     flat = ids.view(-1)
     steps = [("up_fp8", lambda: k1(x, w13, s13, flat, h)), ("down_fp8", lambda: k2(h, w2, s2, ids, weights, out))]
     return steps, (lambda: out), h
 
 
 def fused_moe_fp8_small(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2,
-                        up: str | None = None) -> torch.Tensor:
-    """``fused_moe_fp8`` in two launches (``applies`` must hold; ``up`` as ``moe_fp8_small_steps``)."""
-    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks, up)
+                        **choice) -> torch.Tensor:
+    """``fused_moe_fp8`` in two launches (``applies`` must hold; ``choice``: ``moe_fp8_small_steps``' ``up``,
+    ``down``, ``down_cols``)."""
+    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks, **choice)
     for _, step in steps:
         step()
     return finish()
@@ -539,4 +642,8 @@ def representative_kernels():
         ("moe_up_fp8_mma V3 MB1", lambda: build_up_fp8_mma(257, 7168, 2048, 9, 1, "bfloat16", "int64")),
         ("moe_down_fp8 V3 bf16 weights", lambda: build_down_fp8(257, 7168, 2048, 9, 8, "bfloat16", "int64",
                                                                 "bfloat16")),
+        ("moe_down_fp8 slots V2-Lite", lambda: build_down_fp8_slots(E, C, I, 8, DOWN_COLS, "bfloat16", "int64",
+                                                                    "float32")),
+        ("moe_down_fp8 slots V3", lambda: build_down_fp8_slots(257, 7168, 2048, 9, DOWN_COLS, "bfloat16", "int64",
+                                                               "bfloat16")),
     ]

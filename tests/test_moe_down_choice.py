@@ -92,3 +92,27 @@ def test_register_floor():
         f = build_down_slots(66, 2048, 1408, K, 1, 2, "bfloat16", "int64", "bfloat16", blocks)
         assert f'"tl.min_blocks_per_sm", {want})' in f.script(), (K, blocks)
         assert 65536 // (32 * K * want) >= MIN_REGS
+
+
+@pytest.mark.parametrize("env,kw,want", [("", {}, "_down"), ("slots", {}, "_down_slots"),
+                                         ("slots", {"down": "loop"}, "_down"), ("", {"down": "slots"}, "_down_slots")])
+def test_fp8_choice(monkeypatch, env, kw, want):
+    """The FP8 path (``moe_gemv_fp8``) follows the same choice: its slots kernel with ``DOWN_COLS`` columns a CTA."""
+    from kernels_cuda import moe_gemv_fp8 as m
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
+    monkeypatch.setenv(moe_gemv.DOWN_ENV, env)
+    calls = []
+    for name in ("_up", "_down", "_down_slots"):
+        monkeypatch.setattr(m, name, lambda *a, _n=name: calls.append((_n, a)) or (lambda *b: None))
+    E, C, I, T, k = 66, 2048, 1408, 1, 8
+    f8, e = torch.float8_e4m3fn, torch.empty
+    x, w13, w2 = e(T, C, dtype=torch.bfloat16), e(E, 2 * I, C, dtype=f8), e(E, C, I, dtype=f8)
+    s13, s2 = e(E, 2 * I // 128, C // 128), e(E, C // 128, I // 128)
+    ids, wt = torch.zeros(T, k, dtype=torch.long), e(T, k)
+    assert m.applies(x, w13, s13, w2, s2, wt, ids)
+    m.moe_fp8_small_steps(x, w13, s13, w2, s2, wt, ids, **kw)
+    (name, args), = [c for c in calls if c[0] != "_up"]
+    assert name == want
+    if want == "_down_slots":
+        assert args == (E, C, I, k, m.DOWN_COLS, "bfloat16", "int64", "float32", 2)
