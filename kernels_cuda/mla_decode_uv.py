@@ -168,7 +168,7 @@ def _fused_applies(q: torch.Tensor, dv: int, w_uv: torch.Tensor, fp8: bool) -> b
         return False
     if w_uv.dim() != 3 or w_uv.dtype != q.dtype or w_uv.shape[0] != H or w_uv.shape[2] != dv:
         return False
-    if w_uv.shape[1] % BV or dv % VEC or not (fp8 or (dv % 64 == 0 and R % 16 == 0)):
+    if w_uv.shape[1] % BV or dv % VEC or dv % THREADS or not (fp8 or (dv % 64 == 0 and R % 16 == 0)):
         return False  # latent or rope widths the attention pads: odd test shapes
     return faster_than_cublas(T_, w_uv.numel() * w_uv.element_size())
 

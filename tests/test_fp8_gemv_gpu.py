@@ -142,7 +142,7 @@ def test_fused_moe_fp8_small_real_shapes(case, routing, up, down):
 
 
 @pytest.mark.skipif(DRY, reason="runs kernels")
-@pytest.mark.parametrize("down", DOWNS)
+@pytest.mark.parametrize("down", ["loop", "slots"])
 def test_fused_moe_fp8_small_all_remote_and_empty(down, monkeypatch):
     """Every slot another rank's: zeros; an empty batch: the reference's empty output (either down kernel, picked
     by ``DEEPINFER_MOE_DOWN`` through the backend's op)."""
