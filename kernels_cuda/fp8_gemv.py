@@ -96,6 +96,31 @@ def quant_group_macro(T):
     return quant_group
 
 
+def quant_store_macro(T, NTH: int, TV: int):
+    """A macro: thread ``lin``'s 16 activation values ``xb`` (x's dtype; ``xf``, ``qf``, ``qv`` and ``sc`` its
+    scratch) at pass ``j`` over the ``TV`` 16-value vectors of the rows being quantised (``NTH`` threads a pass),
+    quantised as ``fp8_gemv.quant_group_macro`` (every lane of the warp must call it: the group's amax is shuffled)
+    and, for a vector inside the ``TV``, stored as e4m3 into the shared ``Q[row]`` at vector ``kv``, the group's scale
+    into ``S[row]`` by the group's first lane. (The bound is tested here, not passed in: a macro binds an expression
+    argument to a new variable, and the kernels' simplification of the stores under it would change.)"""
+    quant_group = quant_group_macro(T)
+
+    @T.macro
+    def quant_store(xb, xf, qf, qv, sc, j, lin, Q, S, row, kv):
+        for v in T.unroll(VEC):
+            xf[v] = T.cast(xb[v], "float32")
+        quant_group(xf, qf, sc)
+        if j * NTH + lin < TV:
+            for v in T.unroll(VEC):
+                qv[v] = T.cast(qf[v], FP8)
+            for v in T.vectorized(VEC):
+                Q[row, kv * VEC + v] = qv[v]
+            if kv % (GROUP // VEC) == 0:
+                S[row, kv // (GROUP // VEC)] = sc[0]
+
+    return quant_store
+
+
 def build_fp8_gemv(N: int, K: int, MB: int, cfg: Fp8GemvConfig, dtype: str):
     """y[M, N] (dtype) = fp8_linear(x[M, K] (dtype), w[N, K] e4m3, w_scale[ceil(N/128), K/128] f32), M <= MB."""
     T = _tl.language()
