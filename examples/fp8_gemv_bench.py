@@ -13,8 +13,7 @@ with its CUDA-core up kernel ("up fma") and its e4m3 tensor-core one ("up mma"),
 against the six-launch tensor-core pipeline, 8 calls per graph with different routings; bytes are the selected
 experts' e4m3 weights and scales (the up launch alone: their gate and up rows, 2/3). V2-Lite runs 1, 2, 4, 8 tokens
 (``moe_gemv_fp8`` is the engine's path up to ``MAX_TOKENS``; above, the mma kernel's figures say whether it
-should rise). Also the path with the slot-parallel down kernel (``down="slots"``), and each down kernel alone
-(bytes: W2's third).
+should rise). Also the down kernel alone (bytes: W2's third).
 """
 
 import argparse
@@ -170,17 +169,9 @@ def bench_moe(dry: bool, read_GBps: float) -> dict:
                 var = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2], 4, up="fma")
                        for c in calls]
                 row["moe_gemv_fp8 min_blocks 4"] = _fig(_time(var, dry), nbytes, read_GBps)
-            # the slot-parallel down kernel (moe_gemv_fp8.build_down_fp8_slots): the whole path, then each down alone
-            var = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2], down="slots")
-                   for c in calls]
-            row["moe_gemv_fp8 down slots"] = _fig(_time(var, dry), nbytes, read_GBps)
-            var = [partial(moe_gemv_fp8.fused_moe_fp8_small, c[0], w13, s13, w2, s2, c[1], c[2], up="mma",
-                           down="slots") for c in calls]
-            row["moe_gemv_fp8 up mma down slots"] = _fig(_time(var, dry), nbytes, read_GBps)
-            for down in ("loop", "slots"):  # W2 and its scales: a third of the bytes
-                only = [moe_gemv_fp8.moe_fp8_small_steps(c[0], w13, s13, w2, s2, c[1], c[2], down=down)[0][1][1]
-                        for c in calls]
-                row[f"down_fp8 {down} alone"] = _fig(_time(only, dry), nbytes // 3, read_GBps)
+            # the down launch alone (W2 and its scales: a third of the bytes)
+            only = [moe_gemv_fp8.moe_fp8_small_steps(c[0], w13, s13, w2, s2, c[1], c[2])[0][1][1] for c in calls]
+            row["down_fp8 alone"] = _fig(_time(only, dry), nbytes // 3, read_GBps)
 
             steps = [fp8_gemm.moe_fp8_steps(c[0], w13, s13, w2, s2, c[1], c[2])[0] for c in calls]
             row["tensor_core_pipeline"] = _fig(_time([f for st in steps for _, f in st], dry) * len(steps[0]),

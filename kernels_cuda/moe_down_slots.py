@@ -20,14 +20,9 @@ another (grid y = ceil(NT / MB)).
 ptxas for sm_90a (CUDA 12, no spills): V2-Lite (K 8, I 1408: 6 vectors a lane a row) 64 registers at BN 1, 82 at
 BN 2 (80 bounded to 3 CTAs an SM), 88 at BN 4, 148 at BN 8; K 16 at BN 2: 82; V3 (K 9, I 2048) 78 at BN 1, 96 at
 BN 2 (``build_down`` at V2-Lite, 128 threads: 78).
-
-``build_down_fp8_slots`` is the same layout over e4m3 experts (``moe_gemv_fp8``'s ``down="slots"``): the weight
-loads are issued before the CTA quantises the token's K hidden rows into shared memory, then as ``moe_down_fp8``.
 """
 
 from kernels_cuda import _tl
-from kernels_cuda.fp8_gemv import FP8, GROUP, quant_store_macro
-from kernels_cuda.fp8_gemv import VEC as FVEC  # e4m3 values per 16-byte load
 
 VEC = 8  # 2-byte elements per 16-byte load
 MIN_REGS = 80  # registers a thread the CTAs-per-SM bound may not go under (BN = 2 holds 48 in weight vectors)
@@ -96,86 +91,3 @@ def build_down_slots(E: int, C: int, I: int, K: int, MB: int, BN: int, dtype: st
                     T.sync_threads()  # part is rewritten by the next token
 
     return moe_down_slots
-
-
-def build_down_fp8_slots(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str,
-                         min_blocks: int = 2):
-    """One token per CTA (grid (C / BN, NT)), K warps (``threads=(32, K)``), warp j on slot j for the CTA's BN
-    columns; ``min_blocks`` as ``build_up_fp8``, lowered where it would leave under 64 registers a thread."""
-    min_blocks = max(1, min(min_blocks, 65536 // (32 * K * 64)))
-    T = _tl.language()
-    NT, NS = T.dynamic("NT"), T.dynamic("NS")
-    RT = 32
-    step = RT * FVEC
-    iters = -(-I // step)
-    IB, CB, NTH, TV = I // GROUP, -(-C // GROUP), RT * K, K * I // FVEC
-    assert I % GROUP == 0 and C % BN == 0 and 1 <= BN <= RT and 1 <= K <= 32
-    quant_store = quant_store_macro(T, NTH, TV)
-
-    @T.prim_func
-    def moe_down_fp8_slots(H: T.Tensor((NS, I), dtype), W2: T.Tensor((E, C, I), FP8),
-                           S2: T.Tensor((E, CB, IB), "float32"), Ids: T.Tensor((NT, K), id_dtype),
-                           Wt: T.Tensor((NT, K), wt_dtype), Out: T.Tensor((NT, C), dtype)):
-        with T.Kernel(C // BN, NT, threads=(RT, K)) as (bc, t):
-            tk = T.get_thread_binding(0)
-            j = T.get_thread_binding(1)  # this warp's slot
-            T.annotate_min_blocks_per_sm(min_blocks)
-            lin = j * RT + tk
-            q_s = T.alloc_shared((K, I), FP8)
-            sh_s = T.alloc_shared((K, IB), "float32")
-            part = T.alloc_shared((K, BN), "float32")
-            xb = T.alloc_local((FVEC,), dtype)
-            xf = T.alloc_local((FVEC,), "float32")
-            qf = T.alloc_local((FVEC,), "float32")
-            qv = T.alloc_local((FVEC,), FP8)
-            w_loc = T.alloc_local((BN, iters, FVEC), FP8)
-            sc = T.alloc_local((1,), "float32")
-            p = T.alloc_local((1,), "float32")
-            dot = T.alloc_local((BN,), "float32")
-            acc = T.alloc_local((1,), "float32")
-            e = T.cast(Ids[t, j], "int32")
-            ok = (e >= 0) & (e < E)
-            ee = T.max(T.min(e, E - 1), 0)
-            # the slot's weight rows first (predicated: another rank's slot loads nothing): in flight while the
-            # CTA quantises the hidden rows
-            for b in T.unroll(BN):
-                for it in T.unroll(iters):
-                    k0 = T.min(it * step + tk * FVEC, I - FVEC)
-                    live = ok & (it * step + tk * FVEC < I)
-                    for v in T.vectorized(FVEC):
-                        w_loc[b, it, v] = T.if_then_else(live, W2[ee, bc * BN + b, k0 + v], T.cast(0, FP8))
-            for jj in T.serial(T.ceildiv(TV, NTH)):  # the token's K hidden rows, per 128 channels, as moe_down_fp8
-                idx = T.min(jj * NTH + lin, TV - 1)
-                slot = idx // (I // FVEC)
-                kv = idx % (I // FVEC)
-                for v in T.vectorized(FVEC):
-                    xb[v] = H[t * K + slot, kv * FVEC + v]
-                quant_store(xb, xf, qf, qv, sc, jj, lin, q_s, sh_s, slot, kv)
-            T.sync_threads()
-            for b in T.unroll(BN):
-                dot[b] = 0.0
-            for it in T.unroll(iters):
-                k0 = T.min(it * step + tk * FVEC, I - FVEC)
-                live = ok & (it * step + tk * FVEC < I)
-                for v in T.vectorized(FVEC):
-                    qv[v] = q_s[j, k0 + v]
-                for b in T.unroll(BN):
-                    p[0] = 0.0
-                    for v in T.unroll(FVEC):
-                        p[0] += T.cast(qv[v], "float32") * T.cast(w_loc[b, it, v], "float32")
-                    dot[b] += T.if_then_else(
-                        live, p[0] * (sh_s[j, k0 // GROUP] * S2[ee, (bc * BN + b) // GROUP, k0 // GROUP]), 0.0)
-            for b in T.unroll(BN):
-                dot[b] = T.warp_reduce_sum(dot[b])
-            if tk == 0:  # the slot's output as the reference's fp8_linear (x's dtype), times its routing weight
-                for b in T.unroll(BN):
-                    part[j, b] = T.if_then_else(
-                        ok, T.cast(Wt[t, j], "float32") * T.cast(T.cast(dot[b], dtype), "float32"), 0.0)
-            T.sync_threads()
-            if (j == 0) & (tk < BN):  # one thread per column: the K slots in slot order
-                acc[0] = 0.0
-                for s in T.unroll(K):
-                    acc[0] += part[s, tk]
-                Out[t, bc * BN + tk] = T.cast(acc[0], dtype)
-
-    return moe_down_fp8_slots

@@ -365,10 +365,11 @@ def fused_moe_small(x, w13, w2, weights, ids, limit: float | None = None, **over
 #: 128.8 us against 93.5 / 306.9), 256 threads; the down kernel with 128 threads and 4 CTAs' registers per SM
 #: (15.6-15.9 us; the other shapes swept 15.4-17.8) and one token per CTA (at 8 tokens 83.8 us against 261.1
 #: with a CTA per 8 tokens: more tokens share experts through L2, not through one warp's loop).
-#: ``down``: "loop" (``build_down``) or "slots" (``moe_down_slots``: K warps a CTA, one per slot, ``down_cols``
-#: columns a CTA and ``down_slot_blocks`` CTAs' registers per SM); not yet measured on the H200, so "loop" stays.
-CONFIG = {"up": "auto", "up_threads": THREADS, "down": "loop", "down_threads": 128, "down_blocks": 4,
-          "down_tokens": 1, "down_cols": 2, "down_slot_blocks": 2}
+#: ``down``: "loop" (``build_down``) or "slots" (``moe_down_slots``: K warps a CTA, one per slot; tiles by
+#: :func:`slot_tiles`). Measured on an H100 (docs/h200/s12, ``moe_small_bench.py``): slots at 1 / 2 / 4 / 8 tokens
+#: 18.1 / 30.4 / 52.2 / 91.2 us a V2-Lite layer against the loop kernel's 19.4 / 35.0 / 58.6 / 113.1.
+CONFIG = {"up": "auto", "up_threads": THREADS, "down": "slots", "down_threads": 128, "down_blocks": 4,
+          "down_tokens": 1}
 DOWNS = ("loop", "slots")
 #: ``DEEPINFER_MOE_DOWN=loop|slots`` replaces ``CONFIG["down"]`` (read at each ``small_steps``; unset or empty: CONFIG)
 DOWN_ENV = "DEEPINFER_MOE_DOWN"
@@ -384,6 +385,16 @@ def down_choice() -> str:
     return env
 
 
+def slot_tiles(n_tokens: int) -> dict:
+    """The slots down kernel's tiles (a size rule; ``small_steps`` overrides replace them): at one token a column a
+    CTA and 3 CTAs' registers an SM (18.1 us against 19.4 with 2 columns on the H100); from two tokens 2 columns,
+    2 CTAs an SM and the row bucket of tokens a CTA (``down_tokens`` 0: the token rows of an expert then share its
+    loads in one CTA; at 2 tokens 30.4 us against 33.2 with a token a CTA)."""
+    if n_tokens <= 1:
+        return {"down_cols": 1, "down_slot_blocks": 3, "down_tokens": 1}
+    return {"down_cols": 2, "down_slot_blocks": 2, "down_tokens": 0}
+
+
 def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **overrides):
     """The two launches as (name, thunk) pairs plus the output thunk. ``overrides`` replace :data:`CONFIG` keys
     (``examples/moe_small_bench.py`` sweeps them): ``up`` "fma" (``build_up``), "mma" (``build_up_mma``, where
@@ -396,6 +407,8 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **override
     if cfg["down"] not in DOWNS:
         raise ValueError(f"down={cfg['down']!r}: expected one of {', '.join(DOWNS)}")
     NT, C = x.shape
+    if cfg["down"] == "slots":
+        cfg = {**cfg, **slot_tiles(NT), **overrides}
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
     assert NT * K <= cfg["up_threads"], "the slot scan lists at most one slot per thread"
@@ -423,6 +436,7 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **override
 
 def representative_kernels():
     E, C, I = 66, 2048, 1408  # V2-Lite: 64 routed + 2 shared experts, top-6 + 2
+    t1, t2 = slot_tiles(1), slot_tiles(2)
     return [
         ("moe_up V2-Lite MB1", lambda: build_up(E, C, I, 8, 1, *split(C), "bfloat16", "int64")),
         ("moe_down V2-Lite MB2 bf16 weights", lambda: build_down(E, C, I, 8, 2, *split(I), "bfloat16", "int64",
@@ -433,8 +447,8 @@ def representative_kernels():
         ("moe_up mma V2-Lite", lambda: build_up_mma(E, C, I, 8, "bfloat16", "int64")),
         # the slot-parallel down kernel (CONFIG["down"] = "slots"): V2-Lite's 8 slots (ragged width 1408), V3's 9
         # (width 2048) with float32 routing weights and two tokens a CTA
-        ("moe_down slots V2-Lite", lambda: build_down_slots(E, C, I, 8, 1, CONFIG["down_cols"], "bfloat16", "int64",
-                                                            "bfloat16", CONFIG["down_slot_blocks"])),
-        ("moe_down slots V3 MB2", lambda: build_down_slots(257, 7168, 2048, 9, 2, CONFIG["down_cols"], "bfloat16",
-                                                           "int64", "float32", CONFIG["down_slot_blocks"])),
+        ("moe_down slots V2-Lite", lambda: build_down_slots(E, C, I, 8, 1, t1["down_cols"], "bfloat16", "int64",
+                                                            "bfloat16", t1["down_slot_blocks"])),
+        ("moe_down slots V3 MB2", lambda: build_down_slots(257, 7168, 2048, 9, 2, t2["down_cols"], "bfloat16",
+                                                           "int64", "float32", t2["down_slot_blocks"])),
     ]

@@ -19,39 +19,35 @@ stream each selected expert's e4m3 weights once. Here, as ``moe_gemv``:
    W2[ids[slot]] (scaled per 128 block), rounds the slot's result to x's dtype (the reference's
    ``fp8_linear`` output), multiplies by the routing weight in float32 and sums the K slots in slot order;
    out[t, c] is cast once. Slots of another rank's experts (ids < 0 or >= E) load nothing and add nothing.
-   ``down="slots"`` (``moe_gemv.down_choice``: ``DEEPINFER_MOE_DOWN``, as the bf16 path) takes
-   ``moe_down_fp8_slots`` instead: a CTA of K warps owns ``BN`` columns, warp j slot j; each warp issues its
-   slot's weight loads for the BN columns before the CTA quantises the hidden rows (they are in flight during
-   it), then dots, rounds and weights its slot as above into shared memory, and one thread per column adds the
-   K slots in slot order (the same sums in the same orders as ``moe_down_fp8``; a slot's weighting is rounded
-   before the addition, where the loop kernel may fuse the two, so the bits can differ between the two kernels).
 
 The up kernel has a tensor-core variant, ``build_up_fp8_mma`` (``moe_up_fp8_mma``): the same inputs, outputs and
 rounding points, the per-group e4m3 dot products on ``mma.sync.m16n8k32`` (e4m3 x e4m3 -> float32) instead of
 converting each weight to float32 and FMA'ing it (the CUDA-core kernel measured instruction-bound on the H200, about
-11 instructions a weight byte). ``moe_fp8_small_steps(up=...)`` picks it; the default is ``CONFIG["up"]`` ("fma"
-until measured), overridden by the environment variable ``DEEPINFER_FP8_MOE_UP=mma`` (or ``fma``) so that a device
-benchmark or the engine switches without a code change.
+11 instructions a weight byte). It is the default (``CONFIG["up"]``; ``DEEPINFER_FP8_MOE_UP=fma`` or
+``moe_fp8_small_steps(up="fma")`` runs the CUDA-core kernel). On an H100 at V2-Lite (docs/h200/s12) the up launch
+takes 25.2 / 36.0 / 79.1 / 201.8 us at 1 / 2 / 4 / 8 tokens against the CUDA-core kernel's 25.9 / 100.1 / 222.1 /
+671.2 (V3 at one token: 122.2 against 177.5), so the path now runs up to 4 tokens.
+
+A slot-parallel FP8 down kernel (``moe_down_slots``' layout) measured 33.3 us against this one's 16.0 at one token
+(H100, docs/h200/s12): every one of its C / 4 CTAs quantised the token's K hidden rows. It was dropped.
 
 Deterministic (fixed reduction orders; the shared counter only orders the row list). Its float32 sums
 are ordered differently from the tensor-core pipeline's, so results differ by rounding between paths.
 """
 
-import math
 import os
 
 import torch
 
-from kernels_cuda import _tl, moe_gemv
+from kernels_cuda import _tl
 from kernels_cuda.fp8_gemv import FP8, GROUP, quant_store_macro
-from kernels_cuda.moe_down_slots import build_down_fp8_slots
 from kernels_cuda.moe_slots import expert_slots_macro
 from kernels_cuda.moe_up_fp8_mma import build_up_fp8_mma
 
-#: tokens up to this take this path. Measured on the H200 at V2-Lite (docs/h200/s10, round 1), against the
-#: six-launch pipeline: 1 token 45.8 / 78.3 us, 2: 99.6 / 112.0, 4: 223.1 / 150.3, 8: 590.3 / 234.5 (so up to 2)
-MAX_TOKENS = 2
-DOWN_COLS = 4  # columns a CTA of the slots down kernel (down="slots"): C / 4 CTAs a token
+#: tokens up to this take this path. Measured on an H100 at V2-Lite (docs/h200/s12) with the tensor-core up kernel,
+#: against the six-launch pipeline: 1 token 39.8 / 83.1 us, 2: 62.5 / 119.3, 4: 128.4 / 160.6, 8: 293.6 / 247.1
+#: (with the CUDA-core up kernel, docs/h200/s10 on the H200, only up to 2 tokens paid)
+MAX_TOKENS = 4
 THREADS = 256
 VEC = 16  # e4m3 values per 16-byte load
 
@@ -268,7 +264,6 @@ def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype
 _up = _tl.kernel_cache(build_up_fp8)
 _up_mma = _tl.kernel_cache(build_up_fp8_mma)
 _down = _tl.kernel_cache(build_down_fp8)
-_down_slots = _tl.kernel_cache(build_down_fp8_slots)
 
 _IDS = {torch.int64: "int64", torch.int32: "int32"}
 
@@ -302,8 +297,8 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
 
 
 #: the up kernel: "fma" (``build_up_fp8``, CUDA cores) or "mma" (``build_up_fp8_mma``, e4m3 tensor cores, where
-#: ``mma_fits``). "fma" until the mma kernel is measured on the H200 (examples/fp8_gemv_bench.py times both).
-CONFIG = {"up": "fma"}
+#: ``mma_fits``; module docstring: its figures)
+CONFIG = {"up": "mma"}
 #: overrides ``CONFIG["up"]`` where the default is applied (``moe_fp8_small_steps`` without ``up``): set to "mma" to
 #: run the engine (or a benchmark) on ``build_up_fp8_mma`` without a code change
 UP_ENV = "DEEPINFER_FP8_MOE_UP"
@@ -323,16 +318,10 @@ def up_kind(C: int, up: str | None = None) -> str:
     return "mma" if kind == "mma" and mma_fits(C) else "fma"
 
 
-def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2, up: str | None = None,
-                        down: str | None = None, down_cols: int = DOWN_COLS):
+def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2, up: str | None = None):
     """The two launches as (name, thunk) pairs plus the output thunk (and the hidden, for the tests):
     ``applies`` must hold. ``min_blocks``: both kernels' CTAs per SM (``examples/fp8_gemv_bench.py`` tries 4);
-    ``up``: the up kernel, "fma" or "mma" (None: ``$DEEPINFER_FP8_MOE_UP`` or ``CONFIG["up"]``, see ``up_kind``);
-    ``down``: "loop" (``build_down_fp8``) or "slots" (``build_down_fp8_slots`` with ``down_cols`` columns a CTA,
-    cut to a divisor of C); None: ``moe_gemv.down_choice()``."""
-    down = down or moe_gemv.down_choice()
-    if down not in moe_gemv.DOWNS:
-        raise ValueError(f"down={down!r}: expected one of {', '.join(moe_gemv.DOWNS)}")
+    ``up``: the up kernel, "fma" or "mma" (None: ``$DEEPINFER_FP8_MOE_UP`` or ``CONFIG["up"]``, see ``up_kind``)."""
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I, K = two_i // 2, ids.shape[1]
@@ -348,21 +337,16 @@ def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_block
         k1 = _up_mma(E, C, I, K, m_bucket(NT), dt, id_dt, min_blocks)
     else:
         k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt, min_blocks)
-    wt_dt = _tl.tl_dtype(weights.dtype)
-    if down == "slots":
-        k2 = _down_slots(E, C, I, K, math.gcd(down_cols, C), dt, id_dt, wt_dt, min_blocks)
-    else:
-        k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, wt_dt, min_blocks)
+    k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, _tl.tl_dtype(weights.dtype), min_blocks)
     flat = ids.view(-1)
     steps = [("up_fp8", lambda: k1(x, w13, s13, flat, h)), ("down_fp8", lambda: k2(h, w2, s2, ids, weights, out))]
     return steps, (lambda: out), h
 
 
 def fused_moe_fp8_small(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks: int = 2,
-                        **choice) -> torch.Tensor:
-    """``fused_moe_fp8`` in two launches (``applies`` must hold; ``choice``: ``moe_fp8_small_steps``' ``up``,
-    ``down``, ``down_cols``)."""
-    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks, **choice)
+                        up: str | None = None) -> torch.Tensor:
+    """``fused_moe_fp8`` in two launches (``applies`` must hold; ``up`` as ``moe_fp8_small_steps``)."""
+    steps, finish, _ = moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_blocks, up)
     for _, step in steps:
         step()
     return finish()
@@ -379,8 +363,4 @@ def representative_kernels():
         ("moe_up_fp8_mma V3 MB1", lambda: build_up_fp8_mma(257, 7168, 2048, 9, 1, "bfloat16", "int64")),
         ("moe_down_fp8 V3 bf16 weights", lambda: build_down_fp8(257, 7168, 2048, 9, 8, "bfloat16", "int64",
                                                                 "bfloat16")),
-        ("moe_down_fp8 slots V2-Lite", lambda: build_down_fp8_slots(E, C, I, 8, DOWN_COLS, "bfloat16", "int64",
-                                                                    "float32")),
-        ("moe_down_fp8 slots V3", lambda: build_down_fp8_slots(257, 7168, 2048, 9, DOWN_COLS, "bfloat16", "int64",
-                                                               "bfloat16")),
     ]

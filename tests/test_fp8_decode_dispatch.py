@@ -74,21 +74,23 @@ def _moe(T: int, E: int = 6, C: int = 512, I: int = 256, k: int = 3, ids=None):
     return x, w13, s13, w2, s2, torch.rand(T, k).to(torch.bfloat16), ids
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 8])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
 def test_fused_moe_fp8_tokens_rule(dry, T):
+    """Up to ``MAX_TOKENS`` (4) tokens the two weight-streaming launches (the tensor-core up kernel by default),
+    above them the six-launch pipeline."""
     from kernels_cuda.fp8_gemm import fused_moe_fp8
 
     assert fused_moe_fp8(*_moe(T)).shape == (T, 512)
-    if T <= 2:
-        assert dry == ["build_up_fp8", "build_down_fp8"], dry
+    if T <= 4:
+        assert dry == ["build_up_fp8_mma", "build_down_fp8"], dry
     else:
-        assert "build_up_fp8" not in dry and len(dry) == 6, dry
+        assert not any(n.startswith("build_up_fp8") for n in dry) and len(dry) == 6, dry
 
 
 @pytest.mark.parametrize("T", [1, 2])
 def test_fused_moe_fp8_up_kernel_switch(dry, monkeypatch, T):
-    """``DEEPINFER_FP8_MOE_UP=mma`` puts the engine's dispatch on the e4m3 tensor-core up kernel, "fma" (and the
-    default) on the CUDA-core one; an explicit ``up`` wins; another value is refused."""
+    """``DEEPINFER_FP8_MOE_UP=mma`` (and the default) puts the engine's dispatch on the e4m3 tensor-core up kernel,
+    "fma" on the CUDA-core one; an explicit ``up`` wins; another value is refused."""
     from kernels_cuda import moe_gemv_fp8
     from kernels_cuda.fp8_gemm import fused_moe_fp8
 
@@ -112,7 +114,7 @@ def test_fused_moe_fp8_small_takes_other_ranks_ids(dry):
     from kernels_cuda.fp8_gemm import fused_moe_fp8
 
     fused_moe_fp8(*_moe(2, ids=torch.tensor([[-1, 0, 6], [7, 2, 2]])))
-    assert dry == ["build_up_fp8", "build_down_fp8"], dry
+    assert dry == ["build_up_fp8_mma", "build_down_fp8"], dry
 
 
 def test_moe_gemv_fp8_applies(dry):

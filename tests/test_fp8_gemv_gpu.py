@@ -79,9 +79,8 @@ MOE_CASES = [("V2-Lite T=1", 1, 66, 2048, 1408, 8), ("V2-Lite T=2", 2, 66, 2048,
              ("V2-Lite T=5", 5, 66, 2048, 1408, 8), ("V2-Lite T=8", 8, 66, 2048, 1408, 8),
              ("V3 T=1", 1, 257, 7168, 2048, 9), ("V3 T=8", 8, 257, 7168, 2048, 9)]
 ROUTINGS = ["distinct", "remote", "same"]
-#: the up kernels (CUDA cores ``build_up_fp8``, e4m3 tensor cores ``build_up_fp8_mma``) by the down kernels
-#: (``moe_down_fp8``: a warp walks a column's K slots; ``moe_down_fp8_slots``: K warps a CTA)
-KERNELS = [("fma", "loop"), ("mma", "loop"), ("fma", "slots"), ("mma", "slots")]
+#: the up kernels: CUDA cores (``build_up_fp8``) and e4m3 tensor cores (``build_up_fp8_mma``)
+UPS = ["fma", "mma"]
 
 
 def _routing(kind: str, T: int, E: int, k: int) -> torch.Tensor:
@@ -93,16 +92,16 @@ def _routing(kind: str, T: int, E: int, k: int) -> torch.Tensor:
                         for _ in range(T)]).to(DEV)
 
 
-@pytest.mark.parametrize("up,down", KERNELS)
+@pytest.mark.parametrize("up", UPS)
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
-def test_fused_moe_fp8_small_real_shapes(case, routing, up, down):
+def test_fused_moe_fp8_small_real_shapes(case, routing, up):
     from kernels_cpu.fp8_ops import fp8_linear, fused_moe_fp8
-    from kernels_cuda import fp8_gemm, moe_gemv, moe_gemv_fp8
+    from kernels_cuda import fp8_gemm, moe_gemv_fp8
 
     name, T, E, C, I, k = case
-    if E > 100 and routing != "remote" and (T > 1 or down != "loop"):
-        pytest.skip("V3 at 8 tokens, and V3 on the slots down kernel: the remote-id routing only (device time)")
+    if E > 100 and routing != "remote" and T > 1:
+        pytest.skip("V3 at 8 tokens: the remote-id routing only (device time)")
     g = torch.Generator(device=DEV).manual_seed(T + E)
     x = randn(g, T, C)
     w13, s13 = fp8_weight(g, E, 2 * I, C)
@@ -110,16 +109,15 @@ def test_fused_moe_fp8_small_real_shapes(case, routing, up, down):
     ids = _routing(routing, T, E, k)
     weights = torch.rand(T, k, device=DEV).to(torch.bfloat16)
     assert moe_gemv_fp8.applies(x, w13, s13, w2, s2, weights, ids, max_tokens=8)
-    steps, finish, h = moe_gemv_fp8.moe_fp8_small_steps(x, w13, s13, w2, s2, weights, ids, up=up, down=down)
+    steps, finish, h = moe_gemv_fp8.moe_fp8_small_steps(x, w13, s13, w2, s2, weights, ids, up=up)
     for _, step in steps:
         step()
     out = finish()
     via = fp8_gemm.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
     if DRY:
         return
-    what = f"{name} {routing} {up} {down}"
-    # the dispatch takes the two launches, these kernels
-    if T <= moe_gemv_fp8.MAX_TOKENS and moe_gemv_fp8.up_kind(C) == up and down == moe_gemv.down_choice():
+    what = f"{name} {routing} {up}"
+    if T <= moe_gemv_fp8.MAX_TOKENS and moe_gemv_fp8.up_kind(C) == up:  # the dispatch takes the two launches
         assert torch.equal(via, out), what
     ok = (ids >= 0) & (ids < E)
     h_ref = torch.zeros_like(h)
@@ -142,14 +140,14 @@ def test_fused_moe_fp8_small_real_shapes(case, routing, up, down):
 
 
 @pytest.mark.skipif(DRY, reason="runs kernels")
-@pytest.mark.parametrize("down", ["loop", "slots"])
-def test_fused_moe_fp8_small_all_remote_and_empty(down, monkeypatch):
-    """Every slot another rank's: zeros; an empty batch: the reference's empty output (either down kernel, picked
-    by ``DEEPINFER_MOE_DOWN`` through the backend's op)."""
-    from kernels_cuda import moe_gemv
+@pytest.mark.parametrize("up", UPS)
+def test_fused_moe_fp8_small_all_remote_and_empty(up, monkeypatch):
+    """Every slot another rank's: zeros; an empty batch: the reference's empty output (either up kernel, picked by
+    ``DEEPINFER_FP8_MOE_UP`` through the backend's op)."""
+    from kernels_cuda import moe_gemv_fp8
     from kernels_cuda.fp8_gemm import fused_moe_fp8
 
-    monkeypatch.setenv(moe_gemv.DOWN_ENV, down)
+    monkeypatch.setenv(moe_gemv_fp8.UP_ENV, up)
 
     g = torch.Generator(device=DEV).manual_seed(5)
     E, C, I = 66, 2048, 1408
@@ -164,8 +162,8 @@ def test_fused_moe_fp8_small_all_remote_and_empty(down, monkeypatch):
 
 
 @pytest.mark.skipif(DRY, reason="runs kernels")
-@pytest.mark.parametrize("up,down", KERNELS)
-def test_fused_moe_fp8_small_replays_in_a_graph(up, down):
+@pytest.mark.parametrize("up", UPS)
+def test_fused_moe_fp8_small_replays_in_a_graph(up):
     from kernels_cuda.moe_gemv_fp8 import fused_moe_fp8_small
 
     g = torch.Generator(device=DEV).manual_seed(6)
@@ -175,10 +173,10 @@ def test_fused_moe_fp8_small_replays_in_a_graph(up, down):
     x = randn(g, 2, C)
     ids = _routing("distinct", 2, E, k)
     weights = torch.rand(2, k, device=DEV).to(torch.bfloat16)
-    eager = fused_moe_fp8_small(x, w13, s13, w2, s2, weights, ids, up=up, down=down)
+    eager = fused_moe_fp8_small(x, w13, s13, w2, s2, weights, ids, up=up)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe_fp8_small(x, w13, s13, w2, s2, weights, ids, up=up, down=down)
+        captured = fused_moe_fp8_small(x, w13, s13, w2, s2, weights, ids, up=up)
     captured.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

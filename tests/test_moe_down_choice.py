@@ -38,25 +38,30 @@ def _down_call(calls):
     return name, args
 
 
-def test_default_is_loop(built):
-    assert moe_gemv.CONFIG["down"] == "loop" and moe_gemv.down_choice() == "loop"
+def test_default_is_slots_with_the_size_rule_tiles(built):
+    """One token: a column a CTA, 3 CTAs an SM, a token a CTA; from two tokens: 2 columns, 2 CTAs, the row bucket."""
+    assert moe_gemv.CONFIG["down"] == "slots" and moe_gemv.down_choice() == "slots"
     _steps()
     name, args = _down_call(built)
-    assert name == "_down" and args == (66, 2048, 1408, 8, 1, 32, 4, "bfloat16", "int64", "bfloat16", 4)
+    assert name == "_down_slots" and args == (66, 2048, 1408, 8, 1, 1, "bfloat16", "int64", "bfloat16", 3)
+    built.clear()
+    _steps(T=3)  # the row bucket (4 tokens) a CTA
+    assert _down_call(built) == ("_down_slots", (66, 2048, 1408, 8, 4, 2, "bfloat16", "int64", "bfloat16", 2))
 
 
-def test_override_slots(built):
-    _steps(T=3, down="slots", down_tokens=0)  # the row bucket (4 tokens) a CTA
+def test_overrides(built):
+    _steps(down="loop")
     name, args = _down_call(built)
-    assert name == "_down_slots"
-    assert args == (66, 2048, 1408, 8, 4, moe_gemv.CONFIG["down_cols"], "bfloat16", "int64", "bfloat16",
-                    moe_gemv.CONFIG["down_slot_blocks"])
+    assert name == "_down" and args == (66, 2048, 1408, 8, 1, 32, 4, "bfloat16", "int64", "bfloat16", 4)
+    built.clear()
+    _steps(T=3, down_tokens=1, down_slot_blocks=1)  # an override replaces the size rule's tile
+    assert _down_call(built)[1] == (66, 2048, 1408, 8, 1, 2, "bfloat16", "int64", "bfloat16", 1)
     built.clear()
     _steps(C=2056, down="slots", down_cols=16)  # 16 columns do not divide 2056: 8 do
     assert _down_call(built)[1][5] == 8
 
 
-@pytest.mark.parametrize("value,want", [("slots", "slots"), (" Slots ", "slots"), ("loop", "loop"), ("", "loop")])
+@pytest.mark.parametrize("value,want", [("slots", "slots"), (" Slots ", "slots"), ("loop", "loop"), ("", "slots")])
 def test_env(built, monkeypatch, value, want):
     monkeypatch.setenv(moe_gemv.DOWN_ENV, value)
     assert moe_gemv.down_choice() == want
@@ -94,16 +99,18 @@ def test_register_floor():
         assert 65536 // (32 * K * want) >= MIN_REGS
 
 
-@pytest.mark.parametrize("env,kw,want", [("", {}, "_down"), ("slots", {}, "_down_slots"),
-                                         ("slots", {"down": "loop"}, "_down"), ("", {"down": "slots"}, "_down_slots")])
-def test_fp8_choice(monkeypatch, env, kw, want):
-    """The FP8 path (``moe_gemv_fp8``) follows the same choice: its slots kernel with ``DOWN_COLS`` columns a CTA."""
+@pytest.mark.parametrize("env,kw,want", [("", {}, "_up_mma"), ("fma", {}, "_up"), ("fma", {"up": "mma"}, "_up_mma"),
+                                         ("", {"up": "fma"}, "_up")])
+def test_fp8_up_choice(monkeypatch, env, kw, want):
+    """The FP8 path (``moe_gemv_fp8``): the tensor-core up kernel by default, ``DEEPINFER_FP8_MOE_UP`` or ``up=``
+    for the CUDA-core one; its down kernel is the loop kernel whatever ``DEEPINFER_MOE_DOWN`` says."""
     from kernels_cuda import moe_gemv_fp8 as m
 
     monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
-    monkeypatch.setenv(moe_gemv.DOWN_ENV, env)
+    monkeypatch.setenv(m.UP_ENV, env)
+    monkeypatch.setenv(moe_gemv.DOWN_ENV, "slots")
     calls = []
-    for name in ("_up", "_down", "_down_slots"):
+    for name in ("_up", "_up_mma", "_down"):
         monkeypatch.setattr(m, name, lambda *a, _n=name: calls.append((_n, a)) or (lambda *b: None))
     E, C, I, T, k = 66, 2048, 1408, 1, 8
     f8, e = torch.float8_e4m3fn, torch.empty
@@ -112,7 +119,4 @@ def test_fp8_choice(monkeypatch, env, kw, want):
     ids, wt = torch.zeros(T, k, dtype=torch.long), e(T, k)
     assert m.applies(x, w13, s13, w2, s2, wt, ids)
     m.moe_fp8_small_steps(x, w13, s13, w2, s2, wt, ids, **kw)
-    (name, args), = [c for c in calls if c[0] != "_up"]
-    assert name == want
-    if want == "_down_slots":
-        assert args == (E, C, I, k, m.DOWN_COLS, "bfloat16", "int64", "float32", 2)
+    assert [c[0] for c in calls] == [want, "_down"]

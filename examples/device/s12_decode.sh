@@ -7,7 +7,8 @@
 #   MICRO    ";"-separated commands of the microbenchmark stage (each line's output goes to micro/NAME.log,
 #            NAME its first word after "python3 examples/"); their --out files land in micro/ too ($M)
 #   SUITES   ";"-separated "name|batches|weight dtype|env assignments|extra args": one
-#            `benchmark.py --suite h200 --shape v2-lite` run each (PROFILE=1 in env writes kernel tables)
+#            `benchmark.py --suite h200 --shape v2-lite` run each (PROFILE=1 in env writes kernel tables; extra args
+#            replace --no-transformers, e.g. "--hf-batches 64 --hf-compiled-batches 64")
 #   CAP      seconds per suite run (default 90)
 source examples/device/setup.sh
 export PYTHONUNBUFFERED=1
@@ -40,7 +41,7 @@ for stage in ${STAGES:-conf micro suites}; do
         IFS='|' read -r name batches wdt envs extra <<< "$r"
         t1=$(date +%s)
         env $envs timeout ${CAP:-90} $py examples/benchmark.py --suite h200 --shape v2-lite --decode-batches "$batches" \
-          --weight-dtype "$wdt" --prefill-lens 1024 --no-transformers --no-eager $extra --out "$S/$name" 2>&1 \
+          --weight-dtype "$wdt" --prefill-lens 1024 --no-eager ${extra:---no-transformers} --out "$S/$name" 2>&1 \
           | grep -v INFO > "$S/$name.log"
         rc=${PIPESTATUS[0]}
         rm -f "$S/$name"/*.trace.json.gz
