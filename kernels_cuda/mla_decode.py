@@ -217,6 +217,31 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
     return mla_decode_kernel
 
 
+def split_weights_macro(T, S: int):
+    """A macro: the merge weights of token t, head h's key splits (``S`` = ``MAX_SPLIT`` slots, ``n_split`` of them
+    in the grid) from their log-sum-exps: ``w_s[s]`` = exp2(lse_s - max) / sum into shared memory, and ``n_s[0]``
+    the live splits (a split with no keys has lse -inf; the live ones are a prefix). The fragments are scratch.
+    Shared by the combine and ``mla_decode_uv``'s merge, so both weigh the splits alike."""
+    ninf = -T.infinity("float32")
+
+    @T.macro
+    def split_weights(LsePart, t, h, lse, wts, live, mx, total, n_live, w_s, n_s):
+        for i, s in T.Parallel(1, S):  # LsePart.shape[2]: the grid's split extent (the kernel's dynamic NSPLIT)
+            lse[i, s] = T.if_then_else(s < LsePart.shape[2], LsePart[t, h, T.min(s, LsePart.shape[2] - 1)], ninf)
+        T.reduce_max(lse, mx, dim=1)
+        for i, s in T.Parallel(1, S):
+            wts[i, s] = T.if_then_else(lse[i, s] > ninf, T.exp2(lse[i, s] - mx[i]), 0.0)
+            live[i, s] = T.if_then_else(lse[i, s] > ninf, 1.0, 0.0)
+        T.reduce_sum(wts, total, dim=1)
+        T.reduce_sum(live, n_live, dim=1)
+        for i, s in T.Parallel(1, S):
+            w_s[s] = wts[i, s] / total[i]
+        for i in T.Parallel(1):
+            n_s[0] = T.cast(n_live[i], "int32")
+
+    return split_weights
+
+
 def build_combine(H: int, DV: int, dtype: str = "bfloat16", chunk: int = 16, stages: int = 2):
     """out[t, h] = sum_s exp2(lse_s - lse) * o_s over the splits that saw any key (a prefix of them: a
     split's key range starts at split * keys_per_split). The split scores are loaded in one parallel
@@ -228,7 +253,7 @@ def build_combine(H: int, DV: int, dtype: str = "bfloat16", chunk: int = 16, sta
     threads = 128
     accum = "float32"
     S = MAX_SPLIT
-    ninf = -T.infinity(accum)
+    split_weights = split_weights_macro(T, S)
 
     @T.prim_func
     def mla_decode_combine(
@@ -247,18 +272,7 @@ def build_combine(H: int, DV: int, dtype: str = "bfloat16", chunk: int = 16, sta
             n_s = T.alloc_shared((1,), "int32")
             o_s = T.alloc_shared((chunk, DV), accum)
             o = T.alloc_fragment((DV,), accum)
-            for i, s in T.Parallel(1, S):
-                lse[i, s] = T.if_then_else(s < n_split, LsePart[t, h, T.min(s, n_split - 1)], ninf)
-            T.reduce_max(lse, mx, dim=1)
-            for i, s in T.Parallel(1, S):
-                wts[i, s] = T.if_then_else(lse[i, s] > ninf, T.exp2(lse[i, s] - mx[i]), 0.0)
-                live[i, s] = T.if_then_else(lse[i, s] > ninf, 1.0, 0.0)
-            T.reduce_sum(wts, total, dim=1)
-            T.reduce_sum(live, n_live, dim=1)
-            for i, s in T.Parallel(1, S):
-                w_s[s] = wts[i, s] / total[i]
-            for i in T.Parallel(1):
-                n_s[0] = T.cast(n_live[i], "int32")
+            split_weights(LsePart, t, h, lse, wts, live, mx, total, n_live, w_s, n_s)
             n = T.alloc_var("int32")
             n = n_s[0]
             if n_s[0] != 1:  # one live split wrote the output itself

@@ -32,7 +32,7 @@ import os
 import torch
 
 from kernels_cuda import _tl
-from kernels_cuda.mla_decode import MAX_SPLIT
+from kernels_cuda.mla_decode import MAX_SPLIT, split_weights_macro
 
 VEC = 8  # 2-byte elements per 16-byte load
 BV = 32  # W_UV rows (outputs) per CTA
@@ -57,7 +57,7 @@ def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", 
     accum = "float32"
     S = MAX_SPLIT
     U = unroll
-    ninf = -T.infinity(accum)
+    split_weights = split_weights_macro(T, S)
     warps = THREADS // 32
     RW = BV // warps  # W_UV rows per warp
     NKV = DV // VEC  # 16-byte vectors per row
@@ -100,19 +100,8 @@ def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", 
                         for v in T.vectorized(VEC):
                             w_loc[r, i, v] = W[h, vb * BV + warp * RW + r, (i * 32 + lane) * VEC + v]
 
-            # the combine's split weights (mla_decode.build_combine): the live splits are a prefix
-            for i, s in T.Parallel(1, S):
-                lse[i, s] = T.if_then_else(s < n_split, LsePart[t, h, T.min(s, n_split - 1)], ninf)
-            T.reduce_max(lse, mx, dim=1)
-            for i, s in T.Parallel(1, S):
-                wts[i, s] = T.if_then_else(lse[i, s] > ninf, T.exp2(lse[i, s] - mx[i]), 0.0)
-                live[i, s] = T.if_then_else(lse[i, s] > ninf, 1.0, 0.0)
-            T.reduce_sum(wts, total, dim=1)
-            T.reduce_sum(live, n_live, dim=1)
-            for i, s in T.Parallel(1, S):
-                w_s[s] = wts[i, s] / total[i]
-            for i in T.Parallel(1):
-                n_s[0] = T.cast(n_live[i], "int32")
+            # the combine's split weights: the live splits are a prefix
+            split_weights(LsePart, t, h, lse, wts, live, mx, total, n_live, w_s, n_s)
             T.sync_threads()
             n = T.alloc_var("int32")
             n = n_s[0]
