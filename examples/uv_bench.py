@@ -13,25 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _time(fn, reps: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * 10)
-
-
 def main() -> None:
+    from mla_decode_bench import graph_us  # noqa: PLC0415  (examples/, on the path as this script's folder)
+
     from kernels_cuda.gemv_rows import head_linear
     from kernels_cuda.mla_decode import mla_decode
     from kernels_cuda.mla_decode_uv import mla_decode_uv
@@ -51,9 +35,9 @@ def main() -> None:
         w_uv = (torch.randn(H, V, L, device="cuda") * L**-0.5).to(torch.bfloat16)
         cu, sl = torch.arange(B + 1, device="cuda"), torch.full((B,), args.ctx, device="cuda")
         a = (q, cache, tables, cu, sl, 192**-0.5, L)
-        t_att = _time(lambda a=a: mla_decode(*a))
-        t_two = _time(lambda a=a, w=w_uv: head_linear(mla_decode(*a), w))
-        t_uv = _time(lambda a=a, w=w_uv: mla_decode_uv(*a, w))
+        t_att = graph_us(lambda a=a: mla_decode(*a), 10, 200)
+        t_two = graph_us(lambda a=a, w=w_uv: head_linear(mla_decode(*a), w), 10, 200)
+        t_uv = graph_us(lambda a=a, w=w_uv: mla_decode_uv(*a, w), 10, 200)
         print(f"H={H} ctx={args.ctx} B={B}: mla_decode {t_att:.2f} us, mla_decode + head_linear {t_two:.2f} us, "
               f"mla_decode_uv {t_uv:.2f} us ({t_two - t_uv:+.2f} us)")
 
