@@ -121,6 +121,28 @@ def quant_store_macro(T, NTH: int, TV: int):
     return quant_store
 
 
+def quant_rows_macro(T, NTH: int, TV: int, C: int, K: int):
+    """A macro: the weight-streaming MoE up kernels' activation prologue. The ``NTH`` threads (thread ``lin``)
+    quantise the rows of chunk ``ch`` of ``X`` (``TV`` 16-value vectors: MB rows of C; row m is the token of listed
+    slot ``rows[ch * MB + m]``, rows past the count ``nr[0]`` repeat the last) into the shared ``Q`` / ``S`` with
+    :func:`quant_store_macro`; ``xb`` .. ``sc`` its scratch."""
+    quant_store = quant_store_macro(T, NTH, TV)
+    MB = TV * VEC // C
+
+    @T.macro
+    def quant_rows(X, rows, nr, ch, lin, xb, xf, qf, qv, sc, Q, S):
+        for j in T.serial(T.ceildiv(TV, NTH)):
+            idx = T.min(j * NTH + lin, TV - 1)
+            m = idx // (C // VEC)
+            kv = idx % (C // VEC)
+            tok = rows[T.min(ch * MB + m, nr[0] - 1)] // K
+            for v in T.vectorized(VEC):
+                xb[v] = X[tok, kv * VEC + v]
+            quant_store(xb, xf, qf, qv, sc, j, lin, Q, S, m, kv)
+
+    return quant_rows
+
+
 def build_fp8_gemv(N: int, K: int, MB: int, cfg: Fp8GemvConfig, dtype: str):
     """y[M, N] (dtype) = fp8_linear(x[M, K] (dtype), w[N, K] e4m3, w_scale[ceil(N/128), K/128] f32), M <= MB."""
     T = _tl.language()

@@ -40,7 +40,7 @@ import os
 import torch
 
 from kernels_cuda import _tl
-from kernels_cuda.fp8_gemv import FP8, GROUP, quant_store_macro
+from kernels_cuda.fp8_gemv import FP8, GROUP, quant_rows_macro, quant_store_macro
 from kernels_cuda.moe_slots import expert_slots_macro
 from kernels_cuda.moe_up_fp8_mma import build_up_fp8_mma
 
@@ -76,7 +76,7 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
     NW = RT // 32
     CB, NTH, TV = C // GROUP, RT * BN, MB * C // VEC
     assert C % step == 0 and I % BN == 0 and RT % 32 == 0
-    quant_store = quant_store_macro(T, NTH, TV)
+    quant_rows = quant_rows_macro(T, NTH, TV, C, K)
     expert_slots = expert_slots_macro(T)
 
     @T.prim_func
@@ -127,14 +127,7 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
                     s_u[it] = S13[e, (I + n) // GROUP, k0 // GROUP]
                 for ch in T.serial(T.ceildiv(nr[0], MB)):
                     # the chunk's rows of x, quantised into shared memory (rows past the count repeat the last)
-                    for j in T.serial(T.ceildiv(TV, NTH)):
-                        idx = T.min(j * NTH + lin, TV - 1)
-                        m = idx // (C // VEC)
-                        kv = idx % (C // VEC)
-                        tok = rows[T.min(ch * MB + m, nr[0] - 1)] // K
-                        for v in T.vectorized(VEC):
-                            xb[v] = X[tok, kv * VEC + v]
-                        quant_store(xb, xf, qf, qv, sc, j, lin, q_s, sx_s, m, kv)
+                    quant_rows(X, rows, nr, ch, lin, xb, xf, qf, qv, sc, q_s, sx_s)
                     T.sync_threads()
                     for m in T.unroll(MB):
                         acc_g[m] = 0.0

@@ -3,7 +3,7 @@ meaning and rounding points as ``moe_gemv_fp8.build_up_fp8`` with the products s
 instead of float conversions and FMAs (the CUDA-core kernel measured instruction-bound on the H200)."""
 
 from kernels_cuda import _tl
-from kernels_cuda.fp8_gemv import FP8, GROUP, VEC, quant_store_macro
+from kernels_cuda.fp8_gemv import FP8, GROUP, VEC, quant_rows_macro
 from kernels_cuda.moe_slots import expert_slots_macro
 
 THREADS = 256
@@ -42,7 +42,7 @@ def build_up_fp8_mma(E: int, C: int, I: int, K: int, MB: int, dtype: str, id_dty
     NBUF = 1 if NB == 1 else 2
     CB, TV = C // GROUP, MB * C // VEC
     PAD = 64 if MB > 1 else 0  # q_s rows 64 bytes apart in the banks: a quarter warp's two rows don't conflict
-    quant_store = quant_store_macro(T, THREADS, TV)
+    quant_rows = quant_rows_macro(T, THREADS, TV, C, K)
     expert_slots = expert_slots_macro(T)
 
     @T.macro
@@ -104,14 +104,7 @@ def build_up_fp8_mma(E: int, C: int, I: int, K: int, MB: int, dtype: str, id_dty
                     if NB > 1:  # the first batch, in flight while x is quantised
                         load_batch(W13, S13, e, n0, g, t, warp, 0, 0, wg, wu, sg, su)
                     # the chunk's rows of x, quantised into shared memory (rows past the count repeat the last)
-                    for j in T.serial(T.ceildiv(TV, THREADS)):
-                        idx = T.min(j * THREADS + tx, TV - 1)
-                        m = idx // (C // VEC)
-                        kv = idx % (C // VEC)
-                        tok = rows[T.min(ch * MB + m, nr[0] - 1)] // K
-                        for v in T.vectorized(VEC):
-                            xb[v] = X[tok, kv * VEC + v]
-                        quant_store(xb, xf, qf, qv, sc, j, tx, q_s, sx_s, m, kv)
+                    quant_rows(X, rows, nr, ch, tx, xb, xf, qf, qv, sc, q_s, sx_s)
                     T.sync_threads()
                     for i in T.unroll(4):
                         acc[i] = 0.0
