@@ -135,10 +135,11 @@ OTHER_ENV = {"DEEPINFER_CONFIG", "DEEPINFER_HF_MODEL_DIR", "DEEPINFER_ENABLE_MTP
              "DEEPINFER_BI_ROW_TILE", "DEEPINFER_BI_KV_SPLIT",
              # TileLang kernels (kernels_cuda/_tl.py)
              "DEEPINFER_CUDA_ARCH", "DEEPINFER_TL_DRYRUN", "DEEPINFER_PDL",
-             # decode-fusion kernels off for a benchmark's before (kernels_cuda/norm_gemv.py, gemv_rows.py)
-             "DEEPINFER_NORM_GEMV", "DEEPINFER_KV_FUSION",
-             # the weight-streaming MoE's down kernel, loop or slots (kernels_cuda/moe_gemv.py)
-             "DEEPINFER_MOE_DOWN",
+             # decode-fusion kernels off for a benchmark's before (kernels_cuda/norm_gemv.py, gemv_rows.py,
+             # mla_decode_uv.py, fp8_gemm.py)
+             "DEEPINFER_NORM_GEMV", "DEEPINFER_KV_FUSION", "DEEPINFER_UV_FUSION", "DEEPINFER_FP8_GEMV",
+             # the weight-streaming MoE's kernels (kernels_cuda/moe_gemv.py, moe_gemv_fp8.py)
+             "DEEPINFER_MOE_DOWN", "DEEPINFER_FP8_MOE_UP",
              # dp/ep under torchrun (deepinfer_core/parallel/README.md)
              "DEEPINFER_DRIVER_ADDR", "DEEPINFER_DRIVER_BIND", "DEEPINFER_DRIVER_PORT"}
 

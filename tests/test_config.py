@@ -156,6 +156,21 @@ def test_config_error_is_a_value_error():
     assert "DEEPINFER_CONFIG" in config.OTHER_ENV
 
 
+def test_every_environment_variable_the_code_reads_is_known():
+    """A DEEPINFER_* name quoted in the shipped sources is a config field or in ``OTHER_ENV``: otherwise setting
+    it draws the unknown-variable warning (as DEEPINFER_UV_FUSION and DEEPINFER_FP8_MOE_UP did)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    known = {f"DEEPINFER_{f.name.upper()}" for f in dataclasses.fields(EngineConfig)} | config.OTHER_ENV
+    quoted = {(m, str(p.relative_to(root)))
+              for d in ("deepinfer_core", "kernels_cuda", "kernels_cpu", "kernels_ascend", "hardware", "plugins")
+              for p in (root / d).rglob("*.py")
+              for m in re.findall(r'"(DEEPINFER_[A-Z0-9_]+)"', p.read_text(encoding="utf-8"))}
+    assert {(name, path) for name, path in quoted if name not in known} == set()
+
+
 # ---- features -----------------------------------------------------------------------------
 @pytest.fixture
 def fresh_entry_points(monkeypatch, tmp_path):
