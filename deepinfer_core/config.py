@@ -159,6 +159,21 @@ def check_number(what: str, value, low: float | None = None, high: float | None 
     return value
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable (the kernels' and features' switches): 1/true/yes/on or 0/false/no/off, any
+    case; unset or empty: ``default``. Anything else is a :class:`ConfigError` naming the variable."""
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ConfigError(f"environment variable {name}={os.environ[name]!r}: expected one of "
+                      f"{', '.join(_TRUE + _FALSE)}")
+
+
 def warn_unknown_env(env) -> None:
     """Warn about each ``DEEPINFER_*`` variable that no part of DeepInfer reads (likely a typo)."""
     known = {f"DEEPINFER_{key.upper()}" for key in _FIELDS} | OTHER_ENV
@@ -186,9 +201,9 @@ def _parse_env(key: str, raw: str) -> Any:
     if text.lower() in ("none", "") and type(None) in expected:
         return None
     if bool in expected:
-        if text.lower() in ("1", "true", "yes", "on"):
+        if text.lower() in _TRUE:
             return True
-        if text.lower() in ("0", "false", "no", "off"):
+        if text.lower() in _FALSE:
             return False
     if int in expected:
         try:

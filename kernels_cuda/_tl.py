@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.config import env_flag
+
 #: Overrides the compile target's arch (e.g. ``sm_90a``); by default it comes from the device.
 ARCH_ENV = "DEEPINFER_CUDA_ARCH"
 
@@ -65,7 +67,7 @@ DRYRUN_ENV = "DEEPINFER_TL_DRYRUN"
 
 
 def dry_run() -> bool:
-    return os.environ.get(DRYRUN_ENV, "") not in ("", "0")
+    return env_flag(DRYRUN_ENV, False)
 
 
 #: Called with the kernel builder's name on every call of a dry-run kernel (``examples/launch_count.py``
@@ -101,7 +103,7 @@ PDL_ENV = "DEEPINFER_PDL"
 
 
 def pdl() -> bool:
-    return os.environ.get(PDL_ENV, "") not in ("", "0")
+    return env_flag(PDL_ENV, False)
 
 
 def pdl_ops():

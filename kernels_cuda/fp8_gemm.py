@@ -24,6 +24,7 @@ import logging
 
 import torch
 
+from deepinfer_core.config import env_flag
 from kernels_cuda import _tl, fp8_gemv, moe_gemv_fp8
 
 logger = logging.getLogger(__name__)
@@ -138,9 +139,8 @@ GEMV_ENV = "DEEPINFER_FP8_GEMV"
 
 
 def gemv_enabled() -> bool:
-    import os
 
-    return os.environ.get(GEMV_ENV, "1") not in ("", "0")
+    return env_flag(GEMV_ENV, True)
 
 
 def _fits(K: int, N: int) -> bool:

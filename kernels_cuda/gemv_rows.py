@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_core.config import env_flag
 from kernels_cuda import _tl
 
 VEC = 8  # 2-byte elements per 16-byte load
@@ -446,9 +447,8 @@ KV_FUSION_ENV = "DEEPINFER_KV_FUSION"
 
 
 def kv_fusion_enabled() -> bool:
-    import os
 
-    return os.environ.get(KV_FUSION_ENV, "1") not in ("", "0")
+    return env_flag(KV_FUSION_ENV, True)
 
 
 def representative_kernels():

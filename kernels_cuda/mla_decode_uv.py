@@ -27,10 +27,10 @@ or rope widths the attention pads) and under ``DEEPINFER_UV_FUSION=0`` (a benchm
 backend's ``mla_decode`` then ``head_linear``.
 """
 
-import os
 
 import torch
 
+from deepinfer_core.config import env_flag
 from kernels_cuda import _tl
 from kernels_cuda.mla_decode import MAX_SPLIT, split_weights_macro
 
@@ -44,7 +44,7 @@ ENV = "DEEPINFER_UV_FUSION"
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") not in ("", "0")
+    return env_flag(ENV, True)
 
 
 def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", unroll: int = 16):

@@ -14,10 +14,9 @@ see the same normed row (deterministic, no atomics).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from deepinfer_core.config import env_flag
 from kernels_cuda import _tl
 from kernels_cuda.gemv import tile_config
 
@@ -26,7 +25,7 @@ VEC = 8  # 2-byte elements per 16-byte load
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") not in ("", "0")
+    return env_flag(ENV, True)
 
 
 def norm_prologue(T, K: int, threads: int, fused_add: bool, dtype: str, write_normed: bool = False):

@@ -156,6 +156,24 @@ def test_config_error_is_a_value_error():
     assert "DEEPINFER_CONFIG" in config.OTHER_ENV
 
 
+@pytest.mark.parametrize("raw,want", [(None, True), ("", True), ("0", False), (" Off ", False), ("no", False),
+                                     ("FALSE", False), ("1", True), ("on", True), ("Yes", True)])
+def test_env_flag_words(monkeypatch, raw, want):
+    """The kernels' and features' on/off switches (``config.env_flag``): "false" is off (it used to turn a
+    ``DEEPINFER_UV_FUSION`` style switch on: only "" and "0" were off)."""
+    if raw is None:
+        monkeypatch.delenv("DEEPINFER_UV_FUSION", raising=False)
+    else:
+        monkeypatch.setenv("DEEPINFER_UV_FUSION", raw)
+    assert config.env_flag("DEEPINFER_UV_FUSION", True) is want
+
+
+def test_env_flag_refuses_other_words(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_UV_FUSION", "maybe")
+    with pytest.raises(ConfigError, match=r"DEEPINFER_UV_FUSION='maybe': expected one of 1, true, yes, on, 0, false"):
+        config.env_flag("DEEPINFER_UV_FUSION", True)
+
+
 def test_every_environment_variable_the_code_reads_is_known():
     """A DEEPINFER_* name quoted in the shipped sources is a config field or in ``OTHER_ENV``: otherwise setting
     it draws the unknown-variable warning (as DEEPINFER_UV_FUSION and DEEPINFER_FP8_MOE_UP did)."""

@@ -68,14 +68,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 
 import deepinfer_core
-from deepinfer_core.config import ConfigError
+from deepinfer_core.config import ConfigError, env_flag
 from deepinfer_core.engine.fingerprint import model_fingerprint
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.features import Feature
@@ -114,7 +113,7 @@ OPTIMISTIC_CONF = 0.9
 
 
 def varlen_enabled() -> bool:
-    return os.environ.get("DEEPINFER_ENABLE_MTP_VARLEN", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("DEEPINFER_ENABLE_MTP_VARLEN", True)
 
 
 class DSpark(Drafter, DeviceDrafter, Feature, Proposer):
