@@ -249,6 +249,12 @@ class KernelBackend:
     ops: dict[str, str] = {}
 
     @classmethod
+    def check_environment(cls) -> None:
+        """Raise :class:`~deepinfer_core.config.ConfigError` naming any of this backend's environment switches
+        whose value is invalid. Called once when the engine resolves its ops (:class:`Kernels`), so that a typo
+        fails the engine's start, not a step. Default: the backend reads none."""
+
+    @classmethod
     def overrides(cls) -> list[str]:
         """Names of the ops this backend implements itself."""
         unknown = sorted(set(cls.ops) - set(OP_NAMES))
@@ -266,6 +272,7 @@ class Kernels:
     """Resolved ops for one platform: the backend's own where it has them, the reference elsewhere."""
 
     def __init__(self, backend: type[KernelBackend], reference: type[KernelBackend]) -> None:
+        backend.check_environment()
         self.backend_name = backend.name
         self.fallbacks: list[str] = []
         self._fns: dict[str, Callable] = {}

@@ -26,6 +26,17 @@ KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "norm_gemv", "mla_kv_write",
 class CudaKernels(KernelBackend):
     name = "cuda"
     core_api_version = "1.0"
+
+    @classmethod
+    def check_environment(cls) -> None:
+        """The kernels' switches (each also read where it applies): on/off ``DEEPINFER_TL_DRYRUN``, ``_PDL``,
+        ``_NORM_GEMV``, ``_KV_FUSION``, ``_UV_FUSION``, ``_FP8_GEMV``; ``DEEPINFER_MOE_DOWN`` (loop | slots) and
+        ``DEEPINFER_FP8_MOE_UP`` (fma | mma)."""
+        from kernels_cuda import _tl, fp8_gemm, gemv_rows, mla_decode_uv, moe_gemv, moe_gemv_fp8, norm_gemv
+
+        for read in (_tl.dry_run, _tl.pdl, norm_gemv.enabled, gemv_rows.kv_fusion_enabled, mla_decode_uv.enabled,
+                     fp8_gemm.gemv_enabled, moe_gemv.down_choice, moe_gemv_fp8.up_kind):
+            read()
     ops: dict[str, str] = {
         "linear": "kernels_cuda.gemv:linear",
         "linear_f32": "kernels_cuda.gemv:linear_f32",

@@ -139,7 +139,6 @@ GEMV_ENV = "DEEPINFER_FP8_GEMV"
 
 
 def gemv_enabled() -> bool:
-
     return env_flag(GEMV_ENV, True)
 
 

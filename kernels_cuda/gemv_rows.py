@@ -447,7 +447,6 @@ KV_FUSION_ENV = "DEEPINFER_KV_FUSION"
 
 
 def kv_fusion_enabled() -> bool:
-
     return env_flag(KV_FUSION_ENV, True)
 
 

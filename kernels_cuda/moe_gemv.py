@@ -34,6 +34,7 @@ import os
 
 import torch
 
+from deepinfer_core.config import ConfigError
 from kernels_cuda import _tl
 from kernels_cuda.moe_down_slots import build_down_slots
 from kernels_cuda.moe_slots import expert_slots_macro
@@ -381,7 +382,7 @@ def down_choice() -> str:
     if not env:
         return CONFIG["down"]
     if env not in DOWNS:
-        raise ValueError(f"{DOWN_ENV}={env!r}: expected one of {', '.join(DOWNS)}")
+        raise ConfigError(f"environment variable {DOWN_ENV}={env!r}: expected one of {', '.join(DOWNS)}")
     return env
 
 

@@ -39,6 +39,7 @@ import os
 
 import torch
 
+from deepinfer_core.config import ConfigError
 from kernels_cuda import _tl
 from kernels_cuda.fp8_gemv import FP8, GROUP, quant_rows_macro, quant_store_macro
 from kernels_cuda.moe_slots import expert_slots_macro
@@ -302,10 +303,13 @@ def mma_fits(C: int) -> bool:
     return C % (THREADS // 32 * 64) == 0
 
 
-def up_kind(C: int, up: str | None = None) -> str:
+def up_kind(C: int = 2048, up: str | None = None) -> str:
     """The up kernel a call takes: ``up``, else ``$DEEPINFER_FP8_MOE_UP``, else ``CONFIG["up"]``; "mma" only where
     ``mma_fits`` (else "fma")."""
-    kind = up or os.environ.get(UP_ENV, "") or CONFIG["up"]
+    env = os.environ.get(UP_ENV, "").strip().lower()
+    if env not in ("", "fma", "mma"):
+        raise ConfigError(f"environment variable {UP_ENV}={os.environ[UP_ENV]!r}: expected fma or mma")
+    kind = up or env or CONFIG["up"]
     if kind not in ("fma", "mma"):
         raise ValueError(f"moe_gemv_fp8 up kernel {kind!r}: 'fma' or 'mma'")
     return "mma" if kind == "mma" and mma_fits(C) else "fma"

@@ -120,3 +120,20 @@ def test_fp8_up_choice(monkeypatch, env, kw, want):
     assert m.applies(x, w13, s13, w2, s2, wt, ids)
     m.moe_fp8_small_steps(x, w13, s13, w2, s2, wt, ids, **kw)
     assert [c[0] for c in calls] == [want, "_down"]
+
+
+@pytest.mark.parametrize("name,value", [("DEEPINFER_UV_FUSION", "maybe"), ("DEEPINFER_NORM_GEMV", "2"),
+                                        ("DEEPINFER_MOE_DOWN", "warp"), ("DEEPINFER_FP8_MOE_UP", "tensor")])
+def test_a_bad_kernel_switch_fails_when_the_ops_resolve(monkeypatch, name, value):
+    """The CUDA backend's switches are checked once where the engine resolves its ops (``Kernels``), naming the
+    variable, instead of failing a step; valid values pass."""
+    from deepinfer_core.config import ConfigError
+    from deepinfer_core.kernels import Kernels
+    from kernels_cpu import ReferenceKernels
+    from kernels_cuda import CudaKernels
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        Kernels(CudaKernels, ReferenceKernels)
+    monkeypatch.setenv(name, {"DEEPINFER_MOE_DOWN": "loop", "DEEPINFER_FP8_MOE_UP": "fma"}.get(name, "off"))
+    assert Kernels(CudaKernels, ReferenceKernels).implements("mla_decode_uv")
