@@ -92,6 +92,8 @@ def mla_decode(
     """
     B = seq_lens.shape[0]
     T, H, D = q.shape
+    if B == 0 or T == 0:  # no sequences (an idle rank's step): nothing to attend
+        return q.new_zeros(T, H, dv)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     max_q = int(q_lens.max())
     max_len = int(seq_lens.max())

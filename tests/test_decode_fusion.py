@@ -283,3 +283,39 @@ def test_linear_dispatch_by_rows_and_weight(monkeypatch):
         y = gemv.linear(torch.zeros(M, w.shape[1], dtype=bf), w)
         assert y.shape == (M, w.shape[0])
         assert launched == ([f"kernels_cuda.{want}"] if want else []), (M, w.shape, launched)
+
+
+def test_mla_decode_uv_poisoned_token_empty_batch_and_two_threads():
+    """The fused op's meaning (``kernels_cpu.fused.mla_decode_uv``), attacked: a NaN query row poisons its own
+    token's output only (the other sequences equal a clean call), an empty batch gives [0, H, V], and two threads
+    calling it on one cache get each their own single-threaded answer."""
+    import threading
+
+    from kernels_cpu.fused import mla_decode_uv
+
+    g = torch.Generator().manual_seed(3)
+    H, L, R, V, bs, lens = 4, 64, 8, 16, 16, [5, 17, 33]
+    tables = torch.arange(9, dtype=torch.int32).view(3, 3)
+    cache = torch.randn(9, bs, L + R, generator=g)
+    w_uv = torch.randn(H, V, L, generator=g) * L**-0.5
+    q = torch.randn(3, H, L + R, generator=g)
+    cu, sl = torch.tensor([0, 1, 2, 3]), torch.tensor(lens)
+    clean = mla_decode_uv(q, cache, tables, cu, sl, (L + R) ** -0.5, L, w_uv)
+    bad = q.clone()
+    bad[1, 2, 5] = float("nan")
+    out = mla_decode_uv(bad, cache, tables, cu, sl, (L + R) ** -0.5, L, w_uv)
+    assert torch.isnan(out[1]).any() and torch.equal(out[[0, 2]], clean[[0, 2]])
+    empty = mla_decode_uv(q[:0], cache, tables[:0], cu[:1], sl[:0], (L + R) ** -0.5, L, w_uv)
+    assert empty.shape == (0, H, V)
+    got = [None, None]
+
+    def run(i):
+        got[i] = mla_decode_uv(q[i:i + 1], cache, tables[i:i + 1], cu[:2], sl[i:i + 1], (L + R) ** -0.5, L, w_uv)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert torch.allclose(got[i][0], clean[i], rtol=1e-5, atol=1e-6)
