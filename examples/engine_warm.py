@@ -256,6 +256,74 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     return done
 
 
+def warm_pdl_b1(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """The batch-1 decode chain's kernels as ``DEEPINFER_PDL=1`` builds them (programmatic dependent launch:
+    ``kernels_cuda/_tl.py``), so a device run can compare it from the packed cache."""
+    from kernels_cuda import _tl
+
+    old = os.environ.get(_tl.PDL_ENV)
+    os.environ[_tl.PDL_ENV] = "1"
+    try:
+        return [f"pdl {name}" for name in warm_b1_chain(cfg, block_size, dtype)]
+    finally:
+        if old is None:
+            del os.environ[_tl.PDL_ENV]
+        else:
+            os.environ[_tl.PDL_ENV] = old
+
+
+def warm_b1_chain(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list[str]:
+    """One call of each op of a batch-1 decode step (its fused ops where they apply)."""
+    from kernels_cuda.gemv import linear
+    from kernels_cuda.gemv_rows import mla_q_absorb_kv_write
+    from kernels_cuda.mla_decode_uv import mla_decode_uv
+    from kernels_cuda.moe import fused_moe
+    from kernels_cuda.moe_gate import add_rms_norm_moe_gate
+    from kernels_cuda.norm import add_rms_norm, rms_norm
+    from kernels_cuda.norm_gemv import add_rms_norm_linear
+
+    e = torch.empty
+    C, H, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    q_cols = cfg.q_lora_rank or H * (N + R)
+    cache = e(16, block_size, L + R, dtype=dtype)
+    for res in (None, e(1, C, dtype=dtype)):
+        add_rms_norm_linear(e(1, C, dtype=dtype), res, e(C, dtype=dtype), 1e-6, e(q_cols + L + R, C, dtype=dtype))
+    weights = {(C, H * V), (cfg.vocab_size, C)}
+    if cfg.first_k_dense_replace:
+        add_rms_norm_linear(e(1, C, dtype=dtype), e(1, C, dtype=dtype), e(C, dtype=dtype), 1e-6,
+                            e(2 * cfg.intermediate_size, C, dtype=dtype))
+        weights.add((C, cfg.intermediate_size))
+    if cfg.q_lora_rank:
+        weights.add((H * (N + R), cfg.q_lora_rank))
+    for n_out, k_in in sorted(weights):
+        linear(e(1, k_in, dtype=dtype), e(n_out, k_in, dtype=dtype))
+    for width in {C, L, cfg.q_lora_rank or L}:  # (norm.py's kernels trigger the next launch: prefill's norms)
+        rms_norm(e(1, width, dtype=dtype), e(width, dtype=dtype), 1e-6)
+    add_rms_norm(e(1, C, dtype=dtype), e(1, C, dtype=dtype), e(C, dtype=dtype), 1e-6)
+    q = decode_query(cfg, 1, dtype)
+    mla_q_absorb_kv_write(q, e(H, L, N, dtype=dtype), torch.zeros(1, dtype=torch.long), e(16, R),
+                          e(1, q_cols + L + R, dtype=dtype)[:, q_cols:], e(L, dtype=dtype), 1e-6, cache,
+                          torch.zeros(1, dtype=torch.long))
+    mla_decode_uv(e(1, H, L + R, dtype=dtype), cache, torch.zeros(1, 4, dtype=torch.int32), torch.arange(2),
+                  torch.full((1,), 64), 0.1, L, e(H, V, L, dtype=dtype))
+    done = ["add_rms_norm_linear", f"gemv x {len(weights)}", "(add_)rms_norm", "mla_q_absorb_kv_write",
+            "mla_decode_uv"]
+    if cfg.n_routed_experts:
+        with torch.device("meta"):
+            moe = MoE(None, cfg, cfg.first_k_dense_replace)
+        E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        S = cfg.n_shared_experts or 0
+        bias = e(E) if moe.e_score_correction_bias is not None else None
+        add_rms_norm_moe_gate(e(1, C, dtype=dtype), e(1, C, dtype=dtype), e(C, dtype=dtype), 1e-6, e(E, C), bias, k,
+                              cfg.scoring_func, moe.n_group, cfg.topk_group, moe.group_score, moe.renormalize,
+                              moe.scale, S, dtype)
+        fused_moe(e(1, C, dtype=dtype), e(E + S, 2 * I, C, dtype=dtype), e(E + S, C, I, dtype=dtype),
+                  e(1, k + S, dtype=dtype), torch.zeros(1, k + S, dtype=torch.long))
+        done += ["add_rms_norm_moe_gate", "moe"]
+    return done
+
+
 def warm_mtp(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """DSpark's MTP draft (``plugins/dspark/draft.py``): its input projection ``eh_proj`` [C, 2C] and its layer's lean
     decode path (``plugins/dspark/lean.py``: the folded q / input / output GEMMs, the rope of the query's and the
@@ -360,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also the set_decode_fusion(False) debug path's kernels (V2/V3 shapes)")
     ap.add_argument("--mtp", action="store_true",
                     help="also DSpark's MTP draft (its input projection and lean decode path; V2/V3 shapes)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also the batch-1 decode chain's DEEPINFER_PDL=1 kernels (V2/V3 shapes)")
     ap.add_argument("--spec-k", type=int, default=SPEC_K,
                     help="also speculative verify steps of up to this many drafts a request (V2/V3 shapes; 0: none)")
     args = ap.parse_args(argv)
@@ -378,6 +448,8 @@ def main(argv: list[str] | None = None) -> None:
             names = warm_shape(cfg, args.block_size, unfused=args.unfused, spec_k=args.spec_k)
             if args.mtp:
                 names += warm_mtp(cfg, args.block_size)
+            if args.pdl:
+                names += warm_pdl_b1(cfg, args.block_size)
         print(f"{shape}: {len(names)} op calls compiled in {time.time() - t0:.0f} s", flush=True)
 
 

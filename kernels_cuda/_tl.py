@@ -95,10 +95,13 @@ def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
     return get
 
 
-#: Set to 1 to launch the decode GEMVs (``gemv``'s one-row kernel, ``gemv_rows``, ``moe_gate``) with programmatic
-#: dependent launch, and let the norms and GEMVs before them trigger it: a GEMV then streams its weight while
-#: the kernel before it finishes, and waits (``griddepcontrol.wait``) only before reading its activations.
-#: Off by default until measured on the H200 (examples/gemv_bench.py, the suite's b1 kernel table).
+#: Set to 1 for programmatic dependent launch in the batch-1 decode chain: each kernel that supports it is
+#: launched while the kernel before it still runs, issues the loads that do not depend on it (its weights), then
+#: waits (``griddepcontrol.wait``) before it reads an activation or writes anything, and lets the next launch
+#: start (``griddepcontrol.launch_dependents``). The GEMVs (``gemv``'s one-row kernel, ``gemv_rows``), the
+#: norm-prologue GEMVs (``norm_gemv``, ``moe_gate``'s ``norm_gate``), the MLA attention and its merge + W_UV, and
+#: the weight-streaming MoE's up and down kernels. A kernel without it waits for the whole kernel before it, as
+#: any launch does, so the chain may mix both. Off by default until measured on the H200.
 PDL_ENV = "DEEPINFER_PDL"
 
 
@@ -106,11 +109,33 @@ def pdl() -> bool:
     return env_flag(PDL_ENV, False)
 
 
+def pdl_arg() -> tuple[bool, ...]:
+    """A kernel builder's trailing ``pdl`` argument where ``DEEPINFER_PDL`` is on (none: the default builds)."""
+    return (True,) if pdl() else ()
+
+
 def pdl_ops():
     """(trigger, sync): ``griddepcontrol.launch_dependents`` / ``.wait`` as TileLang intrinsics."""
     from tilelang.cuda.language import pdl_sync, pdl_trigger  # noqa: PLC0415
 
     return pdl_trigger, pdl_sync
+
+
+def pdl_gate():
+    """A macro for the point of a kernel where its own input becomes needed: wait for the kernel before it (all
+    its writes visible), then let the next kernel launch. Every thread must pass it before it reads anything the
+    kernel before wrote (or writes anything that kernel may still read: a freed and reused buffer). Launching the
+    next kernel only here keeps at most two kernels of the chain in flight, and the next kernel's early loads
+    (its weights) run while this one works."""
+    T = language()
+    trigger, sync = pdl_ops()
+
+    @T.macro
+    def gate():
+        sync()
+        trigger()
+
+    return gate
 
 
 @functools.cache

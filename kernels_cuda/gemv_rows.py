@@ -170,7 +170,7 @@ def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[
 
     if kv is not None:
         return _q_absorb_kv_write_kernel(T, M, P, H, N, K, ROWS, threads, R, sx, sy, dtype, out_dtype, table_dtype,
-                                         kv, gemv_body)
+                                         kv, gemv_body, pdl_sync if pdl else None)
 
     @T.prim_func
     def gemv_rows_rope_kernel(
@@ -187,6 +187,8 @@ def build_gemv_rows(H: int, N: int, K: int, MB: int, cfg: RowsConfig, sx: tuple[
             if bx < T.ceildiv(N, ROWS):
                 gemv_body(X, W, Y, bx, h)
             else:
+                if pdl:
+                    pdl_sync()  # XR is the previous kernel's output
                 tid = T.get_thread_binding(0)
                 for j in T.serial(T.ceildiv(M * half, threads)):
                     e = j * threads + tid
@@ -286,9 +288,11 @@ def kv_write_body(T, L: int, R: int, BS: int, threads: int, dtype: str):
 
 
 def _q_absorb_kv_write_kernel(T, M, P, H, N, K, ROWS, threads, R, sx, sy, dtype, out_dtype, table_dtype, kv,
-                              gemv_body):
+                              gemv_body, pdl_sync=None):
     """``mla_q_absorb``'s kernel with one more column of CTAs: CTA (last, h) writes the cache entries of tokens
-    h, h + H, ... (``kv_write_body``), so the decode query and the cache write are one launch."""
+    h, h + H, ... (``kv_write_body``), so the decode query and the cache write are one launch. ``pdl_sync``
+    (programmatic dependent launch): the rope and cache-write CTAs wait for the kernel before them first (the
+    GEMV CTAs wait inside ``gemv_body``, after their weight loads)."""
     L, BS, skv = kv
     NB = T.dynamic("NB")
     sxm, sxh = sx
@@ -317,8 +321,12 @@ def _q_absorb_kv_write_kernel(T, M, P, H, N, K, ROWS, threads, R, sx, sy, dtype,
             if bx < nblk:
                 gemv_body(X, W, Y, bx, h)
             elif bx == nblk:
+                if pdl_sync is not None:
+                    pdl_sync()
                 rope_body(XR, YR, Pos, CS, M, h, tid)
             else:
+                if pdl_sync is not None:
+                    pdl_sync()
                 for j in T.serial(T.ceildiv(M, H)):
                     if j * H + h < M:
                         kv_body(KV, NW, Pos, CS, Cache, Slots, j * H + h, tid, eps)
@@ -434,7 +442,7 @@ def mla_q_absorb_kv_write(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.
     sms = _tl.num_sms(q.device.index or 0) if q.is_cuda else _tl.num_sms()
     cfg = rows_config(H, L, NN, m_bucket(T_), sms)
     kernel = _kernel(H, L, NN, m_bucket(T_), cfg, q.stride()[:2], out.stride()[:2], _tl.tl_dtype(q.dtype),
-                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), False,
+                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), _tl.pdl(),
                      (Lkv, cache.shape[1], kv_a.stride(0)))
     kernel(q[..., :NN], w_uk, out[..., :L], q[..., NN:], out[..., L:], positions.long().contiguous(),
            cos_sin.contiguous(), kv_a, norm_w.to(q.dtype).contiguous(), cache, slot_mapping.long().contiguous(),

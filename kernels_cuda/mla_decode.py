@@ -74,15 +74,18 @@ def key_window_macro(BN: int, ragged: bool, n_split):
 
 
 def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: int, threads: int,
-                 split: bool, ragged: bool, dtype: str = "bfloat16", W: int = 0, mma: str | None = None):
+                 split: bool, ragged: bool, dtype: str = "bfloat16", W: int = 0, mma: str | None = None,
+                 pdl: bool = False):
     """The attention kernel. ``split``: write per-split partials (the split count is the grid's z
     extent, taken from ``OPart``); else the final output. ``ragged``: token -> sequence comes from
     ``TokSeq`` (else token t is sequence t, the all-q_len-1 case). ``W``: 0 for a cache of ``dtype`` rows
     (DV + DPE values: ``Scales`` is unused), else the byte width of FP8 rows (module docstring). ``mma``: the
     dtype of the shared tiles and the tensor-core math when not ``dtype``: "float16" under a bf16 model with
     FP8 rows, where e4m3 -> f16 is one instruction per pair and the power-of-two scale one f16 multiply (q,
-    the latents and P fit f16's range; it keeps 3 more mantissa bits than bf16)."""
+    the latents and P fit f16's range; it keeps 3 more mantissa bits than bf16). ``pdl`` (``_tl.PDL_ENV``): it
+    waits for the kernel before it (the query and the new cache entry) at its start (``_tl.pdl_gate``)."""
     T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None
     FP8 = W > 0
     D = DV + DPE
     HB = H // BH
@@ -140,6 +143,8 @@ def build_decode(H: int, DV: int, DPE: int, BS: int, BH: int, BN: int, stages: i
             alpha = T.alloc_fragment((BH,), accum)
             row_sum = T.alloc_fragment((BH,), accum)
             l_i = T.alloc_fragment((BH,), accum)
+            if pdl:
+                gate()
 
             b, kv_len, blk0, n_iter, n_blocks = key_window(t, sp, TokSeq, CuQ, SeqLens, min_blocks)
 
@@ -425,7 +430,7 @@ def _attend(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, n_split: int
         kern = _decode_ws_kernel(h_p, dv_p + r_p, dv_p, BS, n_split > 1, ragged, dt, W)
     else:
         kern = _decode_kernel(h_p, dv_p, r_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split > 1, ragged, dt, W,
-                              c.get("mma"))
+                              c.get("mma"), *_tl.pdl_arg())
     kern(q, lat, scales, rope, *meta)
     return out, ((o_part, lse_part) if n_split > 1 else None)
 

@@ -47,12 +47,15 @@ def enabled() -> bool:
     return env_flag(ENV, True)
 
 
-def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", unroll: int = 16):
+def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", unroll: int = 16,
+                     pdl: bool = False):
     """The kernel: Y[t, h, v] = sum_k W[h, v, k] * round(o[t, h, k]) for h < H, with o the merge of the split
     partials OPart / LsePart (``build_combine``'s) or, where one split is live, Out's row. ``HP``: the attention's
     (padded) head count, the extent of its buffers. ``unroll``: live splits whose partial loads a thread has in
-    flight at once (each thread owns DV / 128 columns of the row: one 16-byte load a split at DV = 512)."""
+    flight at once (each thread owns DV / 128 columns of the row: one 16-byte load a split at DV = 512). ``pdl``
+    (``_tl.PDL_ENV``): launched early, it loads its W_UV rows, then waits for the attention (``_tl.pdl_gate``)."""
     T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None
     NT, n_split = T.dynamic("NT"), T.dynamic("NSPLIT")
     accum = "float32"
     S = MAX_SPLIT
@@ -100,6 +103,8 @@ def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", 
                         for v in T.vectorized(VEC):
                             w_loc[r, i, v] = W[h, vb * BV + warp * RW + r, (i * 32 + lane) * VEC + v]
 
+            if pdl:
+                gate()
             # the combine's split weights: the live splits are a prefix
             split_weights(LsePart, t, h, lse, wts, live, mx, total, n_live, w_s, n_s)
             T.sync_threads()
@@ -179,7 +184,8 @@ def mla_decode_uv(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, w_uv):
     o_part, lse_part = split
     V = w_uv.shape[1]
     y = torch.empty(T_, H, V, dtype=q.dtype, device=q.device)
-    _kernel(H, out.shape[1], dv, V, _tl.tl_dtype(q.dtype))(o_part, lse_part, out, w_uv.contiguous(), y)
+    pdl = (16, True) if _tl.pdl() else ()  # (the default unroll, then pdl)
+    _kernel(H, out.shape[1], dv, V, _tl.tl_dtype(q.dtype), *pdl)(o_part, lse_part, out, w_uv.contiguous(), y)
     return y
 
 

@@ -29,11 +29,13 @@ MIN_REGS = 80  # registers a thread the CTAs-per-SM bound may not go under (BN =
 
 
 def build_down_slots(E: int, C: int, I: int, K: int, MB: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str,
-                     min_blocks: int = 2):
+                     min_blocks: int = 2, pdl: bool = False):
     """Grid (C / BN, ceil(NT / MB)), 32 x K threads. ``min_blocks``: CTAs per SM the register budget must allow
-    (2 at K = 8: <= 128 registers a thread), lowered where it would leave fewer than ``MIN_REGS`` (K = 16: 1)."""
+    (2 at K = 8: <= 128 registers a thread), lowered where it would leave fewer than ``MIN_REGS`` (K = 16: 1).
+    ``pdl`` (``_tl.PDL_ENV``): it waits for the up kernel at its start (``_tl.pdl_gate``)."""
     min_blocks = max(1, min(min_blocks, 65536 // (32 * K * MIN_REGS)))
     T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
     accum = "float32"
     step = 32 * VEC
@@ -54,6 +56,8 @@ def build_down_slots(E: int, C: int, I: int, K: int, MB: int, BN: int, dtype: st
             h_loc = T.alloc_local((VEC,), dtype)
             dot = T.alloc_local((BN,), accum)
             acc = T.alloc_local((1,), accum)
+            if pdl:
+                gate()
             for m in T.serial(MB):
                 t = tb * MB + m
                 if t < NT:  # the same for the whole CTA (its barriers stay uniform)

@@ -26,12 +26,11 @@ def build_gate_route(E: int, C: int, K: int, n_group: int, topk_group: int, soft
                      top2sum: bool, renormalize: bool, S: int, w_dtype: str, x_dtype: str, g_dtype: str,
                      pdl: bool = False, norm: bool = False):
     """``pdl``: programmatic dependent launch (``_tl.PDL_ENV``): the gate rows are loaded before waiting for
-    the kernel that wrote X (the norm before it). ``norm``: ``add_rms_norm_moe_gate``, the post-attention
+    the kernel that wrote X (``_tl.pdl_gate``). ``norm``: ``add_rms_norm_moe_gate``, the post-attention
     residual add + RMSNorm in the prologue (``norm_gemv.norm_prologue``: every CTA normalises its token's row
     into shared memory while its gate row loads; CTA (0, t) writes the normed row and the new residual)."""
     T = _tl.language()
-    if pdl:
-        pdl_sync = _tl.pdl_ops()[1]
+    gate = _tl.pdl_gate() if pdl else None
     NT = T.dynamic("NT")
     threads = max(128, (E + 31) // 32 * 32)
     VEC = 16 // _BYTES[g_dtype]
@@ -90,7 +89,7 @@ def build_gate_route(E: int, C: int, K: int, n_group: int, topk_group: int, soft
                 g_loc = T.alloc_local((iters, VEC), g_dtype)
                 load_gate(Gate, g_loc, e, tx)
                 if pdl:
-                    pdl_sync()
+                    gate()
                 logit_and_route(X, t, g_loc, Bias, Logits, Count, Wt, Ids, scale, e, t, tx)
 
         return moe_gate_kernel
@@ -112,6 +111,8 @@ def build_gate_route(E: int, C: int, K: int, n_group: int, topk_group: int, soft
             xs = T.alloc_shared((1, C), x_dtype)
             npart = T.alloc_shared((threads // 32,), "float32")
             load_gate(Gate, g_loc, e, tx)  # in flight while the row is normalised
+            if pdl:
+                gate()
             prologue(X, Res, NW, ResOut, Normed, xs, npart, t, tx, e == 0, eps)
             logit_and_route(xs, 0, g_loc, Bias, Logits, Count, Wt, Ids, scale, e, t, tx)
 
@@ -162,7 +163,7 @@ def gate_route(x, gate, bias, top_k, n_group, topk_group, softmax, top2sum, reno
     b = bias.float().contiguous() if bias is not None else logits[0]  # unread without a bias
     kern = _kernel(E, x.shape[1], int(top_k), n_group, topk_group, softmax, bias is not None, top2sum,
                    bool(renormalize), int(n_shared), _tl.tl_dtype(dtype), _tl.tl_dtype(x.dtype),
-                   _tl.tl_dtype(gate.dtype), *((True,) if _tl.pdl() else ()))
+                   _tl.tl_dtype(gate.dtype), *_tl.pdl_arg())
     kern(x, gate, b, logits, count, weights, ids, float(scale))
     return weights, ids
 
@@ -195,7 +196,7 @@ def add_rms_norm_moe_gate(x, residual, norm_w, eps, gate, bias, top_k, scoring, 
     b = bias.float().contiguous() if bias is not None else logits[0]  # unread without a bias
     kern = _kernel(E, C, int(top_k), ng, tg, scoring == "softmax", bias is not None, group_score == "top2sum",
                    bool(renormalize), int(n_shared), _tl.tl_dtype(dtype), _tl.tl_dtype(x.dtype),
-                   _tl.tl_dtype(gate.dtype), False, True)
+                   _tl.tl_dtype(gate.dtype), _tl.pdl(), True)
     kern(x, residual, norm_w.to(x.dtype).contiguous(), normed, res, gate, b, logits, count, weights, ids,
          float(scale), float(eps))
     return normed, res, weights, ids

@@ -63,8 +63,11 @@ def split(width: int, threads: int = THREADS) -> tuple[int, int]:
 
 
 def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: str, id_dtype: str,
-             limit: float | None = None):
+             limit: float | None = None, pdl: bool = False):
+    """The up kernel on the CUDA cores. ``pdl`` (``_tl.PDL_ENV``): it waits for the router (the expert ids and
+    X) at its start (``_tl.pdl_gate``): its weight rows depend on the ids."""
     T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
     accum = "float32"
     step = RT * VEC
@@ -107,6 +110,8 @@ def build_up(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtype: s
             u = T.alloc_local((1,), accum)
             nr = T.alloc_local((1,), "int32")
             mine = T.alloc_local((1,), "int32")
+            if pdl:
+                gate()
             e = T.cast(Ids[s], "int32")
             expert_slots(Ids, NS, s, e, lin, rows, cnt, first, nr, mine)
             if (e >= 0) & (e < E) & (mine[0] == 1):
@@ -424,11 +429,12 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **override
     if up == "mma" and mma_fits(C):
         k1 = _up_mma(E, C, I, K, dt, id_dt, limit)
     else:
-        k1 = _up(E, C, I, K, MB, *split(C, cfg["up_threads"]), dt, id_dt, limit)
+        k1 = _up(E, C, I, K, MB, *split(C, cfg["up_threads"]), dt, id_dt, limit, *_tl.pdl_arg())
     MD = cfg["down_tokens"] or MB
     wt_dt = _tl.tl_dtype(weights.dtype)
     if cfg["down"] == "slots":
-        k2 = _down_slots(E, C, I, K, MD, math.gcd(cfg["down_cols"], C), dt, id_dt, wt_dt, cfg["down_slot_blocks"])
+        k2 = _down_slots(E, C, I, K, MD, math.gcd(cfg["down_cols"], C), dt, id_dt, wt_dt, cfg["down_slot_blocks"],
+                         *_tl.pdl_arg())
     else:
         k2 = _down(E, C, I, K, MD, *split(I, cfg["down_threads"]), dt, id_dt, wt_dt, cfg["down_blocks"])
     flat = ids.view(-1)

@@ -87,9 +87,12 @@ def norm_prologue(T, K: int, threads: int, fused_add: bool, dtype: str, write_no
     return prologue
 
 
-def build_norm_gemv(N: int, K: int, BN: int, RT: int, fused_add: bool, dtype: str):
-    """One activation row: Y[0, n] = W[n] . rms_norm(X[0] (+ Res[0])) for every n; ResOut[0] = X[0] + Res[0]."""
+def build_norm_gemv(N: int, K: int, BN: int, RT: int, fused_add: bool, dtype: str, pdl: bool = False):
+    """One activation row: Y[0, n] = W[n] . rms_norm(X[0] (+ Res[0])) for every n; ResOut[0] = X[0] + Res[0].
+    ``pdl`` (``_tl.PDL_ENV``): launched early, the kernel issues its weight loads, then waits for the kernel
+    before it (``_tl.pdl_gate``) before it reads X or the residual or writes anything."""
     T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None
     accum = "float32"
     threads = RT * BN
     assert RT == 32 or BN == 1, (RT, BN)
@@ -119,6 +122,8 @@ def build_norm_gemv(N: int, K: int, BN: int, RT: int, fused_add: bool, dtype: st
                     if k0 < K:
                         for v in T.vectorized(VEC):
                             w_loc[it, v] = W[n, k0 + v]
+            if pdl:
+                gate()
             prologue(X, Res, NW, ResOut, ResOut, xs, part, 0, tid, bn == 0, eps)
             if n < N:
                 for it in T.unroll(iters):
@@ -181,7 +186,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: 
     res_out = torch.empty_like(x) if residual is not None else x
     sms = _tl.num_sms(x.device.index or 0) if x.is_cuda else _tl.num_sms()
     bn, rt = tile_config(N, K, sms, VEC)
-    kernel = _kernel(N, K, bn, rt, residual is not None, _tl.tl_dtype(x.dtype))
+    kernel = _kernel(N, K, bn, rt, residual is not None, _tl.tl_dtype(x.dtype), *_tl.pdl_arg())
     kernel(x, x if residual is None else residual, norm_w.to(x.dtype).contiguous(), w, y, res_out, float(eps))
     return y, res_out
 

@@ -1,0 +1,75 @@
+"""CPU CI: the batch-1 decode chain's ``DEEPINFER_PDL=1`` builds (programmatic dependent launch,
+``kernels_cuda/_tl.py``) compile for sm_90a, and in each generated kernel the wait for the kernel before it
+(``cudaGridDependencySynchronize``) comes after only loads that do not depend on that kernel (weights) and before
+the first read of anything it wrote (activations, expert ids, the split partials). A read above the wait would be a
+race that no CPU test could see; this one reads the CUDA source. On the GPU,
+``test_decode_fusion_gpu.py::test_programmatic_dependent_launch_gives_the_same_bits`` runs the chain."""
+
+from __future__ import annotations
+
+import pytest
+from test_kernels_cuda_compile import ARCH, pytestmark  # noqa: F401  (nvcc and tilelang, or skipped)
+
+SYNC, TRIGGER = "cudaGridDependencySynchronize", "cudaTriggerProgrammaticLaunchCompletion"
+
+
+def _cases() -> dict:
+    """name -> (thunk building the PDL kernel at V2-Lite's shape, loads before the wait, reads after it)."""
+    from kernels_cuda import gemv, gemv_rows, mla_decode, mla_decode_uv, moe_down_slots, moe_gate, moe_gemv
+    from kernels_cuda import norm_gemv as ng
+
+    C, E, I = 2048, 66, 1408
+    c = mla_decode.config(16, 576, 512, 64, False, True)
+    rows = gemv_rows.rows_config(16, 512, 128, 1, 132)
+    return {
+        "gemv (o_proj)": (lambda: gemv.build_gemv(C, C, 1, *gemv.tile_config(C, C, 132, 8), "bfloat16", "bfloat16",
+                                                  "bfloat16", True), ["(W + ("], ["(X + ("]),
+        "norm_gemv (input norm + q + kv_a)": (
+            lambda: ng.build_norm_gemv(3648, C, *gemv.tile_config(3648, C, 132), True, "bfloat16", True),
+            ["(W + ("], ["(X + (", "(Res + (", "(ResOut + ("]),
+        "norm_gate (post-attention norm + router)": (
+            lambda: moe_gate.build_gate_route(64, C, 6, 1, 1, True, False, False, False, 2, "bfloat16", "bfloat16",
+                                              "float32", True, True), ["(Gate + ("], ["(X + (", "Ids["]),
+        "mla_q_absorb_kv_write": (
+            lambda: gemv_rows.build_gemv_rows(16, 512, 128, 1, rows, (3072, 192), (576 * 16, 576), "bfloat16",
+                                              "bfloat16", 64, "float32", True, (512, 64, 3648)),
+            ["(W + ("], ["XR[", "Cache["]),
+        "mla_decode (attention, key splits)": (
+            lambda: mla_decode.build_decode(16, 512, 64, 64, c["BH"], c["BN"], c["stages"], c["threads"], True, False,
+                                            "bfloat16", 0, c.get("mma"), True),
+            [], ["CuQ[", "SeqLens[", "tma_load(Q_desc"]),
+        "mla_decode_uv (merge + W_UV)": (lambda: mla_decode_uv.build_combine_uv(16, 16, 512, 128, "bfloat16", 16, True),
+                                         ["(W + ("], ["LsePart[", "(OPart + ("]),
+        "moe_up": (lambda: moe_gemv.build_up(E, C, I, 8, 1, *moe_gemv.split(C, moe_gemv.THREADS), "bfloat16", "int64",
+                                             None, True), [], ["Ids[", "(X + ("]),
+        "moe_down_slots": (lambda: moe_down_slots.build_down_slots(E, C, I, 8, 1, 1, "bfloat16", "int64", "bfloat16",
+                                                                   3, True), [], ["Ids[", "(H + ("]),
+    }
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, str]:
+    import os
+
+    os.environ["TILELANG_CACHE_DIR"] = str(tmp_path_factory.mktemp("tl") / "tl-pdl")
+    from kernels_cuda import _tl
+
+    return {name: _tl.compile_kernel(thunk(), arch=ARCH).get_kernel_source() for name, (thunk, _, _) in
+            _cases().items()}
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_pdl_kernels_wait_before_reading_what_the_kernel_before_wrote(name, sources):
+    src = sources[name]
+    _, before, after = _cases()[name]
+    body = src[src.index("{", src.index("__global__ void __launch_bounds__")):]  # past the parameter list
+    assert SYNC in body and TRIGGER in body, f"{name}: no programmatic dependent launch in the PDL build"
+    wait = body.index(SYNC)
+    for marker in before:  # the independent loads are issued first, so they are in flight during the wait
+        assert marker in body and body.index(marker) < wait, f"{name}: {marker!r} is not loaded before the wait"
+    for marker in after:
+        assert marker in body and body.index(marker) > wait, f"{name}: {marker!r} is read before the wait"
+    if name == "mla_q_absorb_kv_write":  # the GEMV, the rope and the cache-write CTAs each wait in their branch
+        assert body.count(SYNC) == 3, body.count(SYNC)
+        syncs = [i for i in range(len(body)) if body.startswith(SYNC, i)]
+        assert body.index("XR[") > syncs[1] and body.index("Cache[") > syncs[2]
