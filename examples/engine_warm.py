@@ -273,9 +273,11 @@ def warm_pdl_b1(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = tor
 
 
 def warm_b1_chain(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list[str]:
-    """One call of each op of a batch-1 decode step (its fused ops where they apply)."""
+    """One call of each op of a batch-1 decode step (its fused ops where they apply), and the attention ops of the
+    suite's decode batches 64 and 256."""
     from kernels_cuda.gemv import linear
     from kernels_cuda.gemv_rows import mla_q_absorb_kv_write
+    from kernels_cuda.mla_decode import mla_decode
     from kernels_cuda.mla_decode_uv import mla_decode_uv
     from kernels_cuda.moe import fused_moe
     from kernels_cuda.moe_gate import add_rms_norm_moe_gate
@@ -305,8 +307,14 @@ def warm_b1_chain(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list
     mla_q_absorb_kv_write(q, e(H, L, N, dtype=dtype), torch.zeros(1, dtype=torch.long), e(16, R),
                           e(1, q_cols + L + R, dtype=dtype)[:, q_cols:], e(L, dtype=dtype), 1e-6, cache,
                           torch.zeros(1, dtype=torch.long))
-    mla_decode_uv(e(1, H, L + R, dtype=dtype), cache, torch.zeros(1, 4, dtype=torch.int32), torch.arange(2),
-                  torch.full((1,), 64), 0.1, L, e(H, V, L, dtype=dtype))
+    for B in (1, 64, 256):  # (and the attention of the suite's larger batches: its split and unsplit grids)
+        for op in (mla_decode, lambda *a: mla_decode_uv(*a, e(H, V, L, dtype=dtype))):
+            op(e(B, H, L + R, dtype=dtype), cache, torch.zeros(B, 4, dtype=torch.int32), torch.arange(B + 1),
+               torch.full((B,), 64), 0.1, L)
+        if B > 1:
+            pos = torch.zeros(B, dtype=torch.long)
+            mla_q_absorb_kv_write(decode_query(cfg, B, dtype), e(H, L, N, dtype=dtype), pos, e(16, R),
+                                  e(B, q_cols + L + R, dtype=dtype)[:, q_cols:], e(L, dtype=dtype), 1e-6, cache, pos)
     done = ["add_rms_norm_linear", f"gemv x {len(weights)}", "(add_)rms_norm", "mla_q_absorb_kv_write",
             "mla_decode_uv"]
     if cfg.n_routed_experts:
