@@ -322,3 +322,32 @@ def test_warm_mtp_covers_lean_mtp(kernel_configs, q_lora):
     engine_warm.warm_mtp(cfg)
     missing = used - set(kernel_configs)
     assert not missing, ", ".join(sorted(map(str, missing)))
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
+def test_warm_pdl_covers_the_batch_one_chain(kernel_configs, monkeypatch, q_lora):
+    """With ``DEEPINFER_PDL=1`` the decode steps of batches 1, 64 and 256 (the suite's) ask for the chain's
+    programmatic-dependent-launch builds, which the default warm-up lacks and ``warm_pdl_b1`` adds; the
+    environment is left as it was."""
+    import os
+
+    import engine_warm
+
+    from deepinfer_core.models.config import ModelConfig
+
+    raw = _mini(q_lora)
+    cfg = ModelConfig.from_dict(raw)
+    monkeypatch.setenv("DEEPINFER_PDL", "1")
+    used = _decode_configs(raw, [1, 64, 256], kernel_configs)
+    monkeypatch.delenv("DEEPINFER_PDL")
+    pdl_keys = {key for key, args in used if any(a is True for a in args)}  # (the builders' pdl flag)
+    assert {"norm_gemv._kernel", "mla_decode._decode_kernel", "mla_decode_uv._kernel", "moe_gate._kernel",
+            "moe_gemv._up", "moe_gemv._down_slots", "gemv._kernel"} <= pdl_keys, pdl_keys
+    kernel_configs.clear()
+    engine_warm.warm_shape(cfg)
+    assert used - set(kernel_configs), "the PDL builds are in the default warm-up"
+    names = engine_warm.warm_pdl_b1(cfg)
+    assert names and all(n.startswith("pdl ") for n in names)
+    assert "DEEPINFER_PDL" not in os.environ
+    missing = used - set(kernel_configs)
+    assert not missing, ", ".join(sorted(map(str, missing)))
