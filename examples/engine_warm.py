@@ -329,6 +329,33 @@ def warm_b1_chain(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list
         fused_moe(e(1, C, dtype=dtype), e(E + S, 2 * I, C, dtype=dtype), e(E + S, C, I, dtype=dtype),
                   e(1, k + S, dtype=dtype), torch.zeros(1, k + S, dtype=torch.long))
         done += ["add_rms_norm_moe_gate", "moe"]
+    return done + warm_b1_fp8(cfg, dtype)
+
+
+def warm_b1_fp8(cfg: ModelConfig, dtype: torch.dtype) -> list[str]:
+    """The batch-1 step's ops on FP8 weights (``weight_dtype = "fp8"``: e4m3 with 128 x 128 block scales): the
+    projections' GEMV and the two-launch MoE."""
+    from kernels_cuda.fp8_gemm import fp8_linear, fused_moe_fp8
+
+    e, f8 = torch.empty, torch.float8_e4m3fn
+    C, H, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    q_cols = cfg.q_lora_rank or H * (N + R)
+    weights = {(q_cols + L + R, C), (C, H * V)}
+    if cfg.first_k_dense_replace:
+        weights |= {(2 * cfg.intermediate_size, C), (C, cfg.intermediate_size)}
+    if cfg.q_lora_rank:
+        weights.add((H * (N + R), cfg.q_lora_rank))
+    for n_out, k_in in sorted(weights):
+        fp8_linear(e(1, k_in, dtype=dtype), e(n_out, k_in, dtype=f8), e(-(-n_out // 128), -(-k_in // 128)))
+    done = [f"fp8_linear x {len(weights)}"]
+    if cfg.n_routed_experts:
+        E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        S = cfg.n_shared_experts or 0
+        fused_moe_fp8(e(1, C, dtype=dtype), e(E + S, 2 * I, C, dtype=f8), e(E + S, 2 * I // 128, C // 128),
+                      e(E + S, C, I, dtype=f8), e(E + S, C // 128, I // 128), e(1, k + S, dtype=dtype),
+                      torch.zeros(1, k + S, dtype=torch.long))
+        done.append("moe fp8")
     return done
 
 

@@ -143,9 +143,12 @@ def quant_rows_macro(T, NTH: int, TV: int, C: int, K: int):
     return quant_rows
 
 
-def build_fp8_gemv(N: int, K: int, MB: int, cfg: Fp8GemvConfig, dtype: str):
-    """y[M, N] (dtype) = fp8_linear(x[M, K] (dtype), w[N, K] e4m3, w_scale[ceil(N/128), K/128] f32), M <= MB."""
+def build_fp8_gemv(N: int, K: int, MB: int, cfg: Fp8GemvConfig, dtype: str, pdl: bool = False):
+    """y[M, N] (dtype) = fp8_linear(x[M, K] (dtype), w[N, K] e4m3, w_scale[ceil(N/128), K/128] f32), M <= MB.
+    ``pdl`` (``_tl.PDL_ENV``): the first chunk's weights and scales load before the wait for the kernel that
+    wrote x (``_tl.pdl_gate``; a no-op at the later chunks)."""
     T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None
     M = T.dynamic("M")
     RN, KS, BNW, CH = cfg.RN, cfg.KS, cfg.BNW, cfg.CH
     assert K % GROUP == 0 and GROUP % RN == 0
@@ -188,6 +191,8 @@ def build_fp8_gemv(N: int, K: int, MB: int, cfg: Fp8GemvConfig, dtype: str):
                             for v in T.vectorized(VEC):
                                 w_loc[i, r, v] = W[T.min(row0 + r, N - 1), k0 + v]
                         ws[i] = WS[nb, k0 // GROUP]
+                if pdl:
+                    gate()
                 for i in T.unroll(CH):
                     kw = ((c * CH + i) * KS + ks) * 32 * VEC
                     if kw < K:  # (uniform in the warp: the shuffles below see every lane)
@@ -268,7 +273,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     MB = m_bucket(M)
     cfg = cfg or gemv_config(N, K, MB, sms)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _kernel(N, K, MB, cfg, _tl.tl_dtype(x.dtype))(x, w, w_scale.float().contiguous(), y)
+    _kernel(N, K, MB, cfg, _tl.tl_dtype(x.dtype), *_tl.pdl_arg())(x, w, w_scale.float().contiguous(), y)
     return y
 
 

@@ -180,9 +180,11 @@ def build_up_fp8(E: int, C: int, I: int, K: int, MB: int, RT: int, BN: int, dtyp
 
 
 def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype: str, wt_dtype: str,
-                   min_blocks: int = 2):
-    """One token per CTA, one warp per output column (``RT`` = 32); ``min_blocks`` as ``build_up_fp8``."""
+                   min_blocks: int = 2, pdl: bool = False):
+    """One token per CTA, one warp per output column (``RT`` = 32); ``min_blocks`` as ``build_up_fp8``. ``pdl``
+    (``_tl.PDL_ENV``): it waits for the up kernel at its start (``_tl.pdl_gate``)."""
     T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
     RT = 32
     step = RT * VEC
@@ -213,6 +215,8 @@ def build_down_fp8(E: int, C: int, I: int, K: int, BN: int, dtype: str, id_dtype
             p = T.alloc_local((1,), "float32")
             dot = T.alloc_local((1,), "float32")
             acc = T.alloc_local((1,), "float32")
+            if pdl:
+                gate()
             # the token's K hidden rows, quantised per 128 channels into shared memory (another rank's slots
             # are quantised too, from a row nobody wrote, and never used)
             for j in T.serial(T.ceildiv(TV, NTH)):
@@ -331,10 +335,11 @@ def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_block
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
     if up_kind(C, up) == "mma":
-        k1 = _up_mma(E, C, I, K, m_bucket(NT), dt, id_dt, min_blocks)
+        pdl = (4, True) if _tl.pdl() else ()  # (the default batch, then pdl)
+        k1 = _up_mma(E, C, I, K, m_bucket(NT), dt, id_dt, min_blocks, *pdl)
     else:
         k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt, min_blocks)
-    k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, _tl.tl_dtype(weights.dtype), min_blocks)
+    k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, _tl.tl_dtype(weights.dtype), min_blocks, *_tl.pdl_arg())
     flat = ids.view(-1)
     steps = [("up_fp8", lambda: k1(x, w13, s13, flat, h)), ("down_fp8", lambda: k2(h, w2, s2, ids, weights, out))]
     return steps, (lambda: out), h

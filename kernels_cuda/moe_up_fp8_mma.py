@@ -10,7 +10,7 @@ THREADS = 256
 
 
 def build_up_fp8_mma(E: int, C: int, I: int, K: int, MB: int, dtype: str, id_dtype: str, min_blocks: int = 2,
-                     batch: int = 4):
+                     batch: int = 4, pdl: bool = False):
     """``moe_up_fp8`` on the e4m3 tensor cores (``mma.sync.m16n8k32.row.col.f32.e4m3.e4m3.f32``), in
     ``moe_gemv.build_up_mma``'s layout. A CTA (8 warps) owns the ``BN`` = 8 columns n = bn * 8 + g of its expert:
     their gate rows are the mma's M rows g, their up rows the rows g + 8. The chunk's listed rows are its N = 8
@@ -29,6 +29,7 @@ def build_up_fp8_mma(E: int, C: int, I: int, K: int, MB: int, dtype: str, id_dty
     thread loads before their mmas (8 registers each; the next batch is loaded while one is multiplied, and the
     first while x is quantised)."""
     T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None  # (``_tl.PDL_ENV``: it waits at its start)
     NT, NS = T.dynamic("NT"), T.dynamic("NS")
     WARPS = THREADS // 32
     BN = 8  # columns per CTA: 8 gate rows and 8 up rows are the mma's M = 16
@@ -95,6 +96,8 @@ def build_up_fp8_mma(E: int, C: int, I: int, K: int, MB: int, dtype: str, id_dty
             gu = T.alloc_local((2,), "float32")
             nr = T.alloc_local((1,), "int32")
             mine = T.alloc_local((1,), "int32")
+            if pdl:
+                gate()  # the expert ids and X come from the router
             e = T.cast(Ids[s], "int32")
             expert_slots(Ids, NS, s, e, tx, rows, cnt, first, nr, mine)
             if (e >= 0) & (e < E) & (mine[0] == 1):

@@ -15,7 +15,9 @@ SYNC, TRIGGER = "cudaGridDependencySynchronize", "cudaTriggerProgrammaticLaunchC
 
 def _cases() -> dict:
     """name -> (thunk building the PDL kernel at V2-Lite's shape, loads before the wait, reads after it)."""
-    from kernels_cuda import gemv, gemv_rows, mla_decode, mla_decode_uv, moe_down_slots, moe_gate, moe_gemv
+    from kernels_cuda import fp8_gemv, gemv, gemv_rows, mla_decode, mla_decode_uv, moe_down_slots, moe_gate, moe_gemv
+    from kernels_cuda import moe_gemv_fp8 as mf
+    from kernels_cuda import moe_up_fp8_mma as mfm
     from kernels_cuda import norm_gemv as ng
 
     C, E, I = 2048, 66, 1408
@@ -44,6 +46,14 @@ def _cases() -> dict:
                                              None, True), [], ["Ids[", "(X + ("]),
         "moe_down_slots": (lambda: moe_down_slots.build_down_slots(E, C, I, 8, 1, 1, "bfloat16", "int64", "bfloat16",
                                                                    3, True), [], ["Ids[", "(H + ("]),
+        # the FP8 weights' chain (V2-Lite with FP8 projections and experts)
+        "fp8_gemv (q + kv_a, o_proj)": (
+            lambda: fp8_gemv.build_fp8_gemv(3648, C, 1, fp8_gemv.gemv_config(3648, C, 1, 132), "bfloat16", True),
+            ["(W + (", "WS["], ["(X + ("]),
+        "moe_up_fp8_mma": (lambda: mfm.build_up_fp8_mma(E, C, I, 8, 1, "bfloat16", "int64", 2, 4, True), [],
+                           ["Ids[", "(X + ("]),
+        "moe_down_fp8": (lambda: mf.build_down_fp8(E, C, I, 8, 4, "bfloat16", "int64", "bfloat16", 2, True), [],
+                         ["Ids[", "(H + ("]),
     }
 
 
