@@ -142,10 +142,11 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     C, H, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
     done = []
-    for width in {C, L, cfg.q_lora_rank or L}:
-        rms_norm(e(8, width, dtype=dtype), e(width, dtype=dtype), 1e-6)
-        done.append(f"rms_norm C={width}")
-    add_rms_norm(e(8, C, dtype=dtype), e(8, C, dtype=dtype), e(C, dtype=dtype), 1e-6)
+    for rows in (1, 8):  # (one row: the decode chain's build, with programmatic dependent launch on sm_90+)
+        for width in {C, L, cfg.q_lora_rank or L}:
+            rms_norm(e(rows, width, dtype=dtype), e(width, dtype=dtype), 1e-6)
+        add_rms_norm(e(rows, C, dtype=dtype), e(rows, C, dtype=dtype), e(C, dtype=dtype), 1e-6)
+    done += [f"rms_norm C={width}" for width in {C, L, cfg.q_lora_rank or L}]
     cache = e(16, block_size, L + R, dtype=dtype)
     paged_kv_write(cache, torch.zeros(4, dtype=torch.long), e(4, L + R, dtype=dtype))
     done += [f"add_rms_norm C={C}", f"paged_kv_write bs={block_size}"]

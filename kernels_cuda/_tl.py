@@ -95,23 +95,39 @@ def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
     return get
 
 
-#: Set to 1 for programmatic dependent launch in the batch-1 decode chain: each kernel that supports it is
-#: launched while the kernel before it still runs, issues the loads that do not depend on it (its weights), then
-#: waits (``griddepcontrol.wait``) before it reads an activation or writes anything, and lets the next launch
-#: start (``griddepcontrol.launch_dependents``). The GEMVs (``gemv``'s one-row kernel, ``gemv_rows``), the
-#: norm-prologue GEMVs (``norm_gemv``, ``moe_gate``'s ``norm_gate``), the MLA attention and its merge + W_UV, and
-#: the weight-streaming MoE's up and down kernels. A kernel without it waits for the whole kernel before it, as
-#: any launch does, so the chain may mix both. Off by default until measured on the H200.
+#: Programmatic dependent launch in the decode chain: each kernel that supports it is launched while the kernel
+#: before it still runs, issues the loads that do not depend on it (its weights), then waits
+#: (``griddepcontrol.wait``) before it reads an activation or writes anything, and lets the next launch start
+#: (``griddepcontrol.launch_dependents``). The GEMVs (``gemv``'s one-row kernel, ``gemv_rows``), the norm-prologue
+#: GEMVs (``norm_gemv``, ``moe_gate``'s ``norm_gate``), the norms, the MLA attention and its merge + W_UV, the
+#: weight-streaming MoE's up and down kernels, and their FP8 counterparts. A kernel without it waits for the whole
+#: kernel before it, as any launch does, so the chain may mix both.
+#: ``DEEPINFER_PDL=1``: every launch that supports it; ``0``: none; unset: launches of one activation row (the
+#: batch-1 decode chain) of the bf16 kernels, on devices that have it (sm_90 and later). That is what was measured:
+#: V2-Lite b1 on an H100, 2.545 / 2.554 -> 2.480 / 2.491 ms a step, the same bits (docs/h200/s13); the FP8 chain
+#: measured no gain (2.150 -> 2.163 ms), and more rows were not measured.
 PDL_ENV = "DEEPINFER_PDL"
 
 
-def pdl() -> bool:
-    return env_flag(PDL_ENV, False)
+def pdl(rows: int = 1, by_default: bool = True) -> bool:
+    """Whether a launch over ``rows`` activation rows uses programmatic dependent launch (``PDL_ENV``);
+    ``by_default``: whether the kernel takes it without the variable (a single row on sm_90+)."""
+    if os.environ.get(PDL_ENV, "").strip():
+        return env_flag(PDL_ENV, False)
+    return by_default and rows == 1 and has_pdl()
 
 
-def pdl_arg() -> tuple[bool, ...]:
-    """A kernel builder's trailing ``pdl`` argument where ``DEEPINFER_PDL`` is on (none: the default builds)."""
-    return (True,) if pdl() else ()
+def pdl_arg(rows: int = 1, by_default: bool = True) -> tuple[bool, ...]:
+    """A kernel builder's trailing ``pdl`` argument where :func:`pdl` holds (none: the builds without it)."""
+    return (True,) if pdl(rows, by_default) else ()
+
+
+def has_pdl() -> bool:
+    """The compile target has ``griddepcontrol`` (sm_90 and later); False without a device to compile for."""
+    if not (torch.cuda.is_available() or dry_run()):
+        return False
+    digits = "".join(c for c in device_arch() if c.isdigit())  # sm_90a -> "90": major 9, minor 0
+    return int(digits[:-1] or 0) >= 9
 
 
 def pdl_ops():

@@ -273,7 +273,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     MB = m_bucket(M)
     cfg = cfg or gemv_config(N, K, MB, sms)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _kernel(N, K, MB, cfg, _tl.tl_dtype(x.dtype), *_tl.pdl_arg())(x, w, w_scale.float().contiguous(), y)
+    pdl = _tl.pdl_arg(M, by_default=False)  # (measured no faster at one row: ``_tl.PDL_ENV``)
+    _kernel(N, K, MB, cfg, _tl.tl_dtype(x.dtype), *pdl)(x, w, w_scale.float().contiguous(), y)
     return y
 
 

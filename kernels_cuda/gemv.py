@@ -167,7 +167,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
     sms = _tl.num_sms(x.device.index or 0) if x.is_cuda else _tl.num_sms()
     bn, rt = tile_config(N, K, sms, vec(w.dtype))
     args = (N, K, m_bucket(M), bn, rt, _tl.tl_dtype(x.dtype), _tl.tl_dtype(w.dtype), _tl.tl_dtype(out_dtype))
-    kernel = _kernel(*args, True) if _tl.pdl() else _kernel(*args)
+    kernel = _kernel(*args, *_tl.pdl_arg(M))
     kernel(x2, w, y)
     return y.view(*x.shape[:-1], N)
 

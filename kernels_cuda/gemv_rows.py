@@ -382,7 +382,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     cfg = cfg or rows_config(H, N, K, MB, sms)
     sx, sy = x.stride()[:2], y.stride()[:2]
     args = (H, N, K, MB, cfg, sx, sy, _tl.tl_dtype(x.dtype), _tl.tl_dtype(y.dtype))
-    kernel = _kernel(*args, 0, "float32", True) if _tl.pdl() else _kernel(*args)
+    kernel = _kernel(*args, 0, "float32", True) if _tl.pdl(M) else _kernel(*args)
     kernel(x, w, y)
     return y
 
@@ -417,7 +417,7 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
     MB = m_bucket(T_)
     cfg = rows_config(H, L, NN, MB, sms)
     kernel = _kernel(H, L, NN, MB, cfg, q.stride()[:2], out.stride()[:2], _tl.tl_dtype(q.dtype),
-                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), *((True,) if _tl.pdl() else ()))
+                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), *_tl.pdl_arg(T_))
     kernel(nope, w_uk, out[..., :L], q[..., NN:], out[..., L:], positions.long().contiguous(), cos_sin.contiguous())
     return out
 
@@ -442,7 +442,7 @@ def mla_q_absorb_kv_write(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.
     sms = _tl.num_sms(q.device.index or 0) if q.is_cuda else _tl.num_sms()
     cfg = rows_config(H, L, NN, m_bucket(T_), sms)
     kernel = _kernel(H, L, NN, m_bucket(T_), cfg, q.stride()[:2], out.stride()[:2], _tl.tl_dtype(q.dtype),
-                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), _tl.pdl(),
+                     _tl.tl_dtype(q.dtype), R, _tl.tl_dtype(cos_sin.dtype), _tl.pdl(T_),
                      (Lkv, cache.shape[1], kv_a.stride(0)))
     kernel(q[..., :NN], w_uk, out[..., :L], q[..., NN:], out[..., L:], positions.long().contiguous(),
            cos_sin.contiguous(), kv_a, norm_w.to(q.dtype).contiguous(), cache, slot_mapping.long().contiguous(),
@@ -472,9 +472,9 @@ def representative_kernels():
         ("gemv_rows M1 H16 N512 K128 (V2-Lite W_UK into the decode query's latent columns)",
          lambda: build_gemv_rows(16, 512, 128, 1, c(16, 512, 128, 1, 132), (16 * 192, 192), (16 * 576, 576),
                                  "bfloat16", "bfloat16")),
-        ("mla_q_absorb M1 H16 L512 N128 R64 (V2-Lite decode query)",
+        ("mla_q_absorb M1 H16 L512 N128 R64 (V2-Lite decode query; programmatic dependent launch, as at one row)",
          lambda: build_gemv_rows(16, 512, 128, 1, c(16, 512, 128, 1, 132), (16 * 192, 192), (16 * 576, 576),
-                                 "bfloat16", "bfloat16", 64, "float32")),
+                                 "bfloat16", "bfloat16", 64, "float32", True)),
         ("mla_q_absorb_kv_write M4 H16 L512 N128 R64 bs64 (V2-Lite decode query at 3-4 rows + cache write)",
          lambda: build_gemv_rows(16, 512, 128, 4, c(16, 512, 128, 4, 132), (fused, 192), (16 * 576, 576),
                                  "bfloat16", "bfloat16", 64, "float32", False, (512, 64, fused))),

@@ -430,7 +430,7 @@ def _attend(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, n_split: int
         kern = _decode_ws_kernel(h_p, dv_p + r_p, dv_p, BS, n_split > 1, ragged, dt, W)
     else:
         kern = _decode_kernel(h_p, dv_p, r_p, BS, c["BH"], BN, c["stages"], c["threads"], n_split > 1, ragged, dt, W,
-                              c.get("mma"), *_tl.pdl_arg())
+                              c.get("mma"), *_tl.pdl_arg(T_))
     kern(q, lat, scales, rope, *meta)
     return out, ((o_part, lse_part) if n_split > 1 else None)
 

@@ -184,7 +184,7 @@ def mla_decode_uv(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, w_uv):
     o_part, lse_part = split
     V = w_uv.shape[1]
     y = torch.empty(T_, H, V, dtype=q.dtype, device=q.device)
-    pdl = (16, True) if _tl.pdl() else ()  # (the default unroll, then pdl)
+    pdl = (16, True) if _tl.pdl(T_) else ()  # (the default unroll, then pdl)
     _kernel(H, out.shape[1], dv, V, _tl.tl_dtype(q.dtype), *pdl)(o_part, lse_part, out, w_uv.contiguous(), y)
     return y
 

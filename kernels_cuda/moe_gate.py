@@ -163,7 +163,7 @@ def gate_route(x, gate, bias, top_k, n_group, topk_group, softmax, top2sum, reno
     b = bias.float().contiguous() if bias is not None else logits[0]  # unread without a bias
     kern = _kernel(E, x.shape[1], int(top_k), n_group, topk_group, softmax, bias is not None, top2sum,
                    bool(renormalize), int(n_shared), _tl.tl_dtype(dtype), _tl.tl_dtype(x.dtype),
-                   _tl.tl_dtype(gate.dtype), *_tl.pdl_arg())
+                   _tl.tl_dtype(gate.dtype), *_tl.pdl_arg(NT))
     kern(x, gate, b, logits, count, weights, ids, float(scale))
     return weights, ids
 
@@ -196,7 +196,7 @@ def add_rms_norm_moe_gate(x, residual, norm_w, eps, gate, bias, top_k, scoring, 
     b = bias.float().contiguous() if bias is not None else logits[0]  # unread without a bias
     kern = _kernel(E, C, int(top_k), ng, tg, scoring == "softmax", bias is not None, group_score == "top2sum",
                    bool(renormalize), int(n_shared), _tl.tl_dtype(dtype), _tl.tl_dtype(x.dtype),
-                   _tl.tl_dtype(gate.dtype), _tl.pdl(), True)
+                   _tl.tl_dtype(gate.dtype), _tl.pdl(NT), True)
     kern(x, residual, norm_w.to(x.dtype).contiguous(), normed, res, gate, b, logits, count, weights, ids,
          float(scale), float(eps))
     return normed, res, weights, ids

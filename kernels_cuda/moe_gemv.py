@@ -429,12 +429,12 @@ def small_steps(x, w13, w2, weights, ids, limit: float | None = None, **override
     if up == "mma" and mma_fits(C):
         k1 = _up_mma(E, C, I, K, dt, id_dt, limit)
     else:
-        k1 = _up(E, C, I, K, MB, *split(C, cfg["up_threads"]), dt, id_dt, limit, *_tl.pdl_arg())
+        k1 = _up(E, C, I, K, MB, *split(C, cfg["up_threads"]), dt, id_dt, limit, *_tl.pdl_arg(NT))
     MD = cfg["down_tokens"] or MB
     wt_dt = _tl.tl_dtype(weights.dtype)
     if cfg["down"] == "slots":
         k2 = _down_slots(E, C, I, K, MD, math.gcd(cfg["down_cols"], C), dt, id_dt, wt_dt, cfg["down_slot_blocks"],
-                         *_tl.pdl_arg())
+                         *_tl.pdl_arg(NT))
     else:
         k2 = _down(E, C, I, K, MD, *split(I, cfg["down_threads"]), dt, id_dt, wt_dt, cfg["down_blocks"])
     flat = ids.view(-1)

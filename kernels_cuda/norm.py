@@ -128,7 +128,7 @@ def _run(x, residual, w, eps, fused):
     else:
         r2 = r_out = x2  # unused by the kernel
     if x2.shape[0]:
-        kernel = _kernel(C, _tl.tl_dtype(x.dtype), fused, *((True,) if _tl.pdl() else ()))
+        kernel = _kernel(C, _tl.tl_dtype(x.dtype), fused, *_tl.pdl_arg(x2.shape[0]))
         kernel(x2, r2, w.to(x.dtype).contiguous(), y, r_out, float(eps))
     return y.view(shape), (r_out.view(shape) if fused else None)
 

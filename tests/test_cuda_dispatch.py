@@ -51,3 +51,48 @@ def test_mla_q_absorb_rows_rule(dry, T):
         assert dry == ["build_gemv_rows"], dry
     else:
         assert dry == ["build_rope"], dry
+
+
+@pytest.mark.parametrize("arch, single_row", [("sm_90a", True), ("sm_100a", True), ("sm_80", False),
+                                               ("sm_89", False)])
+def test_pdl_switch(monkeypatch, arch, single_row):
+    """``DEEPINFER_PDL`` unset: programmatic dependent launch for one-row launches of the kernels that take it by
+    default, on sm_90 and later only (``griddepcontrol`` does not exist before); 1: every launch that supports it;
+    0: none; any other word names the variable."""
+    from deepinfer_core.config import ConfigError
+    from kernels_cuda import _tl
+
+    monkeypatch.setenv(_tl.DRYRUN_ENV, "1")
+    monkeypatch.setenv(_tl.ARCH_ENV, arch)
+    _tl.device_arch.cache_clear()
+    monkeypatch.delenv(_tl.PDL_ENV, raising=False)
+    try:
+        assert _tl.pdl(1) is single_row and _tl.pdl_arg(1) == ((True,) if single_row else ())
+        assert not _tl.pdl(2) and not _tl.pdl(1, by_default=False) and _tl.pdl_arg(8) == ()
+        monkeypatch.setenv(_tl.PDL_ENV, "1")
+        assert _tl.pdl(1) and _tl.pdl(64) and _tl.pdl(1, by_default=False)
+        monkeypatch.setenv(_tl.PDL_ENV, "off")
+        assert not _tl.pdl(1) and _tl.pdl_arg(1) == ()
+        monkeypatch.setenv(_tl.PDL_ENV, "sometimes")
+        with pytest.raises(ConfigError, match="DEEPINFER_PDL"):
+            _tl.pdl(1)
+    finally:
+        _tl.device_arch.cache_clear()
+
+
+def test_one_token_decode_launches_with_pdl_and_more_tokens_without(dry, monkeypatch):
+    """Unset ``DEEPINFER_PDL`` on an sm_90a target: the V2-Lite MoE at one token builds its up and down kernels
+    with programmatic dependent launch, at two tokens without (unmeasured there)."""
+    from kernels_cuda import _tl, moe_gemv
+
+    asked = []
+    monkeypatch.delenv(_tl.PDL_ENV, raising=False)
+    for attr in ("_up", "_down_slots"):
+        monkeypatch.setattr(moe_gemv, attr, lambda *args, attr=attr: asked.append((attr, args)) or (lambda *a: None))
+    E, C, I = 66, 2048, 1408
+    w13, w2 = torch.empty(E, 2 * I, C, dtype=torch.bfloat16), torch.empty(E, C, I, dtype=torch.bfloat16)
+    for T in (1, 2):
+        moe_gemv.fused_moe_small(torch.empty(T, C, dtype=torch.bfloat16), w13, w2, torch.empty(T, 8),
+                                 torch.zeros(T, 8, dtype=torch.long))
+    flags = [(attr, args[-1] is True) for attr, args in asked]
+    assert flags == [("_up", True), ("_down_slots", True), ("_down_slots", False)], flags

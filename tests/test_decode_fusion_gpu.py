@@ -129,11 +129,11 @@ def test_decode_fusion_kernels_compile(shape):
 @needs_gpu
 @pytest.mark.parametrize("eager", [True, False])
 def test_programmatic_dependent_launch_gives_the_same_bits(eager, tmp_path, monkeypatch):
-    """``DEEPINFER_PDL=1`` (``kernels_cuda/_tl.py``) launches the batch-1 decode chain's kernels while the kernel
-    before each still runs; only the synchronisation changes, so a request decodes the same tokens with the
-    same logprobs, bit for bit, as without it. V2-Lite at its real widths (3 layers: the dense one and two MoE,
-    random weights), so every kernel of the chain runs at its real-model tiles; a missing wait would read a
-    stale activation or cache entry."""
+    """Programmatic dependent launch (``kernels_cuda/_tl.py``: ``DEEPINFER_PDL`` 1, or unset at one row) launches
+    the batch-1 decode chain's kernels while the kernel before each still runs; only the synchronisation changes,
+    so a request decodes the same tokens with the same logprobs, bit for bit, as without it. V2-Lite at its real
+    widths (3 layers: the dense one and two MoE, random weights), so every kernel of the chain runs at its
+    real-model tiles; a missing wait would read a stale activation or cache entry."""
     import sys
     from pathlib import Path
 
@@ -147,13 +147,17 @@ def test_programmatic_dependent_launch_gives_the_same_bits(eager, tmp_path, monk
     g = torch.Generator().manual_seed(5)
     prompts = [{"prompt_token_ids": torch.randint(2, 50000, (n,), generator=g).tolist()} for n in (7, 300)]
     outs = []
-    for pdl in ("0", "1"):
-        monkeypatch.setenv("DEEPINFER_PDL", pdl)
+    for pdl in ("0", "1", None):  # off, on everywhere, unset (on at one row on sm_90+: the chain here)
+        if pdl is None:
+            monkeypatch.delenv("DEEPINFER_PDL")
+        else:
+            monkeypatch.setenv("DEEPINFER_PDL", pdl)
         llm = LLM(model=model_dir, load_format="random", seed=3, accelerator="nvidia", dtype="bfloat16",
                   max_num_seqs=1, graph_batch_sizes=[1], enforce_eager=eager, kv_cache_memory=1 << 30)
         outs.append([o.outputs[0] for o in llm.generate(prompts, greedy(24), use_tqdm=False)])
         llm.shutdown()
-    for off, on in zip(*outs):
-        assert on.token_ids == off.token_ids
-        assert [lp[t].logprob for lp, t in zip(on.logprobs, on.token_ids)] == \
-            [lp[t].logprob for lp, t in zip(off.logprobs, off.token_ids)]
+    for off, *ons in zip(*outs):
+        for on in ons:
+            assert on.token_ids == off.token_ids
+            assert [lp[t].logprob for lp, t in zip(on.logprobs, on.token_ids)] == \
+                [lp[t].logprob for lp, t in zip(off.logprobs, off.token_ids)]
