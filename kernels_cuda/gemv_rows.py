@@ -392,9 +392,16 @@ def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     reference's batched GEMM (cuBLAS) (``faster_than_cublas``), cuBLAS elsewhere."""
     if applies(x, w) and faster_than_cublas(x.shape[0], w.numel() * w.element_size()):
         return gemv_rows(x, w)
-    from kernels_cpu import ops as ref
+    return _bmm_heads(x, w, torch.empty(x.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, device=x.device))
 
-    return ref.head_linear(x, w).contiguous()  # (einsum's [T, H, N] comes out in the batched GEMM's layout)
+
+def _bmm_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[t, h] = w[h] @ x[t, h]`` as one batched GEMM over the heads (cuBLAS) that reads x's and writes out's
+    [T, H, .] layouts in place: x[T, H, K] and out[T, H, N] may be column slices of wider rows (a unit last
+    stride), taken as batches of row stride H x width. Before, the reference's einsum wrote [H, T, N] and a copy
+    made it [T, H, N] (at V2-Lite b256 two such copies and the query's cat took 2 % of a decode step)."""
+    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -410,8 +417,15 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
             or cos_sin.dtype not in (torch.float32, q.dtype)):
         from kernels_cuda.elementwise import rope
 
-        # the reference's composition with this backend's ops (its rope is one launch, the reference's ten)
-        return torch.cat((head_linear(nope, w_uk), rope(q[..., NN:], positions, cos_sin)), -1)
+        # the reference's composition with this backend's ops (its rope is one launch, the reference's ten), the
+        # batched GEMM writing its columns of the output in place
+        out = torch.empty(T_, H, L + R, dtype=q.dtype, device=q.device)
+        if applies(nope, w_uk) and faster_than_cublas(T_, w_uk.numel() * w_uk.element_size()):
+            gemv_rows(nope, w_uk, out=out[..., :L])
+        else:
+            _bmm_heads(nope, w_uk, out[..., :L])
+        out[..., L:] = rope(q[..., NN:], positions, cos_sin)
+        return out
     out = torch.empty(T_, H, L + R, dtype=q.dtype, device=q.device)
     sms = _tl.num_sms(q.device.index or 0) if q.is_cuda else _tl.num_sms()
     MB = m_bucket(T_)

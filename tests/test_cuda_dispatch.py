@@ -96,3 +96,21 @@ def test_one_token_decode_launches_with_pdl_and_more_tokens_without(dry, monkeyp
                                  torch.zeros(T, 8, dtype=torch.long))
     flags = [(attr, args[-1] is True) for attr, args in asked]
     assert flags == [("_up", True), ("_down_slots", True), ("_down_slots", False)], flags
+
+
+def test_batched_head_gemm_writes_strided_slices_in_place():
+    """``gemv_rows._bmm_heads`` (``head_linear`` past the GEMV's rows, and the wide decode query): x may be the
+    query's nope columns and out the latent columns of [T, H, L + R] rows; the result equals the reference's
+    ``head_linear`` and nothing past the slice is written."""
+    from kernels_cpu import ops as ref
+    from kernels_cuda.gemv_rows import _bmm_heads
+
+    g = torch.Generator().manual_seed(0)
+    T, H, N, L, R = 37, 16, 128, 512, 64
+    q = torch.randn(T, H, N + R, generator=g)
+    w = torch.randn(H, L, N, generator=g)
+    out = torch.full((T, H, L + R), 7.0)
+    got = _bmm_heads(q[..., :N], w, out[..., :L])
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out[..., :L], ref.head_linear(q[..., :N].contiguous(), w), rtol=1e-5, atol=1e-4)
+    assert (out[..., L:] == 7.0).all()
