@@ -11,7 +11,8 @@ chunks of up to ``gemv.MAX_M`` rows, kv_b_proj's included), the MoE token counts
 size rules change (``moe_token_counts``), prefill chunks up to 8192 tokens, and speculative verify steps
 of up to ``--spec-k`` drafts a request (default 4, the engine's; 0: none): mla_decode's ragged kernel
 (several query rows a request) at each split and combine configuration (``verify_token_counts``), and
-the async launch's ``draft_lengths`` at k columns; with ``--mtp``, DSpark's MTP draft (``warm_mtp``). The
+the async launch's ``draft_lengths`` at k columns; with ``--mtp``, DSpark's MTP draft (``warm_mtp``); with ``--pdl``,
+the ``DEEPINFER_PDL=1`` builds of the batch-1 chain and the FP8 batch-1 ops (``warm_pdl_b1``). The
 weight-streaming MoE's down kernel is compiled in each of its variants (``moe_gemv.DOWNS``: ``warm_moe_downs``),
 so a device run may pick one with ``DEEPINFER_MOE_DOWN`` from the packed cache.
 ``kernel_warm.py --engine-shapes`` runs this as part of the cache pack.
@@ -259,7 +260,8 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
 
 def warm_pdl_b1(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """The batch-1 decode chain's kernels as ``DEEPINFER_PDL=1`` builds them (programmatic dependent launch:
-    ``kernels_cuda/_tl.py``), so a device run can compare it from the packed cache."""
+    ``kernels_cuda/_tl.py``; unset, the bf16 ones are already the default builds), so a device run can compare it
+    from the packed cache."""
     from kernels_cuda import _tl
 
     old = os.environ.get(_tl.PDL_ENV)
