@@ -43,7 +43,8 @@ def test_default_is_slots_with_the_size_rule_tiles(built):
     assert moe_gemv.CONFIG["down"] == "slots" and moe_gemv.down_choice() == "slots"
     _steps()
     name, args = _down_call(built)
-    assert name == "_down_slots" and args == (66, 2048, 1408, 8, 1, 1, "bfloat16", "int64", "bfloat16", 3)
+    # (and, at one token on an sm_90a target, programmatic dependent launch: ``_tl.pdl``)
+    assert name == "_down_slots" and args == (66, 2048, 1408, 8, 1, 1, "bfloat16", "int64", "bfloat16", 3, True)
     built.clear()
     _steps(T=3)  # the row bucket (4 tokens) a CTA
     assert _down_call(built) == ("_down_slots", (66, 2048, 1408, 8, 4, 2, "bfloat16", "int64", "bfloat16", 2))
