@@ -59,13 +59,12 @@ def _cases() -> dict:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, str]:
-    import os
-
-    os.environ["TILELANG_CACHE_DIR"] = str(tmp_path_factory.mktemp("tl") / "tl-pdl")
     from kernels_cuda import _tl
 
-    return {name: _tl.compile_kernel(thunk(), arch=ARCH).get_kernel_source() for name, (thunk, _, _) in
-            _cases().items()}
+    with pytest.MonkeyPatch.context() as mp:  # (the later tests keep their cache folder)
+        mp.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.mktemp("tl") / "tl-pdl"))
+        return {name: _tl.compile_kernel(thunk(), arch=ARCH).get_kernel_source() for name, (thunk, _, _) in
+                _cases().items()}
 
 
 @pytest.mark.parametrize("name", list(_cases()))
