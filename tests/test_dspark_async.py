@@ -174,8 +174,10 @@ def test_prompts_prefilled_overlapped_reach_the_host_drafts(tiny_mtp):
     """A wave of 4 under a token budget that admits about one prompt a step (``host_steps_below`` 4): the
     first step counts 4 coming requests and overlaps, the next two run below 4, on the host. The host draft
     catches up only on the steps it runs, so the overlapped step's hidden rows are kept when it is drained
-    (``Proposer.step_drained``): the MTP layer's KV of every prompt position then equals the entry from the
-    target's teacher-forced hidden states. Without them the prompts stayed holes in the draft's KV."""
+    (``Proposer.step_drained``), and a host step that does not draft keeps its rows for the device path's
+    catch-up: the MTP layer's KV of every prompt position then equals the entry from the target's teacher-forced
+    hidden states. Without them the prompts stayed holes in the draft's KV (positions 28-30 of the last two
+    prompts, before the device path read the kept rows)."""
     bs = 4
     llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed", "host_steps_below": 4}, async_scheduling=True,
                max_num_seqs=4, max_num_batched_tokens=32)
@@ -189,9 +191,9 @@ def test_prompts_prefilled_overlapped_reach_the_host_drafts(tiny_mtp):
         overlapped.append(eng.stats.overlapped_steps - before)
     eng.pipeline.drain()
     assert overlapped[:3] == [0, 0, 0] and feat.n["proposals"] > 0, overlapped  # an overlapped prefill, then host steps
-    # the two prompts the overlapped step began (the others' last chunks ran in a host step of 4 running requests,
-    # which does not draft, and the device path that takes over from there does not read kept rows: a known gap)
-    for seq in seqs[:2]:
+    # every prompt: the two the overlapped step began, and the others, whose last chunks ran in a host step of 4
+    # running requests (which does not draft: it keeps their rows, and the device path that takes over writes them)
+    for seq in seqs:
         got, ref = mtp_kv_and_teacher_forced(eng, feat.source, seq, len(PROMPTS[5]), bs)  # the prompt's positions
         assert (got - ref).abs().max().item() < 1e-4, seq.request_id
     while eng.has_unfinished():

@@ -91,13 +91,17 @@ class DeviceDrafter:
         for _, _, st, _, _ in items:
             st.dev_launch, st.dev_pending = launch, True
             st.drafts, st.q, st.feats = [], None, None
+            st.kept_hidden, st.kept_rows = [], 0  # (an MTP catch-up wrote their draft KV)
         self.n["proposals"] += 1
         self.n["depth"] += K
         return DeviceDraft(tokens, conf, float(self.opts["min_confidence"]) if self.threshold else 0.0)
 
     def _catchup_items(self, requests, states, launch: int, hidden: StepHidden | None) -> list[tuple]:
         """Per request that can draft: its catch-up span [lo, hi) of positions (host-known bounds),
-        long spans first (as the catch-up's metadata lays them out)."""
+        long spans first (as the catch-up's metadata lays them out). An MTP request's span starts with the
+        rows it kept while it did not draft (``Drafter._defer``, ``step_drained``: host steps), where they
+        reach the step in flight's first position; kept rows that do not are dropped (their draft KV stays
+        stale: fewer drafts accepted, outputs exact)."""
         items = []
         for i, (seq, st) in enumerate(zip(requests, states)):
             if not st:
@@ -105,7 +109,10 @@ class DeviceDrafter:
             if self.source.needs_hidden:  # the step in flight's rows of this request (host bounds)
                 if hidden is None or not hidden.counts[i]:
                     continue
-                lo, hi = hidden.first_bound[i], hidden.first_bound[i] + hidden.counts[i]
+                first = hidden.first_bound[i]  # (exact while the request kept rows: it did not draft since)
+                if st.kept_rows and st.done + st.kept_rows != first:
+                    st.kept_hidden, st.kept_rows = [], 0
+                lo, hi = first - st.kept_rows, first + hidden.counts[i]
             else:  # from the last catch-up's true end (one launch back) or the host's lower bound
                 known = seq.num_known_tokens
                 lo = known if st.dev_launch == launch - 1 and st.done <= known else st.done
@@ -156,7 +163,12 @@ class DeviceDrafter:
             h.update(W=W, win=up.add([w + [0] * (W - len(w)) for _, w in wins]), w0=up.add([w0 for w0, _ in wins]),
                      known=up.add([w0 + len(w) for w0, w in wins]), item=up.add(list(range(len(items)))),
                      count=up.add([it[4] - it[3] for it in items]),
-                     dec=up.add([j for j, it in enumerate(items) if not self._long_span(it)]))
+                     dec=up.add([j for j, it in enumerate(items) if not self._long_span(it)]),
+                     kept=up.add([it[2].kept_rows for it in items]))
+            # the kept rows (device tensors already) and their rows in the catch-up's layout
+            kept_at = [s + r for s, it in zip(starts, items) for r in range(it[2].kept_rows)]
+            h["kept_at"] = up.add(kept_at) if kept_at else None
+            h["kept_hidden"] = torch.cat([x for it in items for x in it[2].kept_hidden]) if kept_at else None
 
         else:
             h.update(host_ids=up.add(host_ids), gather=up.add(gather), slots=up.add(slots))
@@ -247,12 +259,14 @@ class DeviceDrafter:
         """An MTP layer's catch-up over the step in flight's rows of each request: the target's hidden
         state at position p with the token after it (host-known, else in flight). Positions are the
         device's (``hidden.first``: shifted back by the rejected drafts of the step before); rows whose
-        next token does not exist write no draft KV. Returns (carry, normed) and the target's hidden
-        state of the row of each request that proposes d_1 (position true length - 2)."""
+        next token does not exist write no draft KV. A span may start with rows kept from host steps
+        (``_catchup_items``), whose hidden states come from the kept tensors. Returns (carry, normed) and
+        the target's hidden state of the row of each request that proposes d_1 (position true length - 2)."""
         bs, P, W = self.engine.block_size, pending.shape[1], h["W"]
         req_t, offs_t, sel = t[h["req"]], t[h["offs"]], t[h["sel"]]
         r_t = self._item_of(t, h, pending)[req_t]  # each row's item
-        first = hidden.first[sel]  # the items' true first positions
+        kept = t[h["kept"]]  # rows kept from host steps before the step in flight's (``_catchup_items``)
+        first = hidden.first[sel] - kept  # the items' spans' true first positions
         pos = first[r_t] + offs_t
         q = pos + 1  # the token fed with the hidden state at p
         known, w0 = t[h["known"]][r_t], t[h["w0"]][r_t]
@@ -262,7 +276,9 @@ class DeviceDrafter:
         bt = t[h["tables"]]
         blk = bt[r_t, (pos // bs).clamp(max=bt.shape[1] - 1)]
         slots = torch.where(pos < num_tokens[req_t] - 1, blk * bs + pos % bs, -1)
-        prev = hidden.hidden[(hidden.rows[req_t] + offs_t).clamp(max=hidden.hidden.shape[0] - 1)]
+        prev = hidden.hidden[(hidden.rows[req_t] + offs_t - kept[r_t]).clamp(0, hidden.hidden.shape[0] - 1)]
+        if h["kept_at"] is not None:
+            prev[t[h["kept_at"]]] = h["kept_hidden"].to(prev.dtype)
         if h["lean"]:
             carry, normed = self._catchup_forward(t, h, ids, pos, slots, r_t, prev)
         else:
