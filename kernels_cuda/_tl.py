@@ -103,9 +103,9 @@ def kernel_cache(builder: Callable[..., Any]) -> Callable[..., Any]:
 #: weight-streaming MoE's up and down kernels, and their FP8 counterparts. A kernel without it waits for the whole
 #: kernel before it, as any launch does, so the chain may mix both.
 #: ``DEEPINFER_PDL=1``: every launch that supports it; ``0``: none; unset: launches of one activation row (the
-#: batch-1 decode chain) of the bf16 kernels, on devices that have it (sm_90 and later). That is what was measured:
-#: V2-Lite b1 on an H100, 2.545 / 2.554 -> 2.480 / 2.491 ms a step, the same bits (docs/h200/s13); the FP8 chain
-#: measured no gain (2.150 -> 2.163 ms), and more rows were not measured.
+#: batch-1 decode chain) of the bf16 kernels, on devices that have it (sm_90 and later). That is what was measured
+#: (docs/h200/s13): V2-Lite b1 2.094 / 2.080 -> 2.029 / 2.024 ms a step on the H200 (2.545 / 2.554 -> 2.480 / 2.491
+#: on an H100), the same bits; the FP8 chain measured no gain (H100: 2.150 -> 2.163 ms); more rows were not measured.
 PDL_ENV = "DEEPINFER_PDL"
 
 
