@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.config import env_flag
+from deepinfer_core.config import ConfigError, env_flag
 
 #: Overrides the compile target's arch (e.g. ``sm_90a``); by default it comes from the device.
 ARCH_ENV = "DEEPINFER_CUDA_ARCH"
@@ -113,7 +113,11 @@ def pdl(rows: int = 1, by_default: bool = True) -> bool:
     """Whether a launch over ``rows`` activation rows uses programmatic dependent launch (``PDL_ENV``);
     ``by_default``: whether the kernel takes it without the variable (a single row on sm_90+)."""
     if os.environ.get(PDL_ENV, "").strip():
-        return env_flag(PDL_ENV, False)
+        on = env_flag(PDL_ENV, False)
+        if on and (torch.cuda.is_available() or dry_run()) and not has_pdl():
+            raise ConfigError(f"environment variable {PDL_ENV}=1: programmatic dependent launch needs sm_90 or later, "
+                              f"the compile target is {device_arch()}; unset it or set 0")
+        return on
     return by_default and rows == 1 and has_pdl()
 
 

@@ -57,8 +57,8 @@ def test_mla_q_absorb_rows_rule(dry, T):
                                                ("sm_89", False)])
 def test_pdl_switch(monkeypatch, arch, single_row):
     """``DEEPINFER_PDL`` unset: programmatic dependent launch for one-row launches of the kernels that take it by
-    default, on sm_90 and later only (``griddepcontrol`` does not exist before); 1: every launch that supports it;
-    0: none; any other word names the variable."""
+    default, on sm_90 and later only (``griddepcontrol`` does not exist before); 1: every launch that supports it
+    (before sm_90 an error naming the variable and the arch); 0: none; any other word names the variable."""
     from deepinfer_core.config import ConfigError
     from kernels_cuda import _tl
 
@@ -70,7 +70,11 @@ def test_pdl_switch(monkeypatch, arch, single_row):
         assert _tl.pdl(1) is single_row and _tl.pdl_arg(1) == ((True,) if single_row else ())
         assert not _tl.pdl(2) and not _tl.pdl(1, by_default=False) and _tl.pdl_arg(8) == ()
         monkeypatch.setenv(_tl.PDL_ENV, "1")
-        assert _tl.pdl(1) and _tl.pdl(64) and _tl.pdl(1, by_default=False)
+        if single_row:
+            assert _tl.pdl(1) and _tl.pdl(64) and _tl.pdl(1, by_default=False)
+        else:  # asked for where the target has no griddepcontrol: said, not ignored
+            with pytest.raises(ConfigError, match=f"DEEPINFER_PDL=1.*sm_90.*{arch}"):
+                _tl.pdl(1)
         monkeypatch.setenv(_tl.PDL_ENV, "off")
         assert not _tl.pdl(1) and _tl.pdl_arg(1) == ()
         monkeypatch.setenv(_tl.PDL_ENV, "sometimes")
