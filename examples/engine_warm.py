@@ -262,17 +262,24 @@ def warm_pdl_b1(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = tor
     """The batch-1 decode chain's kernels as ``DEEPINFER_PDL=1`` builds them (programmatic dependent launch:
     ``kernels_cuda/_tl.py``; unset, the bf16 ones are already the default builds), so a device run can compare it
     from the packed cache."""
+    from unittest import mock
+
     from kernels_cuda import _tl
 
-    old = os.environ.get(_tl.PDL_ENV)
-    os.environ[_tl.PDL_ENV] = "1"
-    try:
+    with mock.patch.dict(os.environ, {_tl.PDL_ENV: "1"}):
         return [f"pdl {name}" for name in warm_b1_chain(cfg, block_size, dtype)]
-    finally:
-        if old is None:
-            del os.environ[_tl.PDL_ENV]
-        else:
-            os.environ[_tl.PDL_ENV] = old
+
+
+def b1_projections(cfg: ModelConfig) -> set[tuple[int, int]]:
+    """(out, in) of the projections a batch-1 step runs as plain GEMVs in either weight dtype: o_proj, a dense
+    layer's w2 and q_b (with q_lora)."""
+    C, H, N, R = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    weights = {(C, H * cfg.v_head_dim)}
+    if cfg.first_k_dense_replace:
+        weights.add((C, cfg.intermediate_size))
+    if cfg.q_lora_rank:
+        weights.add((H * (N + R), cfg.q_lora_rank))
+    return weights
 
 
 def warm_b1_chain(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list[str]:
@@ -294,13 +301,10 @@ def warm_b1_chain(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list
     cache = e(16, block_size, L + R, dtype=dtype)
     for res in (None, e(1, C, dtype=dtype)):
         add_rms_norm_linear(e(1, C, dtype=dtype), res, e(C, dtype=dtype), 1e-6, e(q_cols + L + R, C, dtype=dtype))
-    weights = {(C, H * V), (cfg.vocab_size, C)}
+    weights = b1_projections(cfg) | {(cfg.vocab_size, C)}  # (bf16: the norm + q / kv_a and w13 GEMVs are fused)
     if cfg.first_k_dense_replace:
         add_rms_norm_linear(e(1, C, dtype=dtype), e(1, C, dtype=dtype), e(C, dtype=dtype), 1e-6,
                             e(2 * cfg.intermediate_size, C, dtype=dtype))
-        weights.add((C, cfg.intermediate_size))
-    if cfg.q_lora_rank:
-        weights.add((H * (N + R), cfg.q_lora_rank))
     for n_out, k_in in sorted(weights):
         linear(e(1, k_in, dtype=dtype), e(n_out, k_in, dtype=dtype))
     for width in {C, L, cfg.q_lora_rank or L}:  # (norm.py's kernels trigger the next launch: prefill's norms)
@@ -342,13 +346,10 @@ def warm_b1_fp8(cfg: ModelConfig, dtype: torch.dtype) -> list[str]:
 
     e, f8 = torch.empty, torch.float8_e4m3fn
     C, H, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
-    q_cols = cfg.q_lora_rank or H * (N + R)
-    weights = {(q_cols + L + R, C), (C, H * V)}
+    q_cols = cfg.q_lora_rank or H * (cfg.qk_nope_head_dim + R)
+    weights = b1_projections(cfg) | {(q_cols + L + R, C)}  # (FP8: q / kv_a and w13 are GEMVs of their own)
     if cfg.first_k_dense_replace:
-        weights |= {(2 * cfg.intermediate_size, C), (C, cfg.intermediate_size)}
-    if cfg.q_lora_rank:
-        weights.add((H * (N + R), cfg.q_lora_rank))
+        weights.add((2 * cfg.intermediate_size, C))
     for n_out, k_in in sorted(weights):
         fp8_linear(e(1, k_in, dtype=dtype), e(n_out, k_in, dtype=f8), e(-(-n_out // 128), -(-k_in // 128)))
     done = [f"fp8_linear x {len(weights)}"]

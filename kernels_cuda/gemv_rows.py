@@ -387,12 +387,15 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     return y
 
 
-def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def head_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The registry's ``head_linear`` (x[T, H, K], w[H, N, K] -> [T, H, N]): the GEMV where it is faster than the
-    reference's batched GEMM (cuBLAS) (``faster_than_cublas``), cuBLAS elsewhere."""
+    reference's batched GEMM (cuBLAS) (``faster_than_cublas``), cuBLAS elsewhere. ``out`` (this backend's callers):
+    [T, H, N] with a unit last stride, e.g. columns of wider rows, written in place."""
     if applies(x, w) and faster_than_cublas(x.shape[0], w.numel() * w.element_size()):
-        return gemv_rows(x, w)
-    return _bmm_heads(x, w, torch.empty(x.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, device=x.device))
+        return gemv_rows(x, w, out=out)
+    if out is None:
+        out = torch.empty(x.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    return _bmm_heads(x, w, out)
 
 
 def _bmm_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -420,10 +423,7 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
         # the reference's composition with this backend's ops (its rope is one launch, the reference's ten), the
         # batched GEMM writing its columns of the output in place
         out = torch.empty(T_, H, L + R, dtype=q.dtype, device=q.device)
-        if applies(nope, w_uk) and faster_than_cublas(T_, w_uk.numel() * w_uk.element_size()):
-            gemv_rows(nope, w_uk, out=out[..., :L])
-        else:
-            _bmm_heads(nope, w_uk, out[..., :L])
+        head_linear(nope, w_uk, out=out[..., :L])
         out[..., L:] = rope(q[..., NN:], positions, cos_sin)
         return out
     out = torch.empty(T_, H, L + R, dtype=q.dtype, device=q.device)

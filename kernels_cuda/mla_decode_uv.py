@@ -47,8 +47,8 @@ def enabled() -> bool:
     return env_flag(ENV, True)
 
 
-def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", unroll: int = 16,
-                     pdl: bool = False):
+def build_combine_uv(H: int, HP: int, DV: int, V: int, dtype: str = "bfloat16", pdl: bool = False,
+                     unroll: int = 16):
     """The kernel: Y[t, h, v] = sum_k W[h, v, k] * round(o[t, h, k]) for h < H, with o the merge of the split
     partials OPart / LsePart (``build_combine``'s) or, where one split is live, Out's row. ``HP``: the attention's
     (padded) head count, the extent of its buffers. ``unroll``: live splits whose partial loads a thread has in
@@ -184,8 +184,8 @@ def mla_decode_uv(q, cache, block_tables, cu_q_lens, seq_lens, scale, dv, w_uv):
     o_part, lse_part = split
     V = w_uv.shape[1]
     y = torch.empty(T_, H, V, dtype=q.dtype, device=q.device)
-    pdl = (16, True) if _tl.pdl(T_) else ()  # (the default unroll, then pdl)
-    _kernel(H, out.shape[1], dv, V, _tl.tl_dtype(q.dtype), *pdl)(o_part, lse_part, out, w_uv.contiguous(), y)
+    kernel = _kernel(H, out.shape[1], dv, V, _tl.tl_dtype(q.dtype), *_tl.pdl_arg(T_))
+    kernel(o_part, lse_part, out, w_uv.contiguous(), y)
     return y
 
 

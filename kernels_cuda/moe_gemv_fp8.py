@@ -335,8 +335,7 @@ def moe_fp8_small_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, min_block
     h = torch.empty(NT * K, I, dtype=x.dtype, device=x.device)
     out = torch.empty(NT, C, dtype=x.dtype, device=x.device)
     if up_kind(C, up) == "mma":
-        pdl = (4, True) if _tl.pdl(NT, by_default=False) else ()  # (the default batch, then pdl)
-        k1 = _up_mma(E, C, I, K, m_bucket(NT), dt, id_dt, min_blocks, *pdl)
+        k1 = _up_mma(E, C, I, K, m_bucket(NT), dt, id_dt, min_blocks, *_tl.pdl_arg(NT, by_default=False))
     else:
         k1 = _up(E, C, I, K, m_bucket(NT), *split(C), dt, id_dt, min_blocks)
     k2 = _down(E, C, I, K, THREADS // 32, dt, id_dt, _tl.tl_dtype(weights.dtype), min_blocks,

@@ -10,7 +10,7 @@ THREADS = 256
 
 
 def build_up_fp8_mma(E: int, C: int, I: int, K: int, MB: int, dtype: str, id_dtype: str, min_blocks: int = 2,
-                     batch: int = 4, pdl: bool = False):
+                     pdl: bool = False, batch: int = 4):
     """``moe_up_fp8`` on the e4m3 tensor cores (``mma.sync.m16n8k32.row.col.f32.e4m3.e4m3.f32``), in
     ``moe_gemv.build_up_mma``'s layout. A CTA (8 warps) owns the ``BN`` = 8 columns n = bn * 8 + g of its expert:
     their gate rows are the mma's M rows g, their up rows the rows g + 8. The chunk's listed rows are its N = 8

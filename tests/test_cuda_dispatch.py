@@ -118,3 +118,30 @@ def test_batched_head_gemm_writes_strided_slices_in_place():
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out[..., :L], ref.head_linear(q[..., :N].contiguous(), w), rtol=1e-5, atol=1e-4)
     assert (out[..., L:] == 7.0).all()
+
+
+@pytest.mark.parametrize("T", [0, 1, 300])
+def test_head_linear_into_a_slice_hostile(T):
+    """``head_linear(..., out=)`` past the GEMV's rows (CPU tensors take the batched GEMM): an empty batch writes
+    nothing and returns [0, H, N]; a NaN or inf in one token's row poisons that token's outputs only; the
+    columns beside the slice keep their values."""
+    from kernels_cpu import ops as ref
+    from kernels_cuda.gemv_rows import head_linear
+
+    g = torch.Generator().manual_seed(1)
+    H, N, L, R = 4, 32, 64, 16
+    q = torch.randn(T, H, N + R, generator=g)
+    if T:
+        q[T // 2, 1, 3] = float("nan")
+        q[T - 1, 2, 0] = float("inf")
+    w = torch.randn(H, L, N, generator=g)
+    out = torch.full((T, H, L + R), 7.0)
+    got = head_linear(q[..., :N], w, out=out[..., :L])
+    assert got.shape == (T, H, L) and (out[..., L:] == 7.0).all()
+    bad = torch.zeros(T, H, dtype=torch.bool)
+    if T:
+        bad[T // 2, 1] = bad[T - 1, 2] = True
+    assert not torch.isfinite(got[bad]).any() and torch.isfinite(got[~bad]).all()
+    want = ref.head_linear(q[..., :N].contiguous(), w)
+    torch.testing.assert_close(got[~bad], want[~bad], rtol=1e-5, atol=1e-4)
+    assert head_linear(q[..., :N].contiguous(), w).shape == (T, H, L)  # (and without out: a new tensor)

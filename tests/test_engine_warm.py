@@ -159,7 +159,7 @@ def test_warm_covers_decode_kernels(kernel_configs, q_lora):
     # the key splits' merge with W_UV in one kernel (mla_decode_uv) at the smallest batches
     # (batch 1 with programmatic dependent launch: ``DEEPINFER_PDL`` unset, an sm_90a target)
     assert {args for key, args in used if key == "mla_decode_uv._kernel"} == {(16, 16, 512, 128, "bfloat16"),
-                                                                             (16, 16, 512, 128, "bfloat16", 16, True)}
+                                                                             (16, 16, 512, 128, "bfloat16", True)}
     assert len({args[3] for key, args in used if key == "moe_stream._gemm1"}) == 3  # every block-row count
     # gemv_rows with R > 0 rope columns: mla_q_absorb(_kv_write)
     absorb = [args for key, args in used if key == "gemv_rows._kernel" and len(args) > 9 and args[9]]

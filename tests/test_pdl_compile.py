@@ -40,7 +40,7 @@ def _cases() -> dict:
             lambda: mla_decode.build_decode(16, 512, 64, 64, c["BH"], c["BN"], c["stages"], c["threads"], True, False,
                                             "bfloat16", 0, c.get("mma"), True),
             [], ["CuQ[", "SeqLens[", "tma_load(Q_desc"]),
-        "mla_decode_uv (merge + W_UV)": (lambda: mla_decode_uv.build_combine_uv(16, 16, 512, 128, "bfloat16", 16, True),
+        "mla_decode_uv (merge + W_UV)": (lambda: mla_decode_uv.build_combine_uv(16, 16, 512, 128, "bfloat16", True),
                                          ["(W + ("], ["LsePart[", "(OPart + ("]),
         "moe_up": (lambda: moe_gemv.build_up(E, C, I, 8, 1, *moe_gemv.split(C, moe_gemv.THREADS), "bfloat16", "int64",
                                              None, True), [], ["Ids[", "(X + ("]),
@@ -50,7 +50,7 @@ def _cases() -> dict:
         "fp8_gemv (q + kv_a, o_proj)": (
             lambda: fp8_gemv.build_fp8_gemv(3648, C, 1, fp8_gemv.gemv_config(3648, C, 1, 132), "bfloat16", True),
             ["(W + (", "WS["], ["(X + ("]),
-        "moe_up_fp8_mma": (lambda: mfm.build_up_fp8_mma(E, C, I, 8, 1, "bfloat16", "int64", 2, 4, True), [],
+        "moe_up_fp8_mma": (lambda: mfm.build_up_fp8_mma(E, C, I, 8, 1, "bfloat16", "int64", 2, True), [],
                            ["Ids[", "(X + ("]),
         "moe_down_fp8": (lambda: mf.build_down_fp8(E, C, I, 8, 4, "bfloat16", "int64", "bfloat16", 2, True), [],
                          ["Ids[", "(H + ("]),
