@@ -226,6 +226,9 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "(positions < max_drafts, >= min_conf; ties to lower position, then lower request) counted per request",
     ),
     OpSpec("logsumexp", "(x[R, V] f32) -> [R]", "log(sum(exp(x[r]))) per row (the logprob normaliser)"),
+    OpSpec("greedy_sample", "(x[R, V] f32) -> (tokens[R] i64, logprobs[R] f32, lse[R] f32)",
+           "greedy decoding's draw and its logprob in one pass: tokens = argmax(x[r]) (torch's: the first "
+           "maximal index, a NaN counting as the maximum), lse = logsumexp(x[r]), logprobs = x[r, token] - lse"),
     OpSpec(
         "sample",
         "(logits[B, V] f32, temperature[B], top_k[B], top_p[B], min_p[B], seeds[B], offsets[B]) -> [B]",

@@ -137,7 +137,7 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     from kernels_cuda.moe_route import moe_gate, moe_route
     from kernels_cuda.norm import add_rms_norm, rms_norm
     from kernels_cuda.norm_gemv import add_rms_norm_linear
-    from kernels_cuda.sampling import sample
+    from kernels_cuda.sampling import greedy_sample, sample
 
     e = torch.empty
     C, H, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -255,6 +255,9 @@ def warm_shape(cfg: ModelConfig, block_size: int = 64, dtype: torch.dtype = torc
     sample(e(B, cfg.vocab_size), torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B), torch.zeros(B),
            torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
     done.append("sample")
+    for B in (1, 4):  # greedy decoding's draw: the batch-1 build (programmatic dependent launch) and the others'
+        greedy_sample(e(B, cfg.vocab_size))
+    done.append("greedy_sample")
     return done
 
 
@@ -399,7 +402,7 @@ def warm_v4(cfg, block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> 
     from kernels_cuda.elementwise import rope
     from kernels_cuda.kv_cache import paged_kv_write
     from kernels_cuda.norm import rms_norm
-    from kernels_cuda.sampling import sample
+    from kernels_cuda.sampling import greedy_sample, sample
     from kernels_cuda.v4_attention import v4_sparse_attention
     from kernels_cuda.v4_compress import v4_compress
     from kernels_cuda.v4_indexer import v4_indexer_topk
@@ -455,6 +458,9 @@ def warm_v4(cfg, block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> 
     sample(e(B, cfg.vocab_size), torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B), torch.zeros(B),
            torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
     done.append("sample")
+    for B in (1, 4):  # greedy decoding's draw: the batch-1 build (programmatic dependent launch) and the others'
+        greedy_sample(e(B, cfg.vocab_size))
+    done.append("greedy_sample")
     return done
 
 

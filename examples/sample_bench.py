@@ -1,7 +1,8 @@
 """Greedy sampling's reductions over the vocabulary on one GPU: the device time (CUDA-graph replays) of the
-sampler's greedy draw and the chosen token's logprob as ``engine/sampler.py`` runs them (``argmax`` and
-``logsumexp`` over each row), against the same in two stages (the row cut into chunks reduced in parallel, then
-the chunks' results), and whether the two give the same tokens.
+greedy draw and the chosen token's logprob as torch's ``argmax`` and ``logsumexp`` over each row (what
+``engine/sampler.py`` ran before ``greedy_sample``), the same in two stages (the row cut into chunks reduced in
+parallel, then the chunks' results), and the CUDA backend's ``greedy_sample`` (one launch: ``kernels_cuda/
+sampling.py``); whether they give the same tokens.
 
 At batch 1 the one-stage reductions over 102,400 logits ran about 45 us a step in the V2-Lite b1 kernel table
 (``docs/h200/s12/bf16_b1_after.kernels.txt``: ``reduce_kernel`` ArgMax 22.6, sum 11.5, max 10.5 us).
@@ -36,6 +37,8 @@ def two_stage(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]
 def main() -> None:
     from mla_decode_bench import graph_us  # noqa: PLC0415  (examples/, on the path as this script's folder)
 
+    from kernels_cuda.sampling import greedy_sample  # noqa: PLC0415
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=102400)
     ap.add_argument("--rows", default="1,8,64")
@@ -44,15 +47,17 @@ def main() -> None:
     assert args.vocab % args.chunks == 0
     for R in map(int, args.rows.split(",")):
         x = torch.randn(R, args.vocab, device="cuda") * 4
-        a, b = one_stage(x), two_stage(x, args.chunks)
-        same = bool((a[0] == b[0]).all())
-        err = (a[1] - b[1]).abs().max().item()
+        a, b, c = one_stage(x), two_stage(x, args.chunks), greedy_sample(x)
+        same = bool((a[0] == b[0]).all()) and bool((a[0] == c[0]).all())
+        err = max((a[1] - b[1]).abs().max().item(), (a[1] - c[1]).abs().max().item())
         t1 = graph_us(lambda x=x: one_stage(x), 10, 200)
         t2 = graph_us(lambda x=x: two_stage(x, args.chunks), 10, 200)
+        t3 = graph_us(lambda x=x: greedy_sample(x), 10, 200)
         t_arg = graph_us(lambda x=x: x.argmax(-1), 10, 200)
         t_lse = graph_us(lambda x=x: torch.logsumexp(x, -1), 10, 200)
         print(f"rows {R:3d}: one stage {t1:6.2f} us (argmax {t_arg:5.2f}, logsumexp {t_lse:5.2f}), two stages "
-              f"{t2:6.2f} us; same tokens {same}, logprob max diff {err:.2e}", flush=True)
+              f"{t2:6.2f} us, greedy_sample {t3:6.2f} us ({R * args.vocab * 4 / t3 / 1e3:.0f} GB/s); same tokens "
+              f"{same}, logprob max diff {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ class AscendKernels(KernelBackend):
     core_api_version = "1.0"
     #: Not named here, so they run the reference ops (plain torch, on the NPU), as ``deepinfer plugins``
     #: lists: linear and head_linear (aclnn MatMul/BatchMatMul already are the NPU's GEMMs),
-    #: apply_penalties and logsumexp (elementwise/reductions). paged_kv_gather is plain torch too, but
+    #: apply_penalties, logsumexp and greedy_sample (elementwise/reductions). paged_kv_gather is plain torch too, but
     #: over the platform's cache planes (AscendPlatform.kv_cache_planes).
     ops = {
         "rms_norm": "kernels_ascend.dense:rms_norm",

@@ -473,6 +473,11 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     return torch.log(row_sum(torch.exp(x - m))) + m[..., 0]
 
 
+def greedy_sample(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's greedy draw (``argmax`` is batch-independent) with :func:`logsumexp` above."""
+    return reference.greedy_with_lse(x, logsumexp(x))
+
+
 def moe_route(logits, bias, top_k, scoring, n_group, topk_group, group_score, renormalize, scale):
     logits = logits.float()
     if scoring == "softmax":
@@ -537,4 +542,5 @@ class BatchInvariantKernels(KernelBackend):
         "add_rms_norm", "silu_and_mul",
         "mla_decode", "mla_decode_uv", "mla_prefill",
         "moe_route", "moe_gate", "add_rms_norm_moe_gate", "fused_moe", "logsumexp",
+        "greedy_sample",
     )}

@@ -240,6 +240,17 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(x, dim=-1)
 
 
+def greedy_sample(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, logprobs, lse) of greedy rows: each row's first argmax, its log-probability, the normaliser."""
+    return greedy_with_lse(x, logsumexp(x))
+
+
+def greedy_with_lse(x: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`greedy_sample` given the rows' normaliser ``lse``."""
+    tokens = x.argmax(-1)
+    return tokens, x.gather(-1, tokens[..., None])[..., 0] - lse, lse
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,

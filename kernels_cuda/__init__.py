@@ -58,6 +58,7 @@ class CudaKernels(KernelBackend):
         "add_rms_norm_moe_gate": "kernels_cuda.moe_gate:add_rms_norm_moe_gate",
         "fused_moe": "kernels_cuda.moe:fused_moe",
         "sample": "kernels_cuda.sampling:sample",
+        "greedy_sample": "kernels_cuda.sampling:greedy_sample",
         "draft_lengths": "kernels_cuda.draft_lengths:draft_lengths",
         # DeepSeek-V4 (``mhc_head``, ``rope_inverse`` and ``silu_and_mul_clamped`` stay the reference: one
         # call per step, or torch element-wise ops the clamped fused MoE already replaces on the hot path)

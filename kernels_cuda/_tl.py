@@ -158,6 +158,24 @@ def pdl_gate():
     return gate
 
 
+_counters: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def launch_counters(name: str, n: int, device: torch.device) -> torch.Tensor | None:
+    """``n`` zeroed int32 counters of device ``device`` for the kernels named ``name``: a launch whose CTAs count
+    their finished parts on them (the last one merges) leaves them at 0 again, so a CUDA graph replays it as is.
+    Made on the first call outside a graph capture (the engine's warm-up step; a capture runs on its own stream,
+    so they are per device, not per stream); None while a capture runs and none exist yet (a tensor made during
+    a capture would live in the graph's pool): the caller then takes its path without the counters. A device
+    runs one model forward at a time, its kernels one after the other, so one set per kernel name suffices."""
+    key = (name, (device.index or 0) if device.type == "cuda" else -1)
+    if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _counters[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
 @functools.cache
 def num_sms(index: int = 0) -> int:
     if dry_run() and not torch.cuda.is_available():

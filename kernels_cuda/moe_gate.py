@@ -8,9 +8,7 @@ shared experts, and puts the counter back to 0 for the next launch (so a CUDA gr
 Tokens are routed in parallel, each by its own last CTA. One launch instead of two (the GEMV and
 ``moe_route``), and no host sync.
 
-The counters are one int32 tensor of 8 per device, made (zeroed) on the first call outside a graph capture
-(the engine's warm-up step; a capture runs on its own stream, so they are per device, not per stream): a
-device runs one model forward at a time, its kernels one after the other, and each launch leaves them at 0.
+The counters are one int32 tensor of 8 per device (``_tl.launch_counters``); each launch leaves them at 0.
 """
 
 import torch
@@ -120,18 +118,10 @@ def build_gate_route(E: int, C: int, K: int, n_group: int, topk_group: int, soft
 
 
 _kernel = _tl.kernel_cache(build_gate_route)
-_counters: dict[int, torch.Tensor] = {}
 
 
 def _counter(device: torch.device) -> torch.Tensor | None:
-    """The zeroed counters of this device; None while a graph is being captured and none exist yet (a tensor
-    made during capture would live in the graph's pool)."""
-    key = (device.index or 0) if device.type == "cuda" else -1
-    if key not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[key] = torch.zeros(MAX_T, dtype=torch.int32, device=device)
-    return _counters[key]
+    return _tl.launch_counters("moe_gate", MAX_T, device)
 
 
 def applies(x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -243,6 +243,168 @@ def build_sample():
 
 _kernel = _tl.kernel_cache(build_sample)
 
+# ---- greedy_sample: argmax, log-sum-exp and the chosen logprob in one launch ------------------------------------
+GREEDY_THREADS = 256
+GREEDY_PER_THREAD = 8
+GREEDY_CHUNK = GREEDY_THREADS * GREEDY_PER_THREAD  # logits per CTA: 50 CTAs a row at V2/V3's vocabularies
+MAX_GREEDY_ROWS = 4096  # rows of one launch (its counters); more: the reference's torch reductions
+
+
+def build_greedy(pdl: bool = False):
+    """``greedy_sample``. Grid (NC, R), NC = ceil(V / GREEDY_CHUNK): a CTA reduces its chunk of a row to the
+    chunk's (max, first index of the max, sum of exp(x - max)) in one read of its logits, writes them to the
+    partials and counts the finished chunks on the row's device-scope counter (acq_rel, as ``moe_gate``). The
+    CTA that brings the count to NC merges the row's NC partials (acquire loads), writes the token, the
+    normaliser and the logprob, and puts the counter back to 0. ``pdl``: it waits for the kernel before it (the
+    logits' GEMV) first; it has no loads of its own to issue earlier.
+
+    Non-finite logits follow the reference (``torch.argmax``, ``torch.logsumexp``): a NaN is the maximum (the
+    first NaN the token, the normaliser NaN); a chunk's exp sum is taken against 0 where its max is not finite
+    (all -inf: the sum is 0; +inf: the sum is inf), and a chunk of sum 0 adds nothing to the row's."""
+    T = _tl.language()
+    gate = _tl.pdl_gate() if pdl else None
+    R, V, NC = T.dynamic("R"), T.dynamic("V"), T.dynamic("NC")
+    TH, PT, CH = GREEDY_THREADS, GREEDY_PER_THREAD, GREEDY_CHUNK
+    NW = TH // 32
+    f32, i32 = "float32", "int32"
+    ninf, pinf = -T.infinity(f32), T.infinity(f32)
+
+    def beats(v, i, bv, bi):
+        """(v, i) comes before (bv, bi) in torch.argmax's order: NaN above everything, then larger values;
+        ties to the lower index."""
+        vn, bn = T.isnan(v), T.isnan(bv)
+        return (vn & (T.Not(bn) | (i < bi))) | (T.Not(vn) & T.Not(bn) & ((v > bv) | ((v == bv) & (i < bi))))
+
+    def shift(m):
+        """The exponent shift of a max: itself where finite, else 0 (as torch.logsumexp)."""
+        return T.if_then_else((m > ninf) & (m < pinf), m, T.float32(0.0))
+
+    @T.macro
+    def block_argmax(best_v, best_i, red_v, red_i, lane, warp):
+        """Every thread's (best_v[0], best_i[0]) -> the block's, in every thread."""
+        for sft in T.unroll(5):
+            ov = T.shfl_xor(best_v[0], 16 >> sft)
+            oi = T.shfl_xor(best_i[0], 16 >> sft)
+            if beats(ov, oi, best_v[0], best_i[0]):
+                best_v[0] = ov
+                best_i[0] = oi
+        if lane == 0:
+            red_v[warp] = best_v[0]
+            red_i[warp] = best_i[0]
+        T.sync_threads()
+        for w in T.serial(NW):
+            if beats(red_v[w], red_i[w], best_v[0], best_i[0]):
+                best_v[0] = red_v[w]
+                best_i[0] = red_i[w]
+
+    @T.macro
+    def block_sum(acc, red_s, lane, warp, tx):
+        """Every thread's acc[0] -> the block's, in thread 0."""
+        for sft in T.unroll(5):
+            acc[0] += T.shfl_xor(acc[0], 16 >> sft)
+        if lane == 0:
+            red_s[warp] = acc[0]
+        T.sync_threads()
+        if tx == 0:
+            for w in T.serial(NW - 1):
+                acc[0] += red_s[w + 1]
+
+    @T.prim_func
+    def greedy_kernel(X: T.Tensor((R, V), f32), Tok: T.Tensor((R,), "int64"), Lp: T.Tensor((R,), f32),
+                      Lse: T.Tensor((R,), f32), PartMS: T.Tensor((2, R, NC), f32), PartI: T.Tensor((R, NC), i32),
+                      Count: T.Tensor((MAX_GREEDY_ROWS,), i32)):
+        with T.Kernel(NC, R, threads=TH) as (c, r):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            xv = T.alloc_local((PT,), f32)
+            best_v = T.alloc_local((1,), f32)
+            best_i = T.alloc_local((1,), i32)
+            acc = T.alloc_local((1,), f32)
+            red_v = T.alloc_shared((NW,), f32)
+            red_i = T.alloc_shared((NW,), i32)
+            red_s = T.alloc_shared((NW,), f32)
+            last = T.alloc_shared((1,), i32)
+            if pdl:
+                gate()
+            # ---- the chunk: one read of its logits, then (max, first argmax) and the exp sum from registers
+            for k in T.unroll(PT):
+                if c * CH + k * TH + tx < V:
+                    xv[k] = X[r, c * CH + k * TH + tx]
+                else:
+                    xv[k] = ninf
+            best_v[0] = ninf
+            best_i[0] = V  # no index yet: any logit of the row beats it (a -inf one by its lower index)
+            for k in T.unroll(PT):
+                if c * CH + k * TH + tx < V:
+                    if beats(xv[k], c * CH + k * TH + tx, best_v[0], best_i[0]):
+                        best_v[0] = xv[k]
+                        best_i[0] = c * CH + k * TH + tx
+            block_argmax(best_v, best_i, red_v, red_i, lane, warp)
+            acc[0] = 0.0
+            for k in T.unroll(PT):
+                acc[0] += T.exp(xv[k] - shift(best_v[0]))
+            block_sum(acc, red_s, lane, warp, tx)
+            if tx == 0:
+                PartMS[0, r, c] = best_v[0]
+                PartMS[1, r, c] = acc[0]
+                PartI[r, c] = best_i[0]
+                last[0] = T.atomic_add(Count[r], 1, memory_order="acq_rel", return_prev=True)
+            T.sync_threads()
+            if last[0] == NC - 1:  # every chunk of row r is in: this CTA merges them
+                best_v[0] = ninf
+                best_i[0] = V
+                for j in T.serial(T.ceildiv(NC, TH)):
+                    if j * TH + tx < NC:
+                        pm = T.atomic_load(PartMS[0, r, j * TH + tx], "acquire")
+                        pi = T.atomic_load(PartI[r, j * TH + tx], "acquire")
+                        if beats(pm, pi, best_v[0], best_i[0]):
+                            best_v[0] = pm
+                            best_i[0] = pi
+                T.sync_threads()  # every thread has read the chunk's red_v / red_i: the merge reuses them
+                block_argmax(best_v, best_i, red_v, red_i, lane, warp)
+                acc[0] = 0.0
+                for j in T.serial(T.ceildiv(NC, TH)):
+                    if j * TH + tx < NC:
+                        ps = T.atomic_load(PartMS[1, r, j * TH + tx], "acquire")
+                        pm = T.atomic_load(PartMS[0, r, j * TH + tx], "acquire")
+                        if ps != 0:  # a chunk of sum 0 (all -inf) adds nothing; a NaN sum propagates
+                            acc[0] += ps * T.exp(shift(pm) - shift(best_v[0]))
+                T.sync_threads()  # thread 0 has read the chunk's red_s: the merge reuses it
+                block_sum(acc, red_s, lane, warp, tx)
+                if tx == 0:
+                    Tok[r] = T.cast(best_i[0], "int64")
+                    Lse[r] = shift(best_v[0]) + T.log(acc[0])
+                    Lp[r] = X[r, best_i[0]] - (shift(best_v[0]) + T.log(acc[0]))
+                    Count[r] = 0
+
+    return greedy_kernel
+
+
+_greedy = _tl.kernel_cache(build_greedy)
+
+
+def greedy_sample(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registry's ``greedy_sample``: one launch (``build_greedy``) for float32 rows on a CUDA device, at most
+    ``MAX_GREEDY_ROWS`` of them; the reference otherwise (and while a graph capture runs before the counters
+    exist)."""
+    from kernels_cpu import ops as ref
+
+    R, V = x.shape
+    fits = x.dtype == torch.float32 and 1 <= R <= MAX_GREEDY_ROWS and V >= 1 and (x.is_cuda or _tl.dry_run())
+    count = _tl.launch_counters("greedy_sample", MAX_GREEDY_ROWS, x.device) if fits else None
+    if count is None:
+        return ref.greedy_sample(x)
+    x = x.contiguous()
+    NC = -(-V // GREEDY_CHUNK)
+    dev = x.device
+    tok = torch.empty(R, dtype=torch.int64, device=dev)
+    lp, lse = torch.empty(R, device=dev), torch.empty(R, device=dev)
+    part_ms = torch.empty(2, R, NC, device=dev)
+    part_i = torch.empty(R, NC, dtype=torch.int32, device=dev)
+    _greedy(*_tl.pdl_arg(R))(x, tok, lp, lse, part_ms, part_i, count)
+    return tok, lp, lse
+
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     B, V = logits.shape
@@ -257,4 +419,5 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
 
 
 def representative_kernels():
-    return [("sample", build_sample)]
+    return [("sample", build_sample), ("greedy_sample", build_greedy),
+            ("greedy_sample (programmatic dependent launch)", lambda: build_greedy(True))]

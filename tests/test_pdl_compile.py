@@ -19,6 +19,7 @@ def _cases() -> dict:
     from kernels_cuda import moe_gemv_fp8 as mf
     from kernels_cuda import moe_up_fp8_mma as mfm
     from kernels_cuda import norm_gemv as ng
+    from kernels_cuda.sampling import build_greedy
 
     C, E, I = 2048, 66, 1408
     c = mla_decode.config(16, 576, 512, 64, False, True)
@@ -54,6 +55,8 @@ def _cases() -> dict:
                            ["Ids[", "(X + ("]),
         "moe_down_fp8": (lambda: mf.build_down_fp8(E, C, I, 8, 4, "bfloat16", "int64", "bfloat16", 2, True), [],
                          ["Ids[", "(H + ("]),
+        # after the logits' GEMV: greedy decoding's draw (it reads the logits and the counters only after the wait)
+        "greedy_sample": (lambda: build_greedy(True), [], ["X[", "Count["]),
     }
 
 

@@ -313,7 +313,8 @@ def test_kernels_fall_back_to_the_reference_and_log_it(caplog):
     fused = ["linear_f32", "add_rms_norm_linear", "mla_kv_write", "mla_q_absorb", "mla_q_absorb_kv_write",
              "mla_decode_uv", "moe_gate", "add_rms_norm_moe_gate"]
     kv8 = ["latent_kv_dequant"]  # FP8 latent KV rows: the platform does not list kv_cache_dtype "fp8"
-    expected = ["linear", "head_linear", *kv8, *fused, *fp8, *v4, "apply_penalties", *mxfp8, *spec, "logsumexp"]
+    expected = ["linear", "head_linear", *kv8, *fused, *fp8, *v4, "apply_penalties", *mxfp8, *spec, "logsumexp",
+                "greedy_sample"]
     assert k.fallbacks == expected
     assert [r.getMessage() for r in caplog.records] == [
         f"kernel backend 'ascend' has no {', '.join(expected)}; using the reference ops"

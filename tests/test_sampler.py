@@ -207,3 +207,29 @@ def test_sampler_applies_penalties_from_the_request():
     for output, want in (([4, 4], 4), ([4, 4, 4], 0)):
         seq = make_seq(SamplingParams(temperature=0, frequency_penalty=0.4), prompt=[1], output=output)
         assert sampler(PEN_LOGITS[None].clone(), [seq], [len(output) + 1]).tokens == [want]
+
+
+def test_greedy_batches_draw_through_greedy_sample_once():
+    """An all-greedy batch without penalties takes its tokens, logprobs and (for top-N logprobs) normaliser from
+    one ``greedy_sample`` call, and gets what argmax + logsumexp give; a penalised greedy batch does not use it
+    (its draw reads the penalised logits, its logprob the raw ones)."""
+    calls = []
+    k = Kernels(ReferenceKernels, ReferenceKernels)
+    k.override("greedy_sample", lambda x: calls.append(x.shape) or ops.greedy_sample(x))
+    sampler = Sampler(k, 30, torch.device("cpu"))
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(4)) * 3
+    logits[1, [4, 9]] = 20.0  # a tie: the first
+    seqs = [make_seq(SamplingParams(temperature=0, logprobs=2 if i == 2 else None)) for i in range(3)]
+    res = sampler(logits, seqs, [0, 0, 0])
+    assert calls == [(3, 30)]
+    lp = torch.log_softmax(logits, -1)
+    assert res.tokens == logits.argmax(-1).tolist() and res.tokens[1] == 4
+    assert torch.allclose(torch.tensor(res.logprobs), lp[range(3), res.tokens], atol=1e-6)
+    top = lp[2].topk(2)
+    assert [t for t, _ in res.top[2]] == top.indices.tolist()
+    assert [v for _, v in res.top[2]] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert res.ranks[2] == 1 and res.top[0] is None
+    penalised = [make_seq(SamplingParams(temperature=0, repetition_penalty=50.0), prompt=[4])]
+    res = sampler(logits[1:2].clone(), penalised, [0])
+    assert calls == [(3, 30)] and res.tokens == [9]  # token 4 penalised away
+    assert res.logprobs == pytest.approx([lp[1, 9].item()], abs=1e-6)

@@ -66,8 +66,12 @@ class Sampler:
         def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, self.device, self.pin)
 
+        lse = None
         if all(p.temperature == 0 for p in params):
-            tokens = logits.argmax(-1)
+            if logits is raw:  # the draw, its logprob and the normaliser in one pass over the rows
+                tokens, chosen, lse = self.k.greedy_sample(raw)
+            else:
+                tokens = logits.argmax(-1)
         else:
             tokens = self.k.sample(
                 logits,
@@ -78,8 +82,9 @@ class Sampler:
                 dev([s.seed for s in seqs], torch.long),
                 positions if isinstance(positions, torch.Tensor) else dev(positions, torch.long),
             )
-        lse = self.k.logsumexp(raw)
-        chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
+        if lse is None:
+            lse = self.k.logsumexp(raw)
+            chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
         want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
         top_ids = top_lps = ranks = None
         if want:

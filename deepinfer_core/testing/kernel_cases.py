@@ -310,6 +310,23 @@ def _cases_logsumexp(g, dtype, bs):
     return [Case("rows", (x,)), Case("one row", (x[2:3].clone(),))]
 
 
+def _cases_greedy_sample(g, dtype, bs):
+    """Vocabularies of one partial chunk, several chunks with a partial last one, and V2's; ties of the row max
+    in different chunks (the first wins), masked (-inf) tokens and a whole masked chunk, large magnitudes."""
+    small = _randn(g, 3, 300, scale=4.0)
+    small[1, ::3] = float("-inf")
+    mid = _randn(g, 5, 5000, scale=3.0)
+    mid[0, [2100, 4500]] = 50.0  # a tie across chunks: the lower index
+    mid[1, [4999, 17]] = 40.0  # a tie in the last (partial) chunk and the first
+    mid[2, :2048] = float("-inf")  # a whole chunk masked
+    mid[3] *= 3000.0  # logits of magnitude 1e4: the chunk sums must not overflow
+    mid[4, 4097] = 1e-3 + mid[4].max()  # a max in the last chunk
+    big = _randn(g, 2, 102400, scale=4.0)
+    big[1, [50000, 70000, 100001]] = 30.0
+    return [Case("one chunk", (small,)), Case("chunks", (mid,)), Case("V2 vocabulary", (big,)),
+            Case("one row", (big[1:2].clone(),))]
+
+
 def _cases_draft_lengths(g, dtype, bs):
     B, K = 37, 6
     conf = torch.rand(B, K, generator=g)
@@ -552,6 +569,7 @@ CASES: dict[str, Callable[[torch.Generator, torch.dtype, int], list[Case]]] = {
     "fused_moe_fp8": _cases_fused_moe_fp8,
     "apply_penalties": _cases_apply_penalties,
     "logsumexp": _cases_logsumexp,
+    "greedy_sample": _cases_greedy_sample,
     "draft_lengths": _cases_draft_lengths,
     "sample": _cases_sample,
     "rope_inverse": _cases_rope_inverse,

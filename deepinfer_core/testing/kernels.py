@@ -54,6 +54,7 @@ FIXED_DTYPE_OPS: dict[str, torch.dtype] = {
     "apply_penalties": torch.float32,
     "sample": torch.float32,
     "logsumexp": torch.float32,
+    "greedy_sample": torch.float32,
     "draft_lengths": torch.float32,
     "moe_route_v4": torch.float32,
     "v4_compress": torch.float32,  # the compressor state is float32 whatever the model dtype
