@@ -83,3 +83,42 @@ def test_ngram_device_history_equals_a_search_of_the_whole_history():
             prop.request_finished(engine, live.pop(rng.randrange(len(live))))
             live.append(Req(rng.randrange(2, 70)))
     assert len(prop._table.owner) <= 6  # rows were reused
+
+
+def test_ngram_device_table_gives_memory_back():
+    """The device table follows the load: after a long request finishes it is cut back to what the live rows
+    need, and once no request holds a row it is dropped; the drafts stay those of a search of the history."""
+    from types import SimpleNamespace
+
+    from plugins.ngram.proposer import NgramProposer
+
+    prop = NgramProposer({})
+    engine = SimpleNamespace(platform=SimpleNamespace(supports_pinned_memory=lambda: False))
+
+    class Req:
+        def __init__(self, toks):
+            self.token_ids, self.num_known_tokens = list(toks), len(toks)
+
+    def step(live, K=3):
+        last = torch.tensor([r.token_ids[-1] for r in live])
+        n = torch.tensor([len(r.token_ids) for r in live])
+        got = prop.propose_on_device(engine, live, [K] * len(live), last, n,
+                                     torch.full((len(live), 1), -1)).tokens.tolist()
+        for r, d in zip(live, got):
+            h = r.token_ids
+            at = max((i for i in range(len(h) - 1) if h[i] == h[-1]), default=-1)
+            want = h[at + 1 : at + 1 + K] if at >= 0 else []
+            assert d == want + [-1] * (K - len(want))
+
+    long, short = Req([1, 2, 3] * 3000), Req([4, 5, 4, 6, 4])
+    step([long, short])
+    assert prop._table.t.shape[1] >= 9000
+    prop.request_finished(engine, long)
+    short.token_ids += [5, 4]
+    short.num_known_tokens = len(short.token_ids)
+    step([short])
+    assert prop._table.t.shape[1] == 64  # the live row needs 7 (+ the step's) columns: cut back to the floor
+    assert prop._table.t[prop._table.row(short), :7].tolist() == short.token_ids
+    prop.request_finished(engine, short)
+    assert prop._table.t is None and prop._table.owner == []
+    step([Req([7, 8, 7])])  # and it grows again

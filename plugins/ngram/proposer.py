@@ -46,7 +46,13 @@ class _Lookup:
 class _Table:
     """Every drafting request's host-known tokens on the device: row ``row`` holds the first
     ``lens[row]`` of them (int32, -1 past them), rows and columns grown by doubling. A row belongs to
-    a request until ``release`` (or until that request is gone, for a release never made)."""
+    a request until ``release`` (or until that request is gone, for a release never made).
+
+    It also gives memory back: cut to the columns its live rows need once it is more than ``SLACK``
+    times wider (a long request finished), and dropped once no request holds a row (a burst is over),
+    so a server's table follows its load instead of its largest moment."""
+
+    SLACK = 4
 
     def __init__(self) -> None:
         self.t: torch.Tensor | None = None
@@ -71,10 +77,18 @@ class _Table:
         r = self.row_of.pop(id(seq), None)
         if r is not None and self.owner[r] is not None and self.owner[r]() is seq:
             self.owner[r], self.lens[r] = None, 0
+        if all(o is None or o() is None for o in self.owner):  # nobody holds a row: give the memory back
+            self.t, self.lens, self.owner, self.row_of = None, [], [], {}
 
     def reserve(self, rows: int, cols: int, device) -> None:
-        """At least ``rows`` x ``cols`` (the old contents kept)."""
+        """At least ``rows`` x ``cols`` (the old contents kept); cut back to what the live rows need (at
+        least ``cols``) when it is more than ``SLACK`` times that wide."""
         have = (0, 0) if self.t is None else tuple(self.t.shape)
+        live = [n for n, o in zip(self.lens, self.owner) if o is not None and o() is not None]
+        need = max(cols, max(live, default=0), 64)
+        if have[1] > self.SLACK * need:
+            self.t = self.t[:, :need].clone()
+            have = tuple(self.t.shape)
         if rows <= have[0] and cols <= have[1]:
             return
         new = torch.full((max(rows, 2 * have[0]), max(cols, 2 * have[1], 64)), -1, dtype=torch.int32, device=device)
