@@ -1,5 +1,6 @@
-"""Fused sampling (TileLang): temperature, top-k, top-p, min-p and a seeded exponential race, one CTA
-per row, no sort.
+"""Fused sampling (TileLang): ``sample`` (temperature, top-k, top-p, min-p and a seeded exponential race,
+one CTA per row, no sort) and ``greedy_sample`` (greedy decoding's draw, its logprob and the normaliser in one
+launch over the vocabulary's chunks: ``build_greedy``).
 
 The reference keeps a prefix of the descending order: rank r survives when r < k, the mass ranked
 before it is < top_p, and its probability is >= min_p * p_max. Those conditions only depend on the
