@@ -33,6 +33,7 @@ def main() -> None:
     if not args.skip_tests:
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         str(ROOT / "tests" / "test_kernels_cuda_gpu.py"),
+                        str(ROOT / "tests" / "test_greedy_sample_gpu.py"),
                         str(ROOT / "tests" / "test_moe_gemv_gpu.py"),
                         str(ROOT / "tests" / "test_cuda_graphs_gpu.py"),
                         str(ROOT / "tests" / "test_kernels_cuda_v4_gpu.py"),

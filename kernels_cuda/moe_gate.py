@@ -120,10 +120,6 @@ def build_gate_route(E: int, C: int, K: int, n_group: int, topk_group: int, soft
 _kernel = _tl.kernel_cache(build_gate_route)
 
 
-def _counter(device: torch.device) -> torch.Tensor | None:
-    return _tl.launch_counters("moe_gate", MAX_T, device)
-
-
 def applies(x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> bool:
     """At most 8 tokens of 2-byte activations, a float32 or same-dtype gate with rows of whole 16-byte vectors,
     contiguous and aligned, on a CUDA device."""
@@ -142,7 +138,7 @@ def applies(x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> bool:
 def gate_route(x, gate, bias, top_k, n_group, topk_group, softmax, top2sum, renormalize, scale, n_shared, dtype):
     """One launch of the kernel (``applies`` must hold); None when no counter can be had (first call inside a
     graph capture): the caller runs the two-launch path."""
-    count = _counter(x.device)
+    count = _tl.launch_counters("moe_gate", MAX_T, x.device)
     if count is None:
         return None
     NT, E = x.shape[0], gate.shape[0]
@@ -168,7 +164,7 @@ def add_rms_norm_moe_gate(x, residual, norm_w, eps, gate, bias, top_k, scoring, 
     fits = (applies(x, gate, dtype) and norm_gemv.enabled() and dtype in (torch.float32, torch.bfloat16, torch.float16)
             and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
             and residual.data_ptr() % 16 == 0 and norm_w.shape == (C,) and C % 8 == 0 and C <= 16384)
-    count = _counter(x.device) if fits else None
+    count = _tl.launch_counters("moe_gate", MAX_T, x.device) if fits else None
     if count is None:
         normed, res = norm.add_rms_norm(x, residual, norm_w, eps)
         weights, ids = moe_route.moe_gate(normed, gate, bias, top_k, scoring, n_group, topk_group, group_score,
