@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import socket
 import sys
 import tempfile
 import threading
@@ -32,12 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_checkpoint import shape_config, write_config  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deepinfer_core.ports import free_port
 
 
 def sections(kind: str, work: Path) -> tuple[dict, dict]:

@@ -61,6 +61,15 @@ def compile_kernel(func: Any, arch: str | None = None, out_idx: list[int] | None
     return tilelang().compile(func, out_idx=out_idx, target=target(arch))
 
 
+def kernel_source(func: Any, arch: str | None = None) -> str:
+    """The CUDA source TileLang generates for a ``T.prim_func``, without running nvcc (what
+    ``compile_kernel(...).get_kernel_source()`` returns, in a fraction of the time: tests that read the code)."""
+    tl = tilelang()
+    tgt = tl.tvm.target.Target(target(arch))
+    with tgt:
+        return tl.lower(func, target=tgt).kernel_source
+
+
 #: Set to 1 to compile kernels without running them (no GPU needed): fills TileLang's on-disk cache
 #: (``TILELANG_CACHE_DIR``) so a GPU machine can start with every kernel already built.
 DRYRUN_ENV = "DEEPINFER_TL_DRYRUN"

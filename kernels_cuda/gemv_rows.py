@@ -402,7 +402,10 @@ def _bmm_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Ten
     """``out[t, h] = w[h] @ x[t, h]`` as one batched GEMM over the heads (cuBLAS) that reads x's and writes out's
     [T, H, .] layouts in place: x[T, H, K] and out[T, H, N] may be column slices of wider rows (a unit last
     stride), taken as batches of row stride H x width. Before, the reference's einsum wrote [H, T, N] and a copy
-    made it [T, H, N] (at V2-Lite b256 two such copies and the query's cat took 2 % of a decode step)."""
+    made it [T, H, N] (at V2-Lite b256 two such copies and the query's cat took 2 % of a decode step). In a dry run
+    it computes nothing, as the kernels do (the CPU would spend minutes on bf16 GEMMs whose values nobody reads)."""
+    if _tl.dry_run():
+        return out
     torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
     return out
 

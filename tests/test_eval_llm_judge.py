@@ -2,7 +2,6 @@
 and against a live ``deepinfer serve`` when that command exists."""
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from deepinfer_core.cli import build_parser, main
 from deepinfer_core.eval.jsonl import read_jsonl
 from deepinfer_core.eval.judge import summary_path
 from deepinfer_core.eval.llm_judge import ChatClient, JudgeError, load_prompt, parse_reply
+from deepinfer_core.ports import free_port as _free_port
 
 
 class FakeJudgeServer:
@@ -182,12 +182,6 @@ def test_busy_endpoint_is_retried_and_client_errors_are_reported(server, generat
 def _has_serve() -> bool:
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return "serve" in sub.choices
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(not _has_serve(), reason="`deepinfer serve` missing: the OpenAI-compatible server is on branch "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -22,6 +21,7 @@ from tiny_models import rand_ids
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.handoff_format import HandoffError, layout_signature, unpack
+from deepinfer_core.ports import free_port as _free_port
 
 BS = 4
 HERE = Path(__file__).resolve().parent
@@ -177,12 +177,6 @@ def test_role_and_params_errors(tiny_v3_path, tmp_path):
     assert "kv_transfer_params['key'] must be a hand-off key" in str(outs[0].error)
     assert "kv_transfer_params must be a dict" in str(outs[1].error)
     assert outs[2].error is None and len(outs[2].outputs[0].token_ids) == 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_p2p_handoff_between_processes(tiny_v3_path, prompts, colocated, tmp_path):

@@ -210,7 +210,8 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         prompt_lp = []
-        placeholders = False
+        ph_rows: list[int] = []  # rows holding a placeholder, and the prev_tokens index of each
+        ph_src: list[int] = []
         started = time.perf_counter()
         row_starts: list[int] = []
         computed_before: list[int] = []
@@ -220,8 +221,11 @@ class ModelRunner:
             row0 = len(ids)
             row_starts.append(row0)
             computed_before.append(c)
-            placeholders = placeholders or (seq.num_pending_tokens > 0 and c + n > seq.num_known_tokens)
             ids.extend(seq.token_ids[c : c + n])
+            if seq.num_pending_tokens and c + n > seq.num_known_tokens:  # trailing placeholders -(i + 1)
+                for k in range(max(c, seq.num_known_tokens), c + n):
+                    ph_rows.append(row0 + k - c)
+                    ph_src.append(-seq.token_ids[k] - 1)
             extra = drafts.get(seq.request_id, ()) if drafts and i >= len(out.prefills) else ()
             ids.extend(extra)
             hi = c + n + len(extra)
@@ -255,6 +259,7 @@ class ModelRunner:
         up = upload if upload is not None else Upload(dev, pin)  # the step's host-built tensors, sent at once
         h_ids, h_pos = up.add(ids), up.add(pos)
         h_logits = up.add(logit_rows) if logit_rows else None
+        h_ph = (up.add(ph_rows), up.add(ph_src)) if ph_rows else None
         if prefills:
             q_lens = [s.num_new_tokens for s in prefills]
             k_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills]
@@ -286,10 +291,15 @@ class ModelRunner:
             meta.slot_mapping = torch.empty(0, dtype=torch.long, device=dev)
         self.layer_ready = None
         input_ids = t[h_ids]
-        if placeholders:
+        if h_ph is not None:  # one or two launches: a gather, and a scatter unless every row is a placeholder
             if prev_tokens is None:
                 raise RuntimeError("prepare: a request holds a placeholder token but prev_tokens was not given")
-            input_ids = torch.where(input_ids < 0, prev_tokens[(-input_ids - 1).clamp(min=0)], input_ids)
+            # a fresh tensor, not a view of prev_tokens: input_ids may be edited in place later
+            sampled = prev_tokens.index_select(0, t[h_ph[1]]).to(input_ids.dtype)
+            if len(ph_rows) == len(ids):
+                input_ids = sampled
+            else:
+                input_ids.index_copy_(0, t[h_ph[0]], sampled)
         return StepBatch(input_ids, t[h_pos], meta, out.prefills + out.decodes,
                          logit_rows, sample_seqs, sample_rows, prompt_lp, keep_hidden,
                          logit_index=t[h_logits] if h_logits is not None else None,

@@ -14,7 +14,7 @@ post-processes N (``overlap``); else each step is launched and completed at once
   ``num_computed_tokens``, and for each request that samples, a placeholder id ``-(i + 1)`` (``i``: its
   row in the step's sampled-token tensor) appended to ``token_ids``. schedule(N+1) thus sees the right
   lengths and block needs. prepare(N+1) turns placeholders into step N's tokens on the device
-  (``ModelRunner.prepare(prev_tokens=...)``: one gather and ``torch.where``); complete(N) writes the
+  (``ModelRunner.prepare(prev_tokens=...)``: a gather, and a scatter in mixed steps); complete(N) writes the
   real tokens over them once the asynchronous copy to the host (pinned buffer + event) has landed.
   Hook order on completion: ``tokens_sampled`` for every placed token, then ``request_finished``
   for the requests that stopped on them.

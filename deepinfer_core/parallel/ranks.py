@@ -23,7 +23,6 @@ import os
 import queue
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.parallel.elastic import PEER_UNBLOCK_S, RanksLost, kill_hung, lost_ranks
+from deepinfer_core.ports import free_port as _free_port
 
 logger = logging.getLogger("deepinfer.parallel")
 STARTUP_TIMEOUT_MIN_S = 300.0  # model loading may take longer than a step
@@ -147,12 +147,6 @@ def group_timeout_s(cfg: EngineConfig) -> float:
     rank hangs its peers are still waiting (and answer the driver's probe) at the driver's deadline."""
     t = float(cfg.worker_timeout_s)
     return max(2 * t, t + 30.0)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the driver's side of the ranks --------------------------------------------------------------

@@ -11,7 +11,6 @@ all experts for the same tokens. Then the experts are moved to a placement with 
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from types import SimpleNamespace
 
@@ -21,14 +20,9 @@ import torch.multiprocessing as mp
 
 from deepinfer_core.communicator import TorchDistCommunicator
 from deepinfer_core.parallel.expert_parallel import ExpertParallel, migrate_layer
+from deepinfer_core.ports import free_port as _free_port
 
 E, K, C, I = 16, 4, 32, 16
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _same(name: str, got: torch.Tensor, want: torch.Tensor, rank: int) -> None:

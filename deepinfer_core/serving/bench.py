@@ -30,12 +30,13 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+
+from deepinfer_core.ports import free_port as _free_port
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -154,12 +155,6 @@ def _process_cpu(pid: int | None) -> float:
         return 0.0
     own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return own + sum(_process_cpu(c) for c in children)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen | None, timeout: float = 600.0) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -21,13 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer_core.communicator import Communicator, TorchDistCommunicator
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deepinfer_core.ports import free_port
 
 
 def _expect(name: str, got: torch.Tensor, want: torch.Tensor, rank: int) -> None:
