@@ -349,3 +349,45 @@ def test_async_scheduling_default_follows_the_platform(tiny_v3_path):
     llm = LLM(str(tiny_v3_path), dtype="float32", block_size=BS, kv_cache_memory=1 << 20)
     assert llm.engine.platform.supports_async_overlap() is False
     assert llm.engine.async_scheduling is False and llm.metrics()["async_scheduling"] is False
+
+
+# ---- the placeholders' resolution ------------------------------------------------------------------
+
+def test_placeholders_take_the_previous_steps_tokens_by_row(tiny_v3_path):
+    """``prepare(prev_tokens=...)``: a decode row holding placeholder ``-(i + 1)`` gets ``prev_tokens[i]``. In a
+    pure decode step every row is one (a gather alone: a fresh tensor, not a view of ``prev_tokens``); beside a
+    prefill chunk only the decode rows change. A placeholder past ``prev_tokens`` is an error naming both."""
+    import torch
+
+    llm = make_llm(tiny_v3_path, True)
+    e = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seqs = [e.add_request({"prompt_token_ids": rand_ids(5 + i, 300 + i)}, params) for i in range(3)]
+    e.step()  # the prompts' step is launched: each request now ends with a placeholder
+    assert all(s.num_pending_tokens == 1 and s.token_ids[-1] < 0 for s in seqs)
+    prev = torch.tensor([1001, 1002, 1003])
+
+    def expected(out):
+        want = []
+        for s in out.prefills + out.decodes:
+            c = s.seq.num_computed_tokens
+            want += [int(prev[-t - 1]) if t < 0 else t for t in s.seq.token_ids[c: c + s.num_new_tokens]]
+        return want
+
+    out = e.scheduler.schedule()
+    assert not out.prefills and len(out.decodes) == 3
+    batch = e.runner.prepare(out, prev_tokens=prev)
+    assert batch.input_ids.tolist() == expected(out) and sorted(batch.input_ids.tolist()) == [1001, 1002, 1003]
+    assert batch.input_ids.untyped_storage().data_ptr() != prev.untyped_storage().data_ptr()
+    batch.input_ids[0] = -5  # the step's ids may be edited in place (speculative layouts do)
+    assert prev.tolist() == [1001, 1002, 1003]
+
+    late = e.add_request({"prompt_token_ids": rand_ids(9, 400)}, params)
+    mixed = e.scheduler.schedule()
+    assert [s.seq for s in mixed.prefills] == [late] and mixed.decodes
+    batch = e.runner.prepare(mixed, prev_tokens=prev)
+    assert batch.input_ids.tolist() == expected(mixed)
+    assert batch.input_ids[: late.num_prompt_tokens].tolist() == late.token_ids[: late.num_prompt_tokens]
+
+    with pytest.raises(RuntimeError, match=r"placeholder -3 points past the previous step's 2 sampled tokens"):
+        e.runner.prepare(mixed, prev_tokens=prev[:2])

@@ -294,6 +294,9 @@ class ModelRunner:
         if h_ph is not None:  # one or two launches: a gather, and a scatter unless every row is a placeholder
             if prev_tokens is None:
                 raise RuntimeError("prepare: a request holds a placeholder token but prev_tokens was not given")
+            if max(ph_src) >= prev_tokens.shape[0]:  # checked here: on a GPU the gather would assert on the device
+                raise RuntimeError(f"prepare: placeholder -{max(ph_src) + 1} points past the previous step's "
+                                   f"{prev_tokens.shape[0]} sampled tokens")
             # a fresh tensor, not a view of prev_tokens: input_ids may be edited in place later
             sampled = prev_tokens.index_select(0, t[h_ph[1]]).to(input_ids.dtype)
             if len(ph_rows) == len(ids):
