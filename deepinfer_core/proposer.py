@@ -212,6 +212,19 @@ class Proposer(ABC):
             and, with ``needs_hidden``, every row's final hidden state in ``batch.hidden``.
         """
 
+    def step_passed_dormant(self, engine: EngineView, batch: StepBatch) -> None:
+        """Async scheduling, the proposer dormant: a plain overlapped step is still in flight while the next plain
+        step launches, so no catch-up will read its hidden states (a speculative launch reads only the step in
+        flight's, a drain hands its step to :meth:`step_drained`). A proposer that reads the target's hidden states
+        keeps what it needs of this one here; they are device tensors, valid in stream order.
+
+        :param engine: the engine.
+        :param batch: the step in flight: its ``scheduled`` requests (``num_new_tokens`` rows each),
+            ``row_starts``, ``computed_before`` (upper bounds only where ``first_dev`` is set: a step launched
+            right after a speculative one) and, with ``needs_hidden``, every row's final hidden state in
+            ``batch.hidden``.
+        """
+
     def verified(self, engine: EngineView, requests: list[Sequence], num_drafts: list[int],
                  num_accepted: list[int]) -> None:
         """Feedback after verification: how many of each request's drafts were checked and kept."""

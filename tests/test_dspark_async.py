@@ -201,6 +201,78 @@ def test_prompts_prefilled_overlapped_reach_the_host_drafts(tiny_mtp):
     eng.blocks.check_no_leaks()
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "control"])
+def test_dormant_overlapped_steps_reach_the_mtp_kv(tiny_mtp, monkeypatch, keep):
+    """DSpark on the device path goes dormant for several overlapped steps, then drafts again. At each plain
+    launch the step in flight hands its hidden rows to the proposer (``Proposer.step_passed_dormant``), so the
+    catch-up when drafting resumes writes the MTP KV of every position the dormant steps computed: each equals the
+    entry from the target's teacher-forced hidden states. (The first dormant step, launched right after a
+    speculative one, knows its positions only on the device and stays a one-step gap.) The control (the hook
+    doing nothing) shows the hole: none of those positions is written."""
+    bs = 4
+    llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed"}, async_scheduling=True)
+    eng = llm.engine
+    feat = next(f for f in eng.features if f.name == "dspark")
+    cheap_drafts(llm)
+    dormant = iter([True] * 4 + [False] * 7)  # then True: drafting resumes
+    monkeypatch.setattr(feat, "active", lambda engine: next(dormant, True))
+    passed = []  # positions of the dormant steps handed over
+    hook = feat.step_passed_dormant
+
+    def spy(engine, batch):
+        if batch.first_dev is None:  # (right after a speculative step the host knows only bounds: not kept)
+            passed.extend(p for s, c0 in zip(batch.scheduled, batch.computed_before)
+                          for p in range(c0, c0 + s.num_new_tokens))
+        if keep:
+            hook(engine, batch)
+
+    monkeypatch.setattr(feat, "step_passed_dormant", spy)
+    seq = eng.add_request({"prompt_token_ids": PROMPTS[5]}, greedy(60))
+    for _ in range(4 + 7 + 3):  # drafting, dormant, drafting again (its catch-up writes the draft KV)
+        eng.step()
+    eng.pipeline.drain()
+    m = llm.metrics()
+    assert len(passed) >= 5 and m["spec_dormant_steps"] >= 7 and feat.n["proposals"] > 0, (passed, m)
+    assert m["spec_proposer_errors"] == 0 and not seq.is_finished
+    got, ref = mtp_kv_and_teacher_forced(eng, feat.source, seq, max(passed) + 1, bs)
+    wrong = [p for p in passed if (got[p] - ref[p]).abs().max().item() > 1e-4]
+    if keep:
+        assert wrong == [], (wrong, passed)
+    else:
+        assert wrong == passed, (wrong, passed)  # none of them: the hole this hook closes
+    while eng.has_unfinished():
+        eng.step()
+    eng.blocks.check_no_leaks()
+
+
+def test_dormant_keeping_holds_the_latest_positions_only():
+    """``Drafter._keep_latest`` (dormant steps): contiguous rows chain; past the cap the oldest kept positions are
+    given up (the draft KV's ``done`` moves past them, so the kept span still starts where it ends); a gap gives
+    up what was kept; rows alone past the cap are not kept; positions the draft KV already covers are not."""
+    import torch
+
+    from plugins.dspark.drafter import Drafter
+    from plugins.dspark.state import _State
+
+    st = _State(0)
+    st.done = 10
+
+    def rows(n):
+        return torch.zeros(n, 2)
+
+    Drafter._keep_latest(st, 10, rows(3), cap=4)
+    Drafter._keep_latest(st, 13, rows(1), cap=4)
+    assert (st.done, st.kept_rows) == (10, 4)
+    Drafter._keep_latest(st, 14, rows(2), cap=4)  # the first 3 positions go
+    assert (st.done, st.kept_rows, [t.shape[0] for t in st.kept_hidden]) == (13, 3, [1, 2])
+    Drafter._keep_latest(st, 20, rows(1), cap=4)  # a gap: restart at 20
+    assert (st.done, st.kept_rows) == (20, 1)
+    Drafter._keep_latest(st, 21, rows(5), cap=4)  # alone past the cap
+    assert (st.done, st.kept_rows, st.kept_hidden) == (26, 0, [])
+    Drafter._keep_latest(st, 24, rows(1), cap=4)  # already covered
+    assert (st.done, st.kept_rows) == (26, 0)
+
+
 @pytest.mark.parametrize("max_kept", [512, 8])
 def test_a_drained_step_survives_aborts_and_prompts_past_the_keep_limit(tiny_mtp, monkeypatch, max_kept):
     """The same wave, hostile: one request is aborted after the overlapped step (its drained rows are

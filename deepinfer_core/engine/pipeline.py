@@ -180,8 +180,11 @@ class StepPipeline:
                                       or any(s.spec_tokens for s in out.decodes)):
             batch, drafts = on_device.launch(out, prev)  # drafts proposed on the device
         else:  # (with the hidden states a proposer that reads them drafts from at the next launch)
-            batch = eng.runner.prepare(out, prev_tokens=prev_tokens,
-                                       keep_hidden=on_device is not None and eng.spec.proposer.needs_hidden)
+            keep = on_device is not None and eng.spec.proposer.needs_hidden
+            if keep and prev is not None and prev.spec is None and prev.batch.hidden is not None:
+                # plain after plain: nothing will read the step in flight's hidden states but the proposer now
+                eng.spec.ask("step_passed_dormant", None, eng.spec.proposer.step_passed_dormant, eng, prev.batch)
+            batch = eng.runner.prepare(out, prev_tokens=prev_tokens, keep_hidden=keep)
         tf = time.perf_counter()
         logits = eng.runner.forward(batch)
         if drafts is not None and drafts.expand is not None:  # decode rows laid out on the device

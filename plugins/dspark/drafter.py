@@ -20,6 +20,9 @@ from plugins.dspark.state import KEY, _Rows, _State
 DECODE_SPAN = MAX_K + 1  # catch-up spans up to this long use the decode (absorbed) attention path
 EXPLORE_ROWS = 4  # requests drafting in an exploratory step while drafting does not pay
 MAX_KEPT = 512  # most positions of target hidden states an MTP request keeps while not drafting
+# ... while dormant (async steps that do not draft): the latest ones only. Bounded tighter, as it holds device memory
+# for every running request (V3: 14 KB a position, so 64 positions at 256 requests are 235 MB)
+MAX_KEPT_DORMANT = 64
 # A request's last first-draft confidence predicts its next one only weakly (lag-1 autocorrelation 0.16
 # on held-out prompts), so whether to draft at all is forecast this far from the running mean towards it.
 SKIP_FORECAST_BLEND = 0.5
@@ -155,6 +158,44 @@ class Drafter:
             st = None if s.seq.is_finished else self._state(s.seq)
             if st is not None and st.done + st.kept_rows == c0:
                 self._defer(st, s.seq.num_computed_tokens, row0, c0, batch.hidden)
+
+    def step_passed_dormant(self, engine, batch) -> None:
+        """(``Proposer.step_passed_dormant``) An MTP draft keeps each request's rows of a dormant overlapped step,
+        as ``step_drained`` does for a drained one, so that the catch-up when drafting resumes writes their draft
+        KV. A step whose every row is kept (a decode step) costs no launch: the kept rows are views of its hidden
+        states. Otherwise each request's rows are copied, so that a prefill chunk's other rows are not held. A step
+        launched right after a speculative one knows its positions only on the device (``first_dev``): it keeps
+        nothing, and its positions stay a gap in the draft KV."""
+        if not self.needs_hidden or batch.first_dev is not None:
+            return
+        take = []  # (state, first row, first position, rows)
+        for s, row0, c0 in zip(batch.scheduled, batch.row_starts, batch.computed_before):
+            st = None if s.seq.is_finished else self._state(s.seq)
+            if st is not None and s.num_new_tokens > 0:
+                take.append((st, row0, c0, s.num_new_tokens))
+        views = sum(n for *_, n in take) == batch.hidden.shape[0]
+        for st, row0, c0, n in take:
+            rows = batch.hidden[row0 : row0 + n]
+            self._keep_latest(st, c0, rows if views else rows.clone(), MAX_KEPT_DORMANT)
+
+    @staticmethod
+    def _keep_latest(st: _State, c0: int, rows: torch.Tensor, cap: int) -> None:
+        """Keep ``rows`` (the target's hidden states of positions c0..) after the request's kept ones, at most
+        ``cap`` positions, the latest: older kept positions are given up (their draft KV stays stale: fewer
+        drafts are accepted, outputs stay exact). After a gap the kept ones are given up too."""
+        n = rows.shape[0]
+        if st.done + st.kept_rows != c0:  # a gap (or the draft KV is written past c0 already)
+            st.kept_hidden, st.kept_rows, st.done = [], 0, max(st.done, c0)
+            if st.done != c0:
+                return
+        if n > cap:  # alone past the cap: nothing is kept, the draft KV keeps its gap
+            st.kept_hidden, st.kept_rows, st.done = [], 0, c0 + n
+            return
+        while st.kept_rows + n > cap:
+            st.done += st.kept_hidden[0].shape[0]
+            st.kept_rows -= st.kept_hidden.pop(0).shape[0]
+        st.kept_hidden.append(rows)
+        st.kept_rows += n
 
     @staticmethod
     def _defer(st: _State, computed: int, row0: int, c0: int, hidden: torch.Tensor) -> None:
