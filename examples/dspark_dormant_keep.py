@@ -12,29 +12,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import random
-import sysconfig
-import zlib
+import sys
 from pathlib import Path
 
-from deepinfer_core import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dspark_bench import heldout_prompts  # noqa: E402
 
-
-def heldout_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    """40-line slices of stdlib files the draft was not trained on (as the DSpark tests pick them)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in sorted(root.rglob("*.py")) if zlib.crc32(p.relative_to(root).as_posix().encode()) % 20 == 0
-             and "test" not in p.relative_to(root).parts[:-1] and p.stat().st_size < 200_000]
-    rng, out = random.Random(seed), []
-    while len(out) < n:
-        lines = rng.choice(files).read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-        if len(lines) < 10:
-            continue
-        s = rng.randrange(len(lines) - 8)
-        ids = tokenizer.encode("".join(lines[s : s + 40]))
-        if len(ids) >= 48:
-            out.append(ids[:256])
-    return out
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
 
 
 def run(keep: bool, args) -> dict:

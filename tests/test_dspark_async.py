@@ -245,6 +245,43 @@ def test_dormant_overlapped_steps_reach_the_mtp_kv(tiny_mtp, monkeypatch, keep):
     eng.blocks.check_no_leaks()
 
 
+@pytest.mark.parametrize("hostile", ["hook_raises", "abort_while_dormant"])
+def test_dormant_keeping_survives_a_raising_hook_and_an_abort(tiny_mtp, monkeypatch, hostile):
+    """Dormant stretches with the rows kept, hostile: the proposer's ``step_passed_dormant`` raises (logged and
+    counted as a proposer error, the step goes on), or a request is aborted while its rows are kept. The others
+    finish with plain decoding's greedy output, no KV block leaks, and the engine takes the next request."""
+    plain = make(tiny_mtp, features=False)
+    want = _tokens(run(plain, [PROMPTS[5], PROMPTS[6]], greedy(40)))
+    llm = make(tiny_mtp, dspark={"k": 3, "budget_policy": "fixed"}, async_scheduling=True)
+    eng = llm.engine
+    feat = next(f for f in eng.features if f.name == "dspark")
+    cheap_drafts(llm)
+    cycle = iter(([True] * 3 + [False] * 9) * 10)
+    monkeypatch.setattr(feat, "active", lambda engine: next(cycle, True))
+    if hostile == "hook_raises":
+        def broken(engine, batch):
+            raise ValueError("hostile hook")
+        monkeypatch.setattr(feat, "step_passed_dormant", broken)
+    seqs = [eng.add_request({"prompt_token_ids": p}, greedy(40)) for p in (PROMPTS[5], PROMPTS[6], PROMPTS[5])]
+    for _ in range(8):
+        eng.step()
+    if hostile == "abort_while_dormant":
+        assert seqs[1].feature_state["dspark"].kept_rows > 0  # it holds kept rows when aborted
+        eng.abort(seqs[1].request_id)
+    while eng.has_unfinished():
+        eng.step()
+    m = llm.metrics()
+    assert m["spec_dormant_steps"] > 0 and feat.n["proposals"] > 0
+    assert (m["spec_proposer_errors"] > 0) == (hostile == "hook_raises")
+    assert [seqs[0].output_token_ids, seqs[2].output_token_ids] == [want[0], want[0]]
+    if hostile == "abort_while_dormant":
+        assert seqs[1].finish_reason == "abort"
+    else:
+        assert seqs[1].output_token_ids == want[1]
+    eng.blocks.check_no_leaks()
+    assert _tokens(run(llm, [PROMPTS[6]], greedy(40))) == [want[1]]
+
+
 def test_dormant_keeping_holds_the_latest_positions_only():
     """``Drafter._keep_latest`` (dormant steps): contiguous rows chain; past the cap the oldest kept positions are
     given up (the draft KV's ``done`` moves past them, so the kept span still starts where it ends); a gap gives
@@ -260,16 +297,16 @@ def test_dormant_keeping_holds_the_latest_positions_only():
     def rows(n):
         return torch.zeros(n, 2)
 
-    Drafter._keep_latest(st, 10, rows(3), cap=4)
-    Drafter._keep_latest(st, 13, rows(1), cap=4)
+    Drafter._keep_latest(st, 10, rows(3), 4, copy=False)
+    Drafter._keep_latest(st, 13, rows(1), 4, copy=False)
     assert (st.done, st.kept_rows) == (10, 4)
-    Drafter._keep_latest(st, 14, rows(2), cap=4)  # the first 3 positions go
+    Drafter._keep_latest(st, 14, rows(2), 4, copy=False)  # the first 3 positions go
     assert (st.done, st.kept_rows, [t.shape[0] for t in st.kept_hidden]) == (13, 3, [1, 2])
-    Drafter._keep_latest(st, 20, rows(1), cap=4)  # a gap: restart at 20
+    Drafter._keep_latest(st, 20, rows(1), 4, copy=False)  # a gap: restart at 20
     assert (st.done, st.kept_rows) == (20, 1)
-    Drafter._keep_latest(st, 21, rows(5), cap=4)  # alone past the cap
+    Drafter._keep_latest(st, 21, rows(5), 4, copy=False)  # alone past the cap
     assert (st.done, st.kept_rows, st.kept_hidden) == (26, 0, [])
-    Drafter._keep_latest(st, 24, rows(1), cap=4)  # already covered
+    Drafter._keep_latest(st, 24, rows(1), 4, copy=False)  # already covered
     assert (st.done, st.kept_rows) == (26, 0)
 
 

@@ -176,13 +176,14 @@ class Drafter:
         views = sum(n for *_, n in take) == batch.hidden.shape[0]
         for st, row0, c0, n in take:
             rows = batch.hidden[row0 : row0 + n]
-            self._keep_latest(st, c0, rows if views else rows.clone(), MAX_KEPT_DORMANT)
+            self._keep_latest(st, c0, rows, MAX_KEPT_DORMANT, copy=not views)
 
     @staticmethod
-    def _keep_latest(st: _State, c0: int, rows: torch.Tensor, cap: int) -> None:
-        """Keep ``rows`` (the target's hidden states of positions c0..) after the request's kept ones, at most
-        ``cap`` positions, the latest: older kept positions are given up (their draft KV stays stale: fewer
-        drafts are accepted, outputs stay exact). After a gap the kept ones are given up too."""
+    def _keep_latest(st: _State, c0: int, rows: torch.Tensor, cap: int, copy: bool) -> None:
+        """Keep ``rows`` (the target's hidden states of positions c0..; a copy of them with ``copy``) after the
+        request's kept ones, at most ``cap`` positions, the latest: older kept positions are given up (their draft
+        KV stays stale: fewer drafts are accepted, outputs stay exact). After a gap the kept ones are given up
+        too."""
         n = rows.shape[0]
         if st.done + st.kept_rows != c0:  # a gap (or the draft KV is written past c0 already)
             st.kept_hidden, st.kept_rows, st.done = [], 0, max(st.done, c0)
@@ -194,24 +195,16 @@ class Drafter:
         while st.kept_rows + n > cap:
             st.done += st.kept_hidden[0].shape[0]
             st.kept_rows -= st.kept_hidden.pop(0).shape[0]
-        st.kept_hidden.append(rows)
+        st.kept_hidden.append(rows.clone() if copy else rows)
         st.kept_rows += n
 
     @staticmethod
     def _defer(st: _State, computed: int, row0: int, c0: int, hidden: torch.Tensor) -> None:
         """An MTP request that does not draft this step keeps the target's hidden states of the
         positions computed now (c0..computed-1), so that its catch-up can write their draft KV when it
-        drafts again. After a gap, or past ``MAX_KEPT`` rows, the older positions are given up (their
-        draft KV stays stale: fewer drafts are accepted, outputs stay exact)."""
-        rows = computed - c0
-        if rows <= 0:
-            return
-        if st.done + st.kept_rows != c0 or st.kept_rows + rows > MAX_KEPT:
-            st.kept_hidden, st.kept_rows, st.done = [], 0, max(st.done, c0)
-            if st.done != c0 or rows > MAX_KEPT:
-                return
-        st.kept_hidden.append(hidden[row0 : row0 + rows].clone())
-        st.kept_rows += rows
+        drafts again: at most ``MAX_KEPT`` positions, the latest (``_keep_latest``)."""
+        if computed > c0:
+            Drafter._keep_latest(st, c0, hidden[row0 : row0 + computed - c0], MAX_KEPT, copy=True)
 
     def _worth_speculating(self, scheduled: SchedulerOutput, n_live: int) -> bool | set[str]:
         """Whether drafting for the next step can pay at this batch size at all, given the drafts'
