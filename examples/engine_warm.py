@@ -342,9 +342,10 @@ def warm_b1_chain(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list
     return done + warm_b1_fp8(cfg, dtype)
 
 
-def warm_b1_fp8(cfg: ModelConfig, dtype: torch.dtype) -> list[str]:
-    """The batch-1 step's ops on FP8 weights (``weight_dtype = "fp8"``: e4m3 with 128 x 128 block scales): the
-    projections' GEMV and the two-launch MoE."""
+def warm_b1_fp8(cfg: ModelConfig, dtype: torch.dtype, tokens: tuple[int, ...] = (1,)) -> list[str]:
+    """The decode step's ops on FP8 weights (``weight_dtype = "fp8"``: e4m3 with 128 x 128 block scales) at each of
+    ``tokens`` (the batch-1 step by default): the projections (GEMV, or activation quantisation + the blockwise
+    GEMM) and the MoE (two launches, or the six of ``moe_stream_fp8`` / the pipeline)."""
     from kernels_cuda.fp8_gemm import fp8_linear, fused_moe_fp8
 
     e, f8 = torch.empty, torch.float8_e4m3fn
@@ -353,16 +354,18 @@ def warm_b1_fp8(cfg: ModelConfig, dtype: torch.dtype) -> list[str]:
     weights = b1_projections(cfg) | {(q_cols + L + R, C)}  # (FP8: q / kv_a and w13 are GEMVs of their own)
     if cfg.first_k_dense_replace:
         weights.add((2 * cfg.intermediate_size, C))
-    for n_out, k_in in sorted(weights):
-        fp8_linear(e(1, k_in, dtype=dtype), e(n_out, k_in, dtype=f8), e(-(-n_out // 128), -(-k_in // 128)))
-    done = [f"fp8_linear x {len(weights)}"]
-    if cfg.n_routed_experts:
-        E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-        S = cfg.n_shared_experts or 0
-        fused_moe_fp8(e(1, C, dtype=dtype), e(E + S, 2 * I, C, dtype=f8), e(E + S, 2 * I // 128, C // 128),
-                      e(E + S, C, I, dtype=f8), e(E + S, C // 128, I // 128), e(1, k + S, dtype=dtype),
-                      torch.zeros(1, k + S, dtype=torch.long))
-        done.append("moe fp8")
+    done = []
+    for T in tokens:
+        for n_out, k_in in sorted(weights):
+            fp8_linear(e(T, k_in, dtype=dtype), e(n_out, k_in, dtype=f8), e(-(-n_out // 128), -(-k_in // 128)))
+        done.append(f"fp8_linear x {len(weights)} T={T}")
+        if cfg.n_routed_experts:
+            E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+            S = cfg.n_shared_experts or 0
+            fused_moe_fp8(e(T, C, dtype=dtype), e(E + S, 2 * I, C, dtype=f8), e(E + S, 2 * I // 128, C // 128),
+                          e(E + S, C, I, dtype=f8), e(E + S, C // 128, I // 128), e(T, k + S, dtype=dtype),
+                          torch.zeros(T, k + S, dtype=torch.long))
+            done.append(f"moe fp8 T={T}")
     return done
 
 
@@ -475,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also DSpark's MTP draft (its input projection and lean decode path; V2/V3 shapes)")
     ap.add_argument("--pdl", action="store_true",
                     help="also the batch-1 decode chain's DEEPINFER_PDL=1 kernels (V2/V3 shapes)")
+    ap.add_argument("--fp8-tokens", default="",
+                    help="also the FP8-weight step's ops at these decode batches, e.g. 64,256 (V2/V3 shapes)")
     ap.add_argument("--spec-k", type=int, default=SPEC_K,
                     help="also speculative verify steps of up to this many drafts a request (V2/V3 shapes; 0: none)")
     args = ap.parse_args(argv)
@@ -495,6 +500,8 @@ def main(argv: list[str] | None = None) -> None:
                 names += warm_mtp(cfg, args.block_size)
             if args.pdl:
                 names += warm_pdl_b1(cfg, args.block_size)
+            if args.fp8_tokens:
+                names += warm_b1_fp8(cfg, torch.bfloat16, tuple(int(t) for t in args.fp8_tokens.split(",")))
         print(f"{shape}: {len(names)} op calls compiled in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -6,7 +6,7 @@ TileLang cache folder, and pack it (a GPU machine then starts with no compile ti
                                    [--engine-shapes v2-lite,v3-slice | --engine-shapes none]
 
 ``--engine-shapes`` (default v2-lite,v3-slice,v4-flash-slice,v4-graph-test) also compiles the kernels the
-engine's bf16 forward uses for those shapes (``engine_warm.py``: the full-model suite of ``benchmark.py --suite
+engine's bf16 forward (and its FP8-weight decode steps at 64 and 256 tokens) uses for those shapes (``engine_warm.py``: the full-model suite of ``benchmark.py --suite
 h200``, and the random V4 of ``tests/test_v4_graphs.py``).
 """
 
@@ -45,9 +45,11 @@ def main() -> None:
                        check=True)
         subprocess.run([sys.executable, str(ROOT / "examples" / "fp8_bench.py"), "--dry", "--out", os.devnull],
                        env=env, cwd=ROOT, check=True)
+        subprocess.run([sys.executable, str(ROOT / "examples" / "moe_fp8_bench.py"), "--dry"], env=env, cwd=ROOT,
+                       check=True)
     if args.engine_shapes != "none":
-        subprocess.run([sys.executable, str(ROOT / "examples" / "engine_warm.py"), "--shapes", args.engine_shapes],
-                       env=env, cwd=ROOT, check=True)
+        subprocess.run([sys.executable, str(ROOT / "examples" / "engine_warm.py"), "--shapes", args.engine_shapes,
+                        "--fp8-tokens", "64,256"], env=env, cwd=ROOT, check=True)
     if args.pack:
         with tarfile.open(args.pack, "w:xz") as tar:
             tar.add(args.cache, arcname="tlcache")

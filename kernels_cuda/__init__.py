@@ -20,7 +20,7 @@ KERNEL_MODULES = ("gemv", "gemv_rows", "gemv_mma", "norm_gemv", "mla_kv_write",
                   "moe_stream",
                   "moe_route", "moe_gate", "sampling", "draft_lengths",
                   "v4_attention", "v4_compress", "v4_indexer", "v4_mhc", "v4_moe",
-                  "mxfp8", "fp8_gemm", "fp8_gemv", "moe_gemv_fp8")
+                  "mxfp8", "fp8_gemm", "fp8_gemv", "moe_gemv_fp8", "moe_stream_fp8")
 
 
 class CudaKernels(KernelBackend):

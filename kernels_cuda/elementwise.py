@@ -12,18 +12,22 @@ import torch
 from kernels_cuda import _tl
 
 
-def build_rope(heads: int, dim: int, stride_t: int, stride_h: int, dtype: str, table_dtype: str):
+def build_rope(heads: int, dim: int, stride_t: int, stride_h: int, dtype: str, table_dtype: str,
+               out_strides: tuple[int, int] | None = None):
+    """``out_strides``: (token, head) strides of the output, a column slice of wider rows (None: contiguous)."""
     T = _tl.language()
     N = T.dynamic("N")
     P = T.dynamic("P")
     half = dim // 2
+    y_type = T.Tensor((N, heads, dim), dtype) if out_strides is None else \
+        T.StridedTensor((N, heads, dim), (*out_strides, 1), dtype)
 
     @T.prim_func
     def rope_kernel(
         X: T.StridedTensor((N, heads, dim), (stride_t, stride_h, 1), dtype),
         Pos: T.Tensor((N,), "int64"),
         CS: T.Tensor((P, dim), table_dtype),
-        Y: T.Tensor((N, heads, dim), dtype),
+        Y: y_type,
     ):
         with T.Kernel(N, threads=128) as t:
             p = Pos[t]
@@ -68,15 +72,24 @@ def _reference_needed(*ts: torch.Tensor) -> bool:
     return any(t.dtype not in (torch.bfloat16, torch.float16) for t in ts)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """The registry's ``rope``. ``out`` (this backend's callers): written in place, e.g. the columns of a wider
+    buffer, so that no copy follows (a unit last stride; x's shape and dtype)."""
     from kernels_cpu import ops as ref
 
     T_, H, D = x.shape
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise ValueError(f"rope: out must be {tuple(x.shape)} {x.dtype} with a unit last stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if _reference_needed(x) or x.stride(-1) != 1 or D % 2 or cos_sin.dtype not in (torch.float32, x.dtype):
-        return ref.rope(x, positions, cos_sin)
-    y = torch.empty(T_, H, D, dtype=x.dtype, device=x.device)
+        y = ref.rope(x, positions, cos_sin)
+        return y if out is None else out.copy_(y)
+    strided = out is not None and not out.is_contiguous()
+    y = out if out is not None else torch.empty(T_, H, D, dtype=x.dtype, device=x.device)
     if T_:
-        kernel = _rope(H, D, x.stride(0), x.stride(1), _tl.tl_dtype(x.dtype), _tl.tl_dtype(cos_sin.dtype))
+        kernel = _rope(H, D, x.stride(0), x.stride(1), _tl.tl_dtype(x.dtype), _tl.tl_dtype(cos_sin.dtype),
+                       *((tuple(y.stride()[:2]),) if strided else ()))
         kernel(x, positions.long().contiguous(), cos_sin.contiguous(), y)
     return y
 
@@ -96,5 +109,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def representative_kernels():
     return [
         ("rope H128 D64 strided (V3 q_pe)", lambda: build_rope(128, 64, 128 * 192, 192, "bfloat16", "float32")),
+        ("rope H16 D64 into the wide query's columns (V2-Lite)",
+         lambda: build_rope(16, 64, 16 * 192, 192, "bfloat16", "float32", (16 * 576, 576))),
         ("silu_and_mul I2048", lambda: build_silu_and_mul(2048, "bfloat16")),
     ]

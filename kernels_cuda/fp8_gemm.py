@@ -14,7 +14,10 @@
 * ``fused_moe_fp8``: ``kernels_cuda.moe``'s align and combine around FP8 stages: gather + quantise the
   rows in expert order, grouped gemm1 (gate and up with their tile scales, SiLU in float32 on the
   x.dtype-rounded halves, as the reference), quantise the hidden, grouped gemm2 scattered to slots;
-  at decode (up to 2 tokens, ``moe_gemv_fp8.applies``) the two weight-streaming launches of ``moe_gemv_fp8``.
+  at decode (up to 4 tokens, ``moe_gemv_fp8.applies``) the two weight-streaming launches of ``moe_gemv_fp8``;
+  with ``DEEPINFER_FP8_MOE_STREAM=1``, the other decode batches (up to a mean of 64 rows per expert) run the same
+  six launches with the operands of both GEMMs swapped (``kernels_cuda.moe_stream_fp8``: the weights are the
+  wgmma's M; off by default until a device has run it).
 
 Shapes the kernels take: K (and for MoE, C and I) a multiple of 128, N a multiple of 64 (V2/V3: every
 projection). Other shapes, float32 activations and empty batches run the reference.
@@ -353,9 +356,18 @@ def fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | 
 
 def moe_fp8_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | None = None,
                   buffers: dict | None = None):
-    """The launches of :func:`fused_moe_fp8` as (name, thunk) pairs, plus a thunk returning the output.
-    ``buffers``, when given, receives the intermediate tensors by name (for ``examples/fp8_diag.py``)."""
+    """The launches of :func:`fused_moe_fp8` as (name, thunk) pairs, plus a thunk returning the output: decode
+    batches (``moe_stream_fp8.applies``, where ``moe_stream_fp8.enabled``) take the weight-streaming GEMMs of
+    ``kernels_cuda.moe_stream_fp8``, others (or a ``cfg`` of this module's tiles) the pipeline. ``buffers``, when
+    given, receives the intermediate tensors by name (for ``examples/fp8_diag.py`` and ``tests/fp8_moe_stages.py``).
+    ``cfg = {"stream": True}``: the stream path whatever the switch says (its conformance tests)."""
+    from kernels_cuda import moe_stream_fp8
     from kernels_cuda.moe import _align, _combine
+
+    forced = cfg == {"stream": True}
+    if forced or (cfg is None and moe_stream_fp8.enabled()
+                  and moe_stream_fp8.applies(x, w13, w13_scale, w2, w2_scale, ids)):
+        return moe_stream_fp8.stream_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, buffers=buffers)
 
     NT, C = x.shape
     E, two_i, _ = w13.shape

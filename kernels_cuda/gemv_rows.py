@@ -427,7 +427,10 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, c
         # batched GEMM writing its columns of the output in place
         out = torch.empty(T_, H, L + R, dtype=q.dtype, device=q.device)
         head_linear(nope, w_uk, out=out[..., :L])
-        out[..., L:] = rope(q[..., NN:], positions, cos_sin)
+        if no_cast_launches():
+            rope(q[..., NN:], positions, cos_sin, out=out[..., L:])  # in place: no copy launch after it
+        else:
+            out[..., L:] = rope(q[..., NN:], positions, cos_sin)
         return out
     out = torch.empty(T_, H, L + R, dtype=q.dtype, device=q.device)
     sms = _tl.num_sms(q.device.index or 0) if q.is_cuda else _tl.num_sms()
@@ -473,6 +476,18 @@ KV_FUSION_ENV = "DEEPINFER_KV_FUSION"
 
 def kv_fusion_enabled() -> bool:
     return env_flag(KV_FUSION_ENV, True)
+
+
+#: ``DEEPINFER_NO_CAST_LAUNCHES=1`` removes the two copy launches a layer that past the fused rows follow a kernel
+#: (``direct_copy`` x 53 at V2-Lite b256 on the H200, 0.21 ms a step: docs/h200/s15): the wide decode query's rope
+#: written into its columns in place (``rope(..., out=)``), and the router's float32 input written by the norm
+#: launch (``norm.add_rms_norm_f32``) instead of a cast. Off by default until a device has run the two new builds
+#: (their conformance tests are written: docs/h200/s16).
+NO_CAST_ENV = "DEEPINFER_NO_CAST_LAUNCHES"
+
+
+def no_cast_launches() -> bool:
+    return env_flag(NO_CAST_ENV, False)
 
 
 def representative_kernels():

@@ -158,7 +158,7 @@ def add_rms_norm_moe_gate(x, residual, norm_w, eps, gate, bias, top_k, scoring, 
                           renormalize, scale, n_shared, dtype):
     """The registry's ``add_rms_norm_moe_gate``: one launch for at most 8 tokens (``build_gate_route(norm=True)``);
     the backend's ``add_rms_norm`` and ``moe_gate`` otherwise. Returns (normed, new_residual, weights, ids)."""
-    from kernels_cuda import moe_route, norm, norm_gemv
+    from kernels_cuda import gemv_rows, moe_route, norm, norm_gemv
 
     C = x.shape[-1]
     fits = (applies(x, gate, dtype) and norm_gemv.enabled() and dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -166,8 +166,15 @@ def add_rms_norm_moe_gate(x, residual, norm_w, eps, gate, bias, top_k, scoring, 
             and residual.data_ptr() % 16 == 0 and norm_w.shape == (C,) and C % 8 == 0 and C <= 16384)
     count = _tl.launch_counters("moe_gate", MAX_T, x.device) if fits else None
     if count is None:
-        normed, res = norm.add_rms_norm(x, residual, norm_w, eps)
-        weights, ids = moe_route.moe_gate(normed, gate, bias, top_k, scoring, n_group, topk_group, group_score,
+        if (gate.dtype == torch.float32 and x.dim() == 2 and x.shape[0] > MAX_T and (x.is_cuda or _tl.dry_run())
+                and gemv_rows.no_cast_launches()):
+            # past the GEMV's rows the router is the float32 GEMM: it reads the norm's float32 copy (the same
+            # values linear_f32 would cast to, written by the norm launch instead of a cast launch of its own)
+            normed, res, normed32 = norm.add_rms_norm_f32(x, residual, norm_w, eps)
+        else:
+            normed, res = norm.add_rms_norm(x, residual, norm_w, eps)
+            normed32 = normed
+        weights, ids = moe_route.moe_gate(normed32, gate, bias, top_k, scoring, n_group, topk_group, group_score,
                                           renormalize, scale, n_shared, dtype)
         return normed, res, weights, ids
     moe_route._check(scoring, group_score)

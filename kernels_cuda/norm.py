@@ -24,27 +24,23 @@ def _padded(C: int, threads: int) -> int:
     return -(-C // threads) * threads
 
 
-def build_rms_norm(C: int, dtype: str, fused_add: bool, pdl: bool = False):
+def build_rms_norm(C: int, dtype: str, fused_add: bool, pdl: bool = False, f32_copy: bool = False):
     """``pdl``: let the next kernel launch at once (``_tl.PDL_ENV``: the GEMV after a norm streams its weight
-    meanwhile and waits for this kernel before reading the normed row)."""
+    meanwhile and waits for this kernel before reading the normed row). ``f32_copy``: also write the normed rows
+    (rounded to ``dtype``) as float32 in ``Y32``, what the router's float32 GEMM reads past the fused gate's rows
+    (so no cast launch sits between them); the variant without it takes no ``Y32``."""
     T = _tl.language()
     N = T.dynamic("N")
     threads = _threads(C)
     CP = _padded(C, threads)
     if CP != C:
+        assert not f32_copy, "the float32 copy is built for widths the threads divide"
         return _build_padded(C, CP, threads, dtype, fused_add)
     if pdl:
         pdl_trigger = _tl.pdl_ops()[0]
 
-    @T.prim_func
-    def rms_norm_kernel(
-        X: T.Tensor((N, C), dtype),
-        Res: T.Tensor((N, C), dtype),
-        W: T.Tensor((C,), dtype),
-        Y: T.Tensor((N, C), dtype),
-        ResOut: T.Tensor((N, C), dtype),
-        eps: T.float32,
-    ):
+    @T.macro
+    def body(X, Res, W, Y, ResOut, eps, Y32):
         with T.Kernel(N, threads=threads) as row:
             x = T.alloc_fragment((1, C), "float32")
             sq = T.alloc_fragment((1, C), "float32")
@@ -68,7 +64,23 @@ def build_rms_norm(C: int, dtype: str, fused_add: bool, pdl: bool = False):
                 ss[i] = T.rsqrt(ss[i] / C + eps)
             for i, j in T.Parallel(1, C):
                 x[i, j] = T.cast(W[j], "float32") * (x[i, j] * ss[i])
+            if f32_copy:
+                for i, j in T.Parallel(1, C):
+                    x[i, j] = T.cast(T.cast(x[i, j], dtype), "float32")
+                T.copy(x, Y32[row:row + 1, :])
             T.copy(x, Y[row:row + 1, :])
+
+    if f32_copy:
+        @T.prim_func
+        def rms_norm_kernel(X: T.Tensor((N, C), dtype), Res: T.Tensor((N, C), dtype), W: T.Tensor((C,), dtype),
+                            Y: T.Tensor((N, C), dtype), ResOut: T.Tensor((N, C), dtype),
+                            Y32: T.Tensor((N, C), "float32"), eps: T.float32):
+            body(X, Res, W, Y, ResOut, eps, Y32)
+    else:
+        @T.prim_func
+        def rms_norm_kernel(X: T.Tensor((N, C), dtype), Res: T.Tensor((N, C), dtype), W: T.Tensor((C,), dtype),
+                            Y: T.Tensor((N, C), dtype), ResOut: T.Tensor((N, C), dtype), eps: T.float32):
+            body(X, Res, W, Y, ResOut, eps, None)
 
     return rms_norm_kernel
 
@@ -117,20 +129,22 @@ def _build_padded(C: int, CP: int, threads: int, dtype: str, fused_add: bool):
 _kernel = _tl.kernel_cache(build_rms_norm)
 
 
-def _run(x, residual, w, eps, fused):
+def _run(x, residual, w, eps, fused, f32_copy=False):
     shape = x.shape
     C = shape[-1]
     x2 = x.reshape(-1, C).contiguous()
     y = torch.empty_like(x2)
+    y32 = torch.empty(x2.shape, dtype=torch.float32, device=x.device) if f32_copy else None
     if fused:
         r2 = residual.reshape(-1, C).to(x.dtype).contiguous()
         r_out = torch.empty_like(x2)
     else:
         r2 = r_out = x2  # unused by the kernel
     if x2.shape[0]:
-        kernel = _kernel(C, _tl.tl_dtype(x.dtype), fused, *_tl.pdl_arg(x2.shape[0]))
-        kernel(x2, r2, w.to(x.dtype).contiguous(), y, r_out, float(eps))
-    return y.view(shape), (r_out.view(shape) if fused else None)
+        # (the float32 copy feeds cuBLAS's GEMM, which does not wait programmatically: no PDL build of it)
+        kernel = _kernel(C, _tl.tl_dtype(x.dtype), fused, *((False, True) if f32_copy else _tl.pdl_arg(x2.shape[0])))
+        kernel(x2, r2, w.to(x.dtype).contiguous(), y, r_out, *((y32,) if f32_copy else ()), float(eps))
+    return y.view(shape), (r_out.view(shape) if fused else None), (y32.view(shape) if f32_copy else None)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,11 +152,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
-    y, r = _run(x, residual, w, eps, True)
+    y, r, _ = _run(x, residual, w, eps, True)
     return y, r
+
+
+def add_rms_norm_f32(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+    """``add_rms_norm`` that also returns the normed rows as float32 (the same values: ``y.float()``) from the same
+    launch: (y, new_residual, y32). Widths the norm's threads do not divide (toy models) get ``y.float()``."""
+    if _padded(x.shape[-1], _threads(x.shape[-1])) != x.shape[-1]:
+        y, r = add_rms_norm(x, residual, w, eps)
+        return y, r, y.float()
+    return _run(x, residual, w, eps, True, True)
 
 
 def representative_kernels():
     return [("add_rms_norm C7168", lambda: build_rms_norm(7168, "bfloat16", True)),
             ("add_rms_norm C24 (padded: the tiny model)", lambda: build_rms_norm(24, "bfloat16", True)),
-            ("rms_norm C24 (padded)", lambda: build_rms_norm(24, "bfloat16", False))]
+            ("rms_norm C24 (padded)", lambda: build_rms_norm(24, "bfloat16", False)),
+            ("add_rms_norm C2048 with the float32 copy (the router's input)",
+             lambda: build_rms_norm(2048, "bfloat16", True, False, True))]

@@ -145,3 +145,89 @@ def test_head_linear_into_a_slice_hostile(T):
     want = ref.head_linear(q[..., :N].contiguous(), w)
     torch.testing.assert_close(got[~bad], want[~bad], rtol=1e-5, atol=1e-4)
     assert head_linear(q[..., :N].contiguous(), w).shape == (T, H, L)  # (and without out: a new tensor)
+
+
+class _Ops:
+    """A dispatch mode recording the aten ops run inside it (``names``)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Ops(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.names: list[str] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.names.append(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        return Ops()
+
+
+def _copies(names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith(("copy", "_to_copy"))]
+
+
+@pytest.mark.parametrize("no_cast", [True, False], ids=["no_cast_launches", "default"])
+def test_wide_query_is_written_without_a_copy(dry, monkeypatch, no_cast):
+    """Past the fused rows, with ``DEEPINFER_NO_CAST_LAUNCHES=1``, the rotated q_pe goes straight into the query's
+    rope columns (``rope(..., out=)``): no ``copy_`` launch follows it (one a layer at V2-Lite b256 on the H200:
+    ``direct_copy`` in docs/h200/s15). By default (until a device has run the strided build) the copy stays."""
+    from kernels_cuda import gemv_rows
+    from kernels_cuda.gemv_rows import mla_q_absorb
+
+    monkeypatch.setenv(gemv_rows.NO_CAST_ENV, "1" if no_cast else "0")
+
+    T, H, L, N, R = 64, 16, 512, 128, 64
+    q = torch.randn(T, H, N + R, dtype=torch.bfloat16)
+    w_uk = torch.randn(H, L, N, dtype=torch.bfloat16)
+    with _Ops() as ops:
+        out = mla_q_absorb(q, w_uk, torch.arange(T), torch.randn(128, R))
+    assert out.shape == (T, H, L + R) and dry == ["build_rope"], dry
+    assert bool(_copies(ops.names)) != no_cast, ops.names
+
+
+def test_rope_out_must_match_its_input():
+    """``rope(..., out=)`` names what it expected; the reference path (float32) writes into ``out`` too, leaving the
+    columns beside it."""
+    from kernels_cpu import ops as ref
+    from kernels_cuda.elementwise import rope
+
+    T, H, D = 5, 2, 8
+    x, pos, cs = torch.randn(T, H, D), torch.arange(T), torch.randn(16, D)
+    wide = torch.full((T, H, 3 * D), 7.0)
+    got = rope(x, pos, cs, out=wide[..., D:2 * D])
+    assert got.data_ptr() == wide[..., D:].data_ptr()
+    torch.testing.assert_close(wide[..., D:2 * D], ref.rope(x, pos, cs))
+    assert (wide[..., :D] == 7.0).all() and (wide[..., 2 * D:] == 7.0).all()
+    with pytest.raises(ValueError, match=r"rope: out must be \(5, 2, 8\) torch.float32"):
+        rope(x, pos, cs, out=wide[..., :D + 2])
+    with pytest.raises(ValueError, match="unit last stride"):
+        rope(x, pos, cs, out=wide[..., ::3])
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        rope(x, pos, cs, out=wide[..., :D].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("no_cast", [True, False], ids=["no_cast_launches", "default"])
+@pytest.mark.parametrize("T", [8, 9, 256])
+def test_router_past_the_fused_rows_reads_the_norms_float32_copy(dry, monkeypatch, T, no_cast):
+    """``add_rms_norm_moe_gate`` past 8 tokens, with ``DEEPINFER_NO_CAST_LAUNCHES=1``: the norm launch also writes
+    its rows as float32, and the router's float32 GEMM reads them, so no cast (``copy_``) runs between the two (one a
+    MoE layer at V2-Lite b256 on the H200); by default the cast stays; up to 8 tokens the one fused launch."""
+    from kernels_cuda import gemv_rows
+    from kernels_cuda.moe_gate import add_rms_norm_moe_gate
+
+    monkeypatch.setenv(gemv_rows.NO_CAST_ENV, "1" if no_cast else "0")
+    E, C = 64, 2048
+    x, res = torch.randn(T, C).to(torch.bfloat16), torch.randn(T, C).to(torch.bfloat16)
+    with _Ops() as ops:
+        normed, new_res, weights, ids = add_rms_norm_moe_gate(
+            x, res, torch.ones(C, dtype=torch.bfloat16), 1e-6, torch.randn(E, C), None, 6, "softmax", 1, 1, "max",
+            False, 1.0, 2, torch.bfloat16)
+    assert normed.shape == (T, C) and weights.shape == ids.shape == (T, 8)
+    if T <= 8:
+        assert dry == ["build_gate_route"], dry
+    else:
+        assert dry == ["build_rms_norm", "build_route"], dry
+        assert bool(_copies(ops.names)) != no_cast, ops.names

@@ -67,15 +67,23 @@ def test_add_rms_norm_linear_other_rows_take_two_launches():
     close(y32, ref.linear(*up(ref.rms_norm(xf + r.float(), nw.float(), 1e-6), w)), torch.float32, "float32")
 
 
-@pytest.mark.parametrize("T", [1, 3, 8, 20])  # 20: the two-launch path (add_rms_norm, then moe_gate)
+@pytest.mark.parametrize("T", [1, 3, 8, 20, 256])  # 20, 256: two launches (add_rms_norm, then moe_gate)
 @pytest.mark.parametrize("case", GATE_CASES, ids=[c[0] for c in GATE_CASES])
-def test_add_rms_norm_moe_gate_real_shapes(case, T):
+@pytest.mark.parametrize("no_cast", ["0", "1"], ids=["default", "no_cast_launches"])
+def test_add_rms_norm_moe_gate_real_shapes(case, T, no_cast, monkeypatch):
     """The post-attention norm in the router's launch (V2-Lite, V3, V2-group gates): the new residual is the bf16
     sum, the normed row is the norm kernel's within a last bit, and the routing of that normed row is the
-    reference's (the rows are drawn with a clear margin on the normed row); twice in a row (the counters)."""
+    reference's (the rows are drawn with a clear margin on the normed row); twice in a row (the counters).
+    ``no_cast_launches``: past 8 tokens the router reads the norm launch's float32 copy
+    (``DEEPINFER_NO_CAST_LAUNCHES``)."""
     from deepinfer_core.testing.kernel_cases import _route_margin
+    from kernels_cuda import gemv_rows
     from kernels_cuda.moe_gate import add_rms_norm_moe_gate
     from kernels_cuda.norm import add_rms_norm
+
+    if no_cast == "1" and T <= 8:
+        pytest.skip("one fused launch: no cast either way")
+    monkeypatch.setenv(gemv_rows.NO_CAST_ENV, no_cast)
 
     _, C, (_, E, k, scoring, has_bias, ng, tg, gs, *_rest), _S = case
     x0, gate, bias, args = _gate_inputs(case, T, T)  # x0 only for its shape; the gate and the routing args
@@ -100,6 +108,24 @@ def test_add_rms_norm_moe_gate_real_shapes(case, T):
         assert torch.equal(res, want_r), "the new residual must be the bf16 sum"
         close(normed, want_n.float(), torch.bfloat16, f"normed T={T}")
         _check_gate((w, ids), normed, gate, bias, args, f"add_rms_norm_moe_gate {case[0]} T={T} call {rep}")
+
+
+@pytest.mark.parametrize("C", [2048, 7168])
+@pytest.mark.parametrize("T", [9, 256])
+def test_add_rms_norm_f32_copy_is_the_normed_rows(T, C):
+    """``norm.add_rms_norm_f32`` (the router's input past 8 tokens): its bf16 rows and residual are bit-equal to
+    ``add_rms_norm``'s, and its float32 copy is exactly those rows widened."""
+    from kernels_cuda.norm import add_rms_norm, add_rms_norm_f32
+
+    g = gen(17)
+    x, r = randn(g, T, C, scale=3.0), randn(g, T, C, scale=3.0)
+    nw = (1 + randn(g, C, dtype=torch.float32, scale=0.1)).to(torch.bfloat16)
+    y, res, y32 = add_rms_norm_f32(x, r, nw, 1e-6)
+    if DRY:
+        return
+    want_y, want_r = add_rms_norm(x, r, nw, 1e-6)
+    assert torch.equal(y, want_y) and torch.equal(res, want_r)
+    assert y32.dtype == torch.float32 and torch.equal(y32, want_y.float())
 
 
 @pytest.mark.parametrize("bs", [16, 64])

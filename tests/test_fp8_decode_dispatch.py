@@ -74,17 +74,75 @@ def _moe(T: int, E: int = 6, C: int = 512, I: int = 256, k: int = 3, ids=None):
     return x, w13, s13, w2, s2, torch.rand(T, k).to(torch.bfloat16), ids
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
-def test_fused_moe_fp8_tokens_rule(dry, T):
-    """Up to ``MAX_TOKENS`` (4) tokens the two weight-streaming launches (the tensor-core up kernel by default),
-    above them the six-launch pipeline."""
+STREAM = ["build_align", "build_gather_quant", "build_stream1_fp8", "build_act_quant", "build_stream2_fp8",
+          "build_combine"]
+PIPELINE = ["build_align", "build_gather_quant", "build_gemm1_fp8", "build_act_quant", "build_gemm2_fp8",
+            "build_combine"]
+
+
+@pytest.fixture
+def stream(monkeypatch):
+    """``DEEPINFER_FP8_MOE_STREAM=1`` (off by default until a device has run it)."""
+    from kernels_cuda import moe_stream_fp8
+
+    monkeypatch.setenv(moe_stream_fp8.STREAM_ENV, "1")
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8, 128, 129])
+def test_fused_moe_fp8_tokens_rule(dry, stream, T):
+    """Up to ``MAX_TOKENS`` (4) tokens the two weight-streaming launches (the tensor-core up kernel by default);
+    above them, up to a mean of 64 rows per expert (6 experts x 64 / 3 slots: 128 tokens), the six launches with
+    the weights as the wgmma's M (``moe_stream_fp8``); above that the six-launch pipeline."""
     from kernels_cuda.fp8_gemm import fused_moe_fp8
 
     assert fused_moe_fp8(*_moe(T)).shape == (T, 512)
     if T <= 4:
         assert dry == ["build_up_fp8_mma", "build_down_fp8"], dry
     else:
-        assert not any(n.startswith("build_up_fp8") for n in dry) and len(dry) == 6, dry
+        assert dry == (STREAM if T <= 128 else PIPELINE), dry
+
+
+def test_fused_moe_fp8_stream_block_rows(dry, stream):
+    """The stream path's block rows follow the mean rows per expert (16, 32, 64) as ``moe_stream``'s do; an
+    explicit pipeline tile configuration keeps the pipeline."""
+    from kernels_cuda.fp8_gemm import MOE_SMALL, moe_fp8_steps
+
+    for T, BT in ((5, 16), (32, 16), (33, 32), (64, 32), (65, 64), (128, 64)):  # 3 slots over 6 experts
+        bufs: dict = {}
+        moe_fp8_steps(*_moe(T), buffers=bufs)
+        assert bufs["BM"] == BT, (T, bufs["BM"])
+    steps, _ = moe_fp8_steps(*_moe(8), cfg=MOE_SMALL)
+    for _, step in steps:
+        step()
+    assert dry == PIPELINE, dry
+
+
+@pytest.mark.parametrize("value", [None, "0"])
+def test_fused_moe_fp8_stream_switch(dry, monkeypatch, value):
+    """Unset (the default until a device has run the stream path) or ``0``: decode batches stay on the pipeline."""
+    from kernels_cuda import moe_stream_fp8
+    from kernels_cuda.fp8_gemm import fused_moe_fp8
+
+    if value is None:
+        monkeypatch.delenv(moe_stream_fp8.STREAM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(moe_stream_fp8.STREAM_ENV, value)
+    fused_moe_fp8(*_moe(8))
+    assert dry == PIPELINE, dry
+
+
+def test_moe_stream_fp8_applies():
+    from kernels_cuda.moe_stream_fp8 import applies
+
+    x, w13, s13, w2, s2, _, ids = _moe(8)
+    assert applies(x, w13, s13, w2, s2, ids)
+    assert not applies(x.float(), w13, s13, w2, s2, ids)  # float32 activations: the reference
+    assert not applies(x, w13.to(torch.bfloat16), s13, w2, s2, ids)  # not e4m3
+    assert not applies(x, w13, s13[:, :1], w2, s2, ids)  # scales that are not one per 128 x 128 tile
+    assert not applies(x, w13, s13, w2[:, :, :128], s2, ids)  # w2's shape does not match w13's
+    assert not applies(x[:0], w13, s13, w2, s2, ids[:0])  # no tokens
+    x6, w13_6, s13_6, w2_6, s2_6, _, ids6 = _moe(8, C=576)  # C not a multiple of 128
+    assert not applies(x6, w13_6, s13_6, w2_6, s2_6, ids6)
 
 
 @pytest.mark.parametrize("T", [1, 2])

@@ -69,22 +69,31 @@ def test_fp8_linear_real_shapes(case, path):
 
 #: (name, T, E, C, I, k)
 #: V3 cases use the engine's V3-slice kernels (E 256: small tiles up to 1536 tokens, large above)
-MOE_CASES = [("V2-Lite b1", 1, 64, 2048, 1408, 6), ("V2-Lite b64", 64, 64, 2048, 1408, 6),
-             ("V3 b1", 1, 256, 7168, 2048, 8), ("V3 b256", 256, 256, 7168, 2048, 8),
+#: decode batches take moe_stream_fp8 (block rows 16: V2-Lite b1-b64, V3; 32: V2-Lite b256; 64: V2-Lite b512)
+MOE_CASES = [("V2-Lite b1", 1, 64, 2048, 1408, 6), ("V2-Lite b9", 9, 64, 2048, 1408, 6),
+             ("V2-Lite b64", 64, 64, 2048, 1408, 6), ("V2-Lite b256", 256, 64, 2048, 1408, 6),
+             ("V2-Lite b512", 512, 64, 2048, 1408, 6), ("V3 b1", 1, 256, 7168, 2048, 8),
+             ("V3 b64", 64, 256, 7168, 2048, 8), ("V3 b256", 256, 256, 7168, 2048, 8),
              ("V3 prefill 2048", 2048, 256, 7168, 2048, 8)]
 
 
+@pytest.mark.parametrize("path", ["pipeline", "stream"])
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c[0] for c in MOE_CASES])
-def test_fused_moe_fp8_real_shapes(case):
+def test_fused_moe_fp8_real_shapes(case, path):
     """Each launch against the reference on that launch's own inputs (bit-equal routing and quantisation,
     GEMMs within the elementwise bound), then the output norm-wise against the reference end to end
-    (the hidden is re-quantised to e4m3: see deepinfer_core/testing/kernels.py)."""
+    (the hidden is re-quantised to e4m3: see deepinfer_core/testing/kernels.py). ``pipeline``: the pipeline's tiles;
+    ``stream``: ``moe_stream_fp8`` (the weights as the wgmma's M), at the batches it would take."""
     from fp8_moe_stages import moe_fp8_stages
 
     from kernels_cpu.fp8_ops import fused_moe_fp8 as ref
-    from kernels_cuda.fp8_gemm import moe_fp8_steps
+    from kernels_cuda import moe_stream_fp8
+    from kernels_cuda.fp8_gemm import MOE_LARGE, MOE_SMALL, moe_fp8_steps
 
     _, T, E, C, I, k = case
+    cfg = {"stream": True} if path == "stream" else (MOE_SMALL if T * k <= 48 * E else MOE_LARGE)
+    if path == "stream" and T * k > moe_stream_fp8.MAX_MEAN_ROWS * E:
+        pytest.skip("a prefill-sized batch: the pipeline's")
     g = torch.Generator(device=DEV).manual_seed(T + E)
     x = randn(g, T, C)
     w13, s13 = fp8_weight(g, E, 2 * I, C)
@@ -93,9 +102,9 @@ def test_fused_moe_fp8_real_shapes(case):
                        for t in range(T)]).to(DEV)  # some ids outside [0, E): other ranks' experts
     weights = torch.rand(T, k, device=DEV).to(torch.bfloat16)
     if DRY:  # compile-only: build the launches
-        moe_fp8_steps(x, w13, s13, w2, s2, weights, ids)
+        moe_fp8_steps(x, w13, s13, w2, s2, weights, ids, cfg=cfg)
         return
-    st = moe_fp8_stages(x, w13, s13, w2, s2, weights, ids)
+    st = moe_fp8_stages(x, w13, s13, w2, s2, weights, ids, cfg=cfg)
     assert st["rows"][0] == st["rows"][1], f"{case[0]}: rows written {st['rows']}"
     for name, (kind, out, want) in ((n, v) for n, v in st.items() if isinstance(v, tuple) and len(v) == 3):
         if kind == "exact":

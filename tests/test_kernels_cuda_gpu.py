@@ -14,6 +14,7 @@ comparison): ``examples/kernel_warm.py`` uses that to fill TileLang's cache ahea
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -487,7 +488,7 @@ def test_head_linear_real_shapes(H, N, K, T):
     close(y, ref.head_linear(x.double(), w.double()), torch.bfloat16, f"head_linear H={H} N={N} K={K} T={T}")
 
 
-@pytest.mark.parametrize("H,T", [(16, 1), (16, 3), (16, 8), (128, 1), (128, 4)])  # V2-Lite, V3 heads
+@pytest.mark.parametrize("H,T", [(16, 1), (16, 3), (16, 8), (16, 64), (128, 1), (128, 4), (128, 64)])  # V2-Lite, V3
 def test_mla_q_absorb_real_shapes(H, T):
     """The decode query from the projection output's columns (q_a or q width + kv_a): W_UK GEMV and rope in
     one launch, against the reference composition."""
@@ -502,10 +503,39 @@ def test_mla_q_absorb_real_shapes(H, T):
     pos = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(3)).to(DEV)
     cs = randn(g, 4096, R, dtype=torch.float32)
     out = mla_q_absorb(q, w_uk, pos, cs)
+    if not DRY:
+        want = reference(q.double(), w_uk.double(), pos, cs.double())
+        close(out, want, torch.bfloat16, f"mla_q_absorb H={H} T={T}")
+    if T > 8:  # past the fused rows: the rope written into the query's columns in place, the same bits
+        from kernels_cuda import gemv_rows
+
+        os.environ[gemv_rows.NO_CAST_ENV] = "1"
+        try:
+            again = mla_q_absorb(q, w_uk, pos, cs)
+        finally:
+            del os.environ[gemv_rows.NO_CAST_ENV]
+        if not DRY:
+            assert torch.equal(again, out)
+
+
+def test_rope_writes_a_strided_out():
+    """``rope(..., out=)``: q_pe rotated into the rope columns of the decode query [T, H, L + R] (the wide
+    ``mla_q_absorb``), bit-equal to the kernel's contiguous output; the latent columns are left as they were."""
+    from kernels_cuda.elementwise import rope
+
+    g = gen(13)
+    T, H, N, R, L = 64, 16, 128, 64, 512
+    q = randn(g, T, H, N + R)
+    pos = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(4)).to(DEV)
+    cs = randn(g, 4096, R, dtype=torch.float32)
+    wide = randn(g, T, H, L + R)
+    before = wide.clone()
+    rope(q[..., N:], pos, cs, out=wide[..., L:])
     if DRY:
         return
-    want = reference(q.double(), w_uk.double(), pos, cs.double())
-    close(out, want, torch.bfloat16, f"mla_q_absorb H={H} T={T}")
+    assert torch.equal(wide[..., L:], rope(q[..., N:], pos, cs))
+    assert torch.equal(wide[..., :L], before[..., :L])
+    close(wide[..., L:], ref.rope(q[..., N:].double(), pos, cs.double()), torch.bfloat16, "rope into a slice")
 
 
 def test_gemv_rows_writes_a_strided_out():
