@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from server_helpers import ROOT, free_port, server
+from server_helpers import ROOT, free_port, servers
 from tiny_models import rand_ids
 
 from deepinfer_core import LLM, SamplingParams
@@ -94,9 +94,10 @@ def cluster(tiny_v3_path, tmp_path_factory):
     # the others' spinning threads (a stalled prefill engine holds its in-flight load whatever the balancer does)
     one = {"OMP_NUM_THREADS": "1"}
     with contextlib.ExitStack() as stack:
-        p = [stack.enter_context(server(tiny_v3_path, *common, *kv_store, "-o", 'kv_role="prefill"', env=one))
-             for _ in range(2)]
-        d = [stack.enter_context(server(tiny_v3_path, *common, "-o", 'kv_role="decode"')) for _ in range(2)]
+        prefill = ((tiny_v3_path, *common, *kv_store, "-o", 'kv_role="prefill"'), one)
+        decode = ((tiny_v3_path, *common, "-o", 'kv_role="decode"'), None)
+        urls = stack.enter_context(servers(prefill, prefill, decode, decode))  # their start-ups overlap
+        p, d = urls[:2], urls[2:]
         # the router looks blocks up the moment they are written: no negative caching of misses
         lookups = ["-o", f'kv_store={{backend="3fs", path="{store}", negative_cache="0s"}}']
         r = stack.enter_context(router(p, d, "--model", tiny_v3_path, "--chat-template", CHAT_TEMPLATE,
