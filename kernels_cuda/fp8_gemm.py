@@ -362,7 +362,6 @@ def moe_fp8_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | 
     given, receives the intermediate tensors by name (for ``examples/fp8_diag.py`` and ``tests/fp8_moe_stages.py``).
     ``cfg = {"stream": True}``: the stream path whatever the switch says (its conformance tests)."""
     from kernels_cuda import moe_stream_fp8
-    from kernels_cuda.moe import _align, _combine
 
     forced = cfg == {"stream": True}
     if forced or (cfg is None and moe_stream_fp8.enabled()
@@ -372,10 +371,26 @@ def moe_fp8_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | 
     NT, C = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
+    c = dict(cfg or (MOE_SMALL if NT * ids.shape[1] <= 48 * E else MOE_LARGE))
+    BM, dt = c["BM"], _tl.tl_dtype(x.dtype)
+    k_gemm1 = _gemm1(E, C, I, BM, c["BN1"], c["stages"], c["threads"], dt)
+    k_gemm2 = _gemm2(E, C, I, BM, c["BN2"], c["stages"], c["threads"], dt)
+    return moe_fp8_launches(x, w13, w13_scale, w2, w2_scale, weights, ids, BM, k_gemm1, k_gemm2, buffers)
+
+
+def moe_fp8_launches(x, w13, w13_scale, w2, w2_scale, weights, ids, BM: int, k_gemm1, k_gemm2,
+                     buffers: dict | None = None):
+    """The six launches of the FP8 MoE around its two grouped GEMMs over blocks of ``BM`` rows an expert (the
+    pipeline's, or ``moe_stream_fp8``'s with the operands swapped; both take the same arguments): align, gather +
+    quantise, ``k_gemm1`` (gate and up, SiLU), quantise H, ``k_gemm2`` (scattered to slots), combine. Returns
+    (steps, output thunk); ``buffers`` receives the intermediate tensors by name."""
+    from kernels_cuda.moe import _align, _combine
+
+    NT, C = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
     K = ids.shape[1]
     NS = NT * K
-    c = dict(cfg or (MOE_SMALL if NS <= 48 * E else MOE_LARGE))
-    BM = c["BM"]
     dt = _tl.tl_dtype(x.dtype)
     dev = x.device
     nblk = (NS + BM - 1) // BM + min(E, NS)
@@ -396,9 +411,7 @@ def moe_fp8_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, *, cfg: dict | 
     out = torch.empty(NT, C, dtype=x.dtype, device=dev)
     k_align = _align(E, BM)
     k_gather = _gather_quant(C, K, BM, dt)
-    k_gemm1 = _gemm1(E, C, I, BM, c["BN1"], c["stages"], c["threads"], dt)
     k_quant = _act_quant(I, dt)
-    k_gemm2 = _gemm2(E, C, I, BM, c["BN2"], c["stages"], c["threads"], dt)
     k_combine = _combine(C, K, E, dt)
     steps = [
         ("align", lambda: k_align(ids_flat, row_slot, block_expert)),

@@ -29,7 +29,7 @@ order, no atomics on data.
 import torch
 
 from deepinfer_core.config import env_flag
-from kernels_cuda import _tl, moe, moe_stream
+from kernels_cuda import _tl, moe_stream
 
 FP8 = "float8_e4m3fn"
 GROUP = 128  # channels a scale covers (activations: per row; weights: 128 x 128 tiles)
@@ -181,45 +181,13 @@ def stream_steps(x, w13, w13_scale, w2, w2_scale, weights, ids, buffers: dict | 
 
     NT, C = x.shape
     E, two_i, _ = w13.shape
-    I, K = two_i // 2, ids.shape[1]
-    NS = NT * K
-    BT = overrides.get("BT") or moe_stream.block_rows(NS, E)
+    I = two_i // 2
+    BT = overrides.get("BT") or moe_stream.block_rows(NT * ids.shape[1], E)
     c = {**CONFIG, **overrides}
     dt = _tl.tl_dtype(x.dtype)
-    dev = x.device
-    nblk = (NS + BT - 1) // BT + min(E, NS)
-    cap = nblk * BT
-    x = x.contiguous()
-    ids2 = ids.to(torch.int64).contiguous()
-    ids_flat = ids2.view(-1)
-    wts = weights.to(torch.float32).contiguous()
-    s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
-    row_slot = torch.empty(cap, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(nblk, dtype=torch.int32, device=dev)
-    xq = torch.empty(cap, C, dtype=torch.float8_e4m3fn, device=dev)
-    sx = torch.empty(cap, C // GROUP, dtype=torch.float32, device=dev)
-    hs = torch.empty(cap, I, dtype=x.dtype, device=dev)
-    hq = torch.empty(cap, I, dtype=torch.float8_e4m3fn, device=dev)
-    sh = torch.empty(cap, I // GROUP, dtype=torch.float32, device=dev)
-    y = torch.empty(NS, C, dtype=x.dtype, device=dev)
-    out = torch.empty(NT, C, dtype=x.dtype, device=dev)
-    k_align = moe._align(E, BT)
-    k_gather = fp8_gemm._gather_quant(C, K, BT, dt)
     k_gemm1 = _gemm1(E, C, I, BT, c["BW1"], c["stages1"], c["threads1"], dt, c["blocks1"])
-    k_quant = fp8_gemm._act_quant(I, dt)
     k_gemm2 = _gemm2(E, C, I, BT, c["BW2"], c["stages2"], c["threads2"], dt, c["blocks2"])
-    k_combine = moe._combine(C, K, E, dt)
-    steps = [
-        ("align", lambda: k_align(ids_flat, row_slot, block_expert)),
-        ("gather_quant", lambda: k_gather(x, row_slot, block_expert, xq, sx)),
-        ("gemm1_fp8", lambda: k_gemm1(xq, sx, w13, s13, block_expert, hs)),
-        ("quant_hidden", lambda: k_quant(hs, hq, sh)),
-        ("gemm2_fp8", lambda: k_gemm2(hq, sh, w2, s2, block_expert, row_slot, y)),
-        ("combine", lambda: k_combine(y, wts, ids2, out)),
-    ]
-    if buffers is not None:
-        buffers.update(BM=BT, row_slot=row_slot, block_expert=block_expert, xq=xq, sx=sx, hs=hs, hq=hq, sh=sh, y=y)
-    return steps, (lambda: out)
+    return fp8_gemm.moe_fp8_launches(x, w13, w13_scale, w2, w2_scale, weights, ids, BT, k_gemm1, k_gemm2, buffers)
 
 
 def representative_kernels():
