@@ -6,8 +6,9 @@ TileLang cache folder, and pack it (a GPU machine then starts with no compile ti
                                    [--engine-shapes v2-lite,v3-slice | --engine-shapes none]
 
 ``--engine-shapes`` (default v2-lite,v3-slice,v4-flash-slice,v4-graph-test) also compiles the kernels the
-engine's bf16 forward (and its FP8-weight decode steps at 64 and 256 tokens) uses for those shapes (``engine_warm.py``: the full-model suite of ``benchmark.py --suite
-h200``, and the random V4 of ``tests/test_v4_graphs.py``).
+engine's bf16 forward (and its FP8-weight decode steps at 64 and 256 tokens) uses for those shapes
+(``engine_warm.py``: the full-model suite of ``benchmark.py --suite h200``, and the random V4 of
+``tests/test_v4_graphs.py``).
 """
 
 import argparse
