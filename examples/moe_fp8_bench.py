@@ -11,7 +11,7 @@ of a call are the e4m3 weights of the distinct experts its ids touch plus their 
 figure is TB/s of those bytes against the read ceiling measured in the same run. Each timing replays, from one
 CUDA graph, ``CALLS`` calls over up to ``LAYERS`` weight copies with fresh ids per call (so a call does not find
 the previous call's experts in L2). ``dispatch`` in each row names the path ``fused_moe_fp8`` takes there (the stream
-path where it applies and ``DEEPINFER_FP8_MOE_STREAM=1``).
+path where it applies, unless ``DEEPINFER_FP8_MOE_STREAM=0``).
 ``--variants T`` also times ``moe_stream_fp8``'s tile variants (``VARIANTS``) at T tokens.
 """
 

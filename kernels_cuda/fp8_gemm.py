@@ -15,9 +15,9 @@
   rows in expert order, grouped gemm1 (gate and up with their tile scales, SiLU in float32 on the
   x.dtype-rounded halves, as the reference), quantise the hidden, grouped gemm2 scattered to slots;
   at decode (up to 4 tokens, ``moe_gemv_fp8.applies``) the two weight-streaming launches of ``moe_gemv_fp8``;
-  with ``DEEPINFER_FP8_MOE_STREAM=1``, the other decode batches (up to a mean of 64 rows per expert) run the same
-  six launches with the operands of both GEMMs swapped (``kernels_cuda.moe_stream_fp8``: the weights are the
-  wgmma's M; off by default until a device has run it).
+  the other decode batches (up to a mean of 64 rows per expert) run the same six launches with the operands of
+  both GEMMs swapped (``kernels_cuda.moe_stream_fp8``: the weights are the wgmma's M;
+  ``DEEPINFER_FP8_MOE_STREAM=0``: the pipeline).
 
 Shapes the kernels take: K (and for MoE, C and I) a multiple of 128, N a multiple of 64 (V2/V3: every
 projection). Other shapes, float32 activations and empty batches run the reference.

@@ -478,16 +478,15 @@ def kv_fusion_enabled() -> bool:
     return env_flag(KV_FUSION_ENV, True)
 
 
-#: ``DEEPINFER_NO_CAST_LAUNCHES=1`` removes the two copy launches a layer that past the fused rows follow a kernel
-#: (``direct_copy`` x 53 at V2-Lite b256 on the H200, 0.21 ms a step: docs/h200/s15): the wide decode query's rope
-#: written into its columns in place (``rope(..., out=)``), and the router's float32 input written by the norm
-#: launch (``norm.add_rms_norm_f32``) instead of a cast. Off by default until a device has run the two new builds
-#: (their conformance tests are written: docs/h200/s16).
+#: Past the fused rows, two copy launches a layer followed a kernel (``direct_copy`` x 53 at V2-Lite b256 on the
+#: H200, 0.21 ms a step: docs/h200/s15); now the wide decode query's rope is written into its columns in place
+#: (``rope(..., out=)``), and the router's float32 input by the norm launch (``norm.add_rms_norm_f32``) instead of a
+#: cast. ``DEEPINFER_NO_CAST_LAUNCHES=0`` brings the copies back (a benchmark's before).
 NO_CAST_ENV = "DEEPINFER_NO_CAST_LAUNCHES"
 
 
 def no_cast_launches() -> bool:
-    return env_flag(NO_CAST_ENV, False)
+    return env_flag(NO_CAST_ENV, True)
 
 
 def representative_kernels():

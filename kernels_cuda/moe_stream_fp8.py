@@ -140,14 +140,12 @@ CONFIG = {"BW1": 64, "stages1": 4, "threads1": 128, "blocks1": 2,
 #: ``fused_moe_fp8`` takes this path up to this mean of rows per expert (as ``moe_stream``), above it the pipeline
 MAX_MEAN_ROWS = moe_stream.MAX_MEAN_ROWS
 
-#: ``DEEPINFER_FP8_MOE_STREAM=1`` puts decode batches on this path; off by default until its first device run (its
-#: conformance tests and ``examples/moe_fp8_bench.py`` are written, and compile here; no GPU has run them yet:
-#: docs/h200/s16). ``0`` or unset: the pipeline.
+#: ``DEEPINFER_FP8_MOE_STREAM=0`` keeps decode batches on the pipeline (a benchmark's before)
 STREAM_ENV = "DEEPINFER_FP8_MOE_STREAM"
 
 
 def enabled() -> bool:
-    return env_flag(STREAM_ENV, False)
+    return env_flag(STREAM_ENV, True)
 
 
 def applies(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,

@@ -84,17 +84,21 @@ def pinned_tiling(model: torch.nn.Module, rows: int, n_split: int | None = None)
     """Within the block, every row-wise op of ``model.k`` (:func:`row_ops`: whatever kernel it picks by
     the number of rows, cuBLAS's GEMM algorithm, a GEMV for few rows, the MoE's path) runs ``rows`` rows
     per call, the real ones first and zero rows after, and ``mla_decode`` ``n_split`` key splits (where
-    the op takes ``n_split``: the CUDA kernels; the reference does not split)."""
+    the op takes ``n_split``: the CUDA kernels; the reference does not split). ``mla_decode_uv`` runs as its
+    meaning, ``head_linear(mla_decode(...), w_uv)`` through those pinned ops: the CUDA op picks its fused kernel
+    and the key splits by the number of query rows."""
     k = model.k
     weights = _model_tensors(model)
-    names = [*row_ops(k._fns), "mla_decode"]
+    names = [*row_ops(k._fns), "mla_decode", "mla_decode_uv"]
     saved = {name: k._fns[name] for name in names}
     try:
-        for name in names[:-1]:
+        for name in names[:-2]:
             k.override(name, _pad_rows(saved[name], rows, weights))
         dec = saved["mla_decode"]
         if n_split is not None and "n_split" in inspect.signature(dec).parameters:
             k.override("mla_decode", lambda *a, **kw: dec(*a, **{**kw, "n_split": n_split}))
+        k.override("mla_decode_uv", lambda q, cache, bt, cu, lens, scale, dv, w_uv:
+                   k.head_linear(k.mla_decode(q, cache, bt, cu, lens, scale, dv), w_uv))
         yield
     finally:
         for name, fn in saved.items():

@@ -169,11 +169,11 @@ def _copies(names: list[str]) -> list[str]:
     return [n for n in names if n.startswith(("copy", "_to_copy"))]
 
 
-@pytest.mark.parametrize("no_cast", [True, False], ids=["no_cast_launches", "default"])
+@pytest.mark.parametrize("no_cast", [True, False], ids=["no_cast_launches", "copies"])
 def test_wide_query_is_written_without_a_copy(dry, monkeypatch, no_cast):
-    """Past the fused rows, with ``DEEPINFER_NO_CAST_LAUNCHES=1``, the rotated q_pe goes straight into the query's
-    rope columns (``rope(..., out=)``): no ``copy_`` launch follows it (one a layer at V2-Lite b256 on the H200:
-    ``direct_copy`` in docs/h200/s15). By default (until a device has run the strided build) the copy stays."""
+    """Past the fused rows, by default (``DEEPINFER_NO_CAST_LAUNCHES`` unset or 1), the rotated q_pe goes straight
+    into the query's rope columns (``rope(..., out=)``): no ``copy_`` launch follows it (one a layer at V2-Lite
+    b256 on the H200: ``direct_copy`` in docs/h200/s15). With the switch at 0 the copy comes back."""
     from kernels_cuda import gemv_rows
     from kernels_cuda.gemv_rows import mla_q_absorb
 
@@ -209,12 +209,13 @@ def test_rope_out_must_match_its_input():
         rope(x, pos, cs, out=wide[..., :D].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("no_cast", [True, False], ids=["no_cast_launches", "default"])
+@pytest.mark.parametrize("no_cast", [True, False], ids=["no_cast_launches", "copies"])
 @pytest.mark.parametrize("T", [8, 9, 256])
 def test_router_past_the_fused_rows_reads_the_norms_float32_copy(dry, monkeypatch, T, no_cast):
-    """``add_rms_norm_moe_gate`` past 8 tokens, with ``DEEPINFER_NO_CAST_LAUNCHES=1``: the norm launch also writes
-    its rows as float32, and the router's float32 GEMM reads them, so no cast (``copy_``) runs between the two (one a
-    MoE layer at V2-Lite b256 on the H200); by default the cast stays; up to 8 tokens the one fused launch."""
+    """``add_rms_norm_moe_gate`` past 8 tokens, by default (``DEEPINFER_NO_CAST_LAUNCHES`` unset or 1): the norm
+    launch also writes its rows as float32, and the router's float32 GEMM reads them, so no cast (``copy_``) runs
+    between the two (one a MoE layer at V2-Lite b256 on the H200); with the switch at 0 the cast comes back; up to
+    8 tokens the one fused launch."""
     from kernels_cuda import gemv_rows
     from kernels_cuda.moe_gate import add_rms_norm_moe_gate
 

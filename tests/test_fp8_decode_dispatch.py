@@ -82,7 +82,7 @@ PIPELINE = ["build_align", "build_gather_quant", "build_gemm1_fp8", "build_act_q
 
 @pytest.fixture
 def stream(monkeypatch):
-    """``DEEPINFER_FP8_MOE_STREAM=1`` (off by default until a device has run it)."""
+    """``DEEPINFER_FP8_MOE_STREAM=1`` (the default, set explicitly)."""
     from kernels_cuda import moe_stream_fp8
 
     monkeypatch.setenv(moe_stream_fp8.STREAM_ENV, "1")
@@ -117,9 +117,9 @@ def test_fused_moe_fp8_stream_block_rows(dry, stream):
     assert dry == PIPELINE, dry
 
 
-@pytest.mark.parametrize("value", [None, "0"])
+@pytest.mark.parametrize("value", [None, "1", "0"])
 def test_fused_moe_fp8_stream_switch(dry, monkeypatch, value):
-    """Unset (the default until a device has run the stream path) or ``0``: decode batches stay on the pipeline."""
+    """Unset or ``1``: decode batches take the stream path; ``0``: the pipeline (a benchmark's before)."""
     from kernels_cuda import moe_stream_fp8
     from kernels_cuda.fp8_gemm import fused_moe_fp8
 
@@ -128,7 +128,7 @@ def test_fused_moe_fp8_stream_switch(dry, monkeypatch, value):
     else:
         monkeypatch.setenv(moe_stream_fp8.STREAM_ENV, value)
     fused_moe_fp8(*_moe(8))
-    assert dry == PIPELINE, dry
+    assert dry == (PIPELINE if value == "0" else STREAM), dry
 
 
 def test_moe_stream_fp8_applies():
