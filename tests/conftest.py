@@ -21,6 +21,18 @@ from tiny_models import write_checkpoint  # noqa: E402
 TINY_V3 = dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
 
 
+#: The longest test files (seconds on CI's two cores), collected first: ``make test`` runs two workers, each
+#: taking whole files in collection order (``pytest -n 2 --dist loadfile``), and a long file taken last would run
+#: alone at the end.
+SLOW_FIRST = ("test_kernels_cuda_compile.py", "test_parallel.py", "test_server.py", "test_v4_prefix.py",
+              "test_pd_router_n.py", "test_dspark_confidence.py", "test_pdl_compile.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-shape op tests, whatever an earlier test set (use with
