@@ -89,3 +89,22 @@ def load_features(cfg: EngineConfig, pm: pluggy.PluginManager,
         loaded.append(feature)
         logger.info("feature %r enabled", name)
     return loaded
+
+
+def hook_blame(pm: pluggy.PluginManager, exc: BaseException) -> str | None:
+    """The registered plugin whose hook implementation raised ``exc``, as ``"plugin 'name' (hook hook_name)"``,
+    found in the traceback (the innermost such frame: a hook that calls another plugin's blames the latter);
+    None when no hook implementation is on it."""
+    owners = {}
+    for name, plugin in pm.list_name_plugin():
+        for caller in pm.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                code = getattr(impl.function, "__code__", None)
+                if impl.plugin is plugin and code is not None:
+                    owners[code] = f"plugin {name!r} (hook {caller.name})"
+    blame, tb = None, exc.__traceback__
+    while tb is not None:
+        blame = owners.get(tb.tb_frame.f_code, blame)
+        tb = tb.tb_next
+    return blame
+

@@ -14,6 +14,10 @@ while scheduling; ``process_logits`` before sampling; then, per completed step, 
 for every token placed (the last one of a request included), then ``request_finished`` for the
 requests that stopped on those tokens, then ``step_finished``. A request aborted or failed outside
 post-processing gets ``request_finished`` at once.
+
+A hook that raises during a step fails that step's requests (``finish_reason == "error"``), with an error
+naming the plugin and the hook (``engine step failed in plugin 'name' (hook tokens_sampled): ...``); the
+other requests keep running.
 """
 
 from __future__ import annotations

@@ -154,11 +154,49 @@ def test_unattributable_step_failure_fails_the_step_and_recovers(tiny_v3_path, r
     for o in failed:
         assert o.outputs[0].finish_reason == "error"
         assert "engine step failed" in str(o.error) and f"injected {where} fault" in str(o.error)
+        assert "plugin" not in str(o.error)  # no hook implementation raised it
     for o, want in zip(outs, reference):
         if o.error is None:
             assert o.outputs[0].token_ids == want
     assert_clean(llm)
     monkeypatch.undo()
+    assert tokens(gen(llm)) == reference
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_a_raising_hook_is_named_and_the_engine_recovers(tiny_v3_path, reference, async_on):
+    """A plugin whose ``tokens_sampled`` raises mid-generation: the step's requests fail with an error naming the
+    plugin and the hook (not the engine's own code), the others finish as before, nothing leaks; unregistered,
+    the engine generates what a fresh one does."""
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("deepinfer")
+
+    class Flaky:
+        calls = 0
+
+        @hookimpl
+        def tokens_sampled(self, engine, batch, token_ids):
+            Flaky.calls += 1
+            if Flaky.calls == 3:
+                raise ZeroDivisionError("flaky plugin's bug")
+
+    llm = make(tiny_v3_path, async_scheduling=async_on)
+    plugin = Flaky()
+    llm.engine.pm.register(plugin, name="flaky")
+    outs = gen(llm)
+    failed = [o for o in outs if o.error is not None]
+    assert failed, "the hook's fault was not hit"
+    for o in failed:
+        assert o.outputs[0].finish_reason == "error"
+        assert str(o.error) == ("engine step failed in plugin 'flaky' (hook tokens_sampled): "
+                                "ZeroDivisionError: flaky plugin's bug"), o.error
+    for o, want in zip(outs, reference):
+        if o.error is None:
+            assert o.outputs[0].token_ids == want
+    assert_clean(llm)
+    llm.engine.pm.unregister(plugin)
     assert tokens(gen(llm)) == reference
     assert_clean(llm)
 

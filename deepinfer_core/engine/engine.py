@@ -41,7 +41,7 @@ from deepinfer_core.engine.sequence import Sequence, Status
 from deepinfer_core.engine.speculative import SpecDecoder
 from deepinfer_core.engine.tokenizer import HFTokenizer
 from deepinfer_core.engine.tokens import TokenAccounting
-from deepinfer_core.features import load_features, make_plugin_manager
+from deepinfer_core.features import hook_blame, load_features, make_plugin_manager
 from deepinfer_core.kernels import Kernels, import_path
 from deepinfer_core.kv_cache_spec import CacheLayout, HitRule
 from deepinfer_core.models.loader import (
@@ -494,9 +494,10 @@ class LLMEngine(TokenAccounting):
         requests keep running and the engine stays usable. Returns the requests now finished."""
         involved = self._step_seqs if self._step_seqs is not None else list(self._seqs.values())
         involved = involved + self.pipeline.drop()
-        logger.error("engine step failed (%s: %s); failing its %d request(s)", type(exc).__name__, exc,
+        where = f" in {blame}" if (blame := hook_blame(self.pm, exc)) else ""
+        logger.error("engine step failed%s (%s: %s); failing its %d request(s)", where, type(exc).__name__, exc,
                      len({id(s) for s in involved}), exc_info=exc)
-        err = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
+        err = RuntimeError(f"engine step failed{where}: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
         for seq in involved:
             if not seq.is_finished:
