@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a looser spec pulls a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
-# Test processes (pytest-xdist): CI has two cores; whole files go to one worker (module fixtures stay shared).
+# Test processes (pytest-xdist): CI has two cores; whole files go to one worker (module fixtures stay shared),
+# in collection order (tests/conftest.py puts the longest files first; xdist would sort by test count).
 TEST_WORKERS ?= 2
 
 # torch_npu is never installed here (without CANN it breaks `import torch`): its wheel is only
@@ -30,7 +31,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m kernels_ascend.schemas.check
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The committed kernels_ascend/schemas/torch_npu-$(TORCH_NPU).json must equal a fresh extraction from
 # the wheel (downloaded once into $(NPU_CACHE); fails loudly when the download fails).
