@@ -140,7 +140,7 @@ OTHER_ENV = {"DEEPINFER_CONFIG", "DEEPINFER_HF_MODEL_DIR", "DEEPINFER_ENABLE_MTP
              "DEEPINFER_NORM_GEMV", "DEEPINFER_KV_FUSION", "DEEPINFER_UV_FUSION", "DEEPINFER_FP8_GEMV",
              # the weight-streaming MoE's kernels (kernels_cuda/moe_gemv.py, moe_gemv_fp8.py)
              "DEEPINFER_MOE_DOWN", "DEEPINFER_FP8_MOE_UP",
-             # kernel paths off until a device has run them (kernels_cuda/moe_stream_fp8.py, gemv_rows.py)
+             # on by default; 0 brings the before back (kernels_cuda/moe_stream_fp8.py, gemv_rows.py)
              "DEEPINFER_FP8_MOE_STREAM", "DEEPINFER_NO_CAST_LAUNCHES",
              # dp/ep under torchrun (deepinfer_core/parallel/README.md)
              "DEEPINFER_DRIVER_ADDR", "DEEPINFER_DRIVER_BIND", "DEEPINFER_DRIVER_PORT"}
